@@ -1,0 +1,291 @@
+"""rpc_sync / rpc_async / lifecycle over real UCX pipes between processes."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.workers import run_workers
+from ucxrpc.functions import async_execution
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _opts(init_method: str, **kw: object):
+    import ucxrpc as rpc
+
+    return rpc.UcxRpcBackendOptions(init_method=init_method, **kw)
+
+
+def _init(rank: int, world_size: int, init_method: str, **kw: object) -> None:
+    import ucxrpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=_opts(init_method, **kw))
+
+
+# ---------------------------------------------------------------- callees
+
+def add(a, b, *, scale=1):
+    return (a + b) * scale
+
+
+def echo(x):
+    return x
+
+
+def raise_value_error(msg):
+    raise ValueError(msg)
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def return_unpicklable():
+    return threading.Lock()
+
+
+def whoami():
+    import ucxrpc as rpc
+
+    return rpc.get_worker_info().name
+
+
+class CustomError(Exception):
+    pass
+
+
+def raise_custom():
+    raise CustomError("custom failure")
+
+
+def _async_add(a, b):
+    fut = torch.futures.Future()
+
+    def complete():
+        time.sleep(0.05)
+        fut.set_result(a + b)
+
+    threading.Thread(target=complete).start()
+    return fut
+
+
+@async_execution
+def async_add_entry(a, b):
+    return _async_add(a, b)
+
+
+class AsyncHolder:
+    @staticmethod
+    @async_execution
+    def add(a, b):
+        return _async_add(a, b)
+
+
+def nested_to(dst, value):
+    import ucxrpc as rpc
+
+    return rpc.rpc_sync(dst, add, args=(value, 1))
+
+
+def call_back_caller(caller, value):
+    import ucxrpc as rpc
+
+    return rpc.rpc_sync(caller, add, args=(value, 100))
+
+
+# ---------------------------------------------------------------- scenarios
+
+def _basics(rank: int, world_size: int, init_method: str) -> dict:
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    out: dict = {}
+    if rank == 0:
+        me = rpc.get_worker_info()
+        w1 = rpc.get_worker_info("worker1")
+        assert (me.name, me.id) == ("worker0", 0)
+        assert (w1.name, w1.id) == ("worker1", 1)
+        assert w1 == rpc.get_worker_info("worker1") and hash(w1) == hash(rpc.get_worker_info("worker1"))
+        assert repr(w1) == "WorkerInfo(id=1, name=worker1)"
+        # destinations: name, rank, WorkerInfo; builtins and user functions; kwargs
+        assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)),
+                           torch.full((2,), 2.0))
+        assert rpc.rpc_sync(1, add, args=(2, 3), kwargs={"scale": 10}) == 50
+        assert rpc.rpc_sync(w1, whoami) == "worker1"
+        assert rpc.rpc_sync("worker0", whoami) == "worker0"  # a call to oneself
+        fut = rpc.rpc_async("worker1", add, args=(torch.ones(3), torch.ones(3)))
+        assert isinstance(fut, torch.futures.Future)
+        chained = fut.then(lambda f: f.value().sum().item())
+        assert chained.wait() == 6.0
+        # async_execution, plain and as a staticmethod
+        assert rpc.rpc_sync("worker1", async_add_entry, args=(1, 2)) == 3
+        assert rpc.rpc_sync("worker1", AsyncHolder.add, args=(3, 4)) == 7
+        # a large tensor both ways, received whole
+        big = torch.arange(8 << 20, dtype=torch.int32)
+        back = rpc.rpc_sync("worker1", echo, args=(big,))
+        assert torch.equal(back, big) and back.data_ptr() != big.data_ptr()
+        # many concurrent large messages on one pipe
+        tensors = [torch.full((1 << 20,), float(i)) for i in range(8)]
+        futs = [rpc.rpc_async("worker1", echo, args=(t,)) for t in tensors]
+        for t, f in zip(tensors, futs):
+            assert torch.equal(f.wait(), t)
+        assert rpc.get_rpc_timeout() == 60.0
+        info = rpc.get_pipe_info("worker1")
+        assert info and info[0]["peer"] == "worker1" and info[0]["transports"], info
+        out["transports"] = info[0]["transports"]
+    rpc.shutdown()
+    return out
+
+
+def test_rpc_basics():
+    res = run_workers(_basics, 2, timeout=90)
+    assert res[0]["transports"]
+
+
+def _tensor_fidelity(rank: int, world_size: int, init_method: str) -> None:
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    if rank == 0:
+        base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+        cases = {
+            "transposed": base.t(),
+            "zero": torch.empty(0, 3),
+            "scalar": torch.tensor(3.5),
+            "bool": torch.tensor([True, False, True]),
+            "half": torch.randn(5).half(),
+            "bf16": torch.randn(5).bfloat16(),
+            "complex": torch.randn(4, dtype=torch.complex64),
+            "int8": torch.tensor([-1, 2, 3], dtype=torch.int8),
+            "slice_big_storage": torch.arange(10000, dtype=torch.float32)[10:20],
+        }
+        back = rpc.rpc_sync("worker1", echo, args=(cases,))
+        for k, v in cases.items():
+            got = back[k]
+            assert got.dtype == v.dtype and got.shape == v.shape, k
+            assert torch.equal(got, v), k
+        assert back["transposed"].stride() == base.t().stride()
+        # a storage shared by two views travels once and stays shared
+        a = torch.arange(16.0)
+        x, y = rpc.rpc_sync("worker1", echo, args=((a, a[4:]),))
+        assert y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        x[5] = -1.0
+        assert y[1].item() == -1.0
+    rpc.shutdown()
+
+
+def test_tensor_fidelity():
+    run_workers(_tensor_fidelity, 2, timeout=90)
+
+
+def _errors(rank: int, world_size: int, init_method: str) -> None:
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    if rank == 0:
+        # remote exception: same type and message, remote traceback available
+        with pytest.raises(ValueError, match="bad input 42") as ei:
+            rpc.rpc_sync("worker1", raise_value_error, args=("bad input 42",))
+        assert "On WorkerInfo(id=1, name=worker1)" in str(ei.value)
+        assert "raise_value_error" in ei.value.remote_traceback
+        with pytest.raises(CustomError, match="custom failure"):
+            rpc.rpc_async("worker1", raise_custom).wait()
+        # unknown destination at call time, from every entry point
+        for call in (rpc.rpc_sync, rpc.rpc_async):
+            with pytest.raises(RuntimeError, match="could not find destination name nope"):
+                call("nope", add, args=(1, 2))
+        with pytest.raises(RuntimeError, match="destination id 17"):
+            rpc.rpc_sync(17, add, args=(1, 2))
+        # unpicklable argument: the local pickling error, at call time
+        with pytest.raises((TypeError, AttributeError)):
+            rpc.rpc_sync("worker1", echo, args=(threading.Lock(),))
+        # unpicklable result: RuntimeError naming the pickling failure
+        with pytest.raises(RuntimeError, match="cannot pickle the result of return_unpicklable"):
+            rpc.rpc_sync("worker1", return_unpicklable)
+        # timeouts: per call, via rpc_async().wait(), and 0 = never
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="RPC ran for more than set timeout \\(500 ms\\)"):
+            rpc.rpc_sync("worker1", sleep_then, args=(3, 1), timeout=0.5)
+        assert time.monotonic() - t0 < 2.5
+        with pytest.raises(TimeoutError):
+            rpc.rpc_async("worker1", sleep_then, args=(3, 1), timeout=0.2).wait()
+        assert rpc.rpc_sync("worker1", sleep_then, args=(0.3, 7), timeout=0) == 7
+        # the agent still serves after all of that
+        assert rpc.rpc_sync("worker1", add, args=(1, 1)) == 2
+    rpc.shutdown()
+
+
+def test_errors_and_timeouts():
+    run_workers(_errors, 2, timeout=90)
+
+
+def _nested(rank: int, world_size: int, init_method: str) -> None:
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, num_worker_threads=4)
+    if rank == 0:
+        # A -> B -> C
+        assert rpc.rpc_sync("worker1", nested_to, args=("worker2", 5)) == 6
+        # B calls back A from inside its handler, many at once: more blocked
+        # handlers than threads must not deadlock.
+        futs = [rpc.rpc_async("worker1", call_back_caller, args=("worker0", i)) for i in range(24)]
+        assert [f.wait() for f in futs] == [i + 100 for i in range(24)]
+    rpc.shutdown()
+
+
+def test_nested_calls_do_not_deadlock():
+    run_workers(_nested, 3, timeout=90)
+
+
+def _lifecycle(rank: int, world_size: int, init_method: str) -> None:
+    import ucxrpc as rpc
+
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc.rpc_sync("worker1", add, args=(1, 2))
+    with pytest.raises(ValueError, match="Worker name must match"):
+        rpc.init_rpc("bad name!", rank=rank, world_size=world_size)
+    _init(rank, world_size, init_method)
+    with pytest.raises(RuntimeError, match="RPC is already initialized"):
+        _init(rank, world_size, init_method)
+    other = 1 - rank
+    assert rpc.rpc_sync(other, add, args=(rank, 10)) == rank + 10
+    rpc.shutdown()
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc.rpc_async(other, add, args=(1, 2))
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc.get_worker_info()
+
+
+def test_lifecycle_errors():
+    run_workers(_lifecycle, 2, timeout=90)
+
+
+def _env_init(rank: int, world_size: int, init_method: str, port: int) -> str:
+    import ucxrpc as rpc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world_size)
+    name = rpc.rpc_sync(f"trainer{1 - rank}", whoami)
+    rpc.shutdown()
+    # init again after shutdown in the same process, through a file store
+    rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=_opts(init_method))
+    assert rpc.rpc_sync(f"trainer{1 - rank}", add, args=(1, 2)) == 3
+    rpc.shutdown()
+    return name
+
+
+def test_env_and_file_init(tmp_path):
+    from tests.workers import free_port
+
+    res = run_workers(_env_init, 2, args=(free_port(),), timeout=90,
+                      init_method=f"file://{tmp_path}/store")
+    assert res == ["trainer1", "trainer0"]

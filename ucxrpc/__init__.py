@@ -1,0 +1,40 @@
+"""ucxrpc: torch.distributed.rpc on UCX.  ``import ucxrpc as rpc``.
+
+Importing starts nothing: no threads, no UCX context, no environment
+changes; all of that happens in :func:`init_rpc`.
+"""
+
+from __future__ import annotations
+
+from . import functions
+from .agent import WorkerInfo
+from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout,
+                  get_worker_info, init_rpc, is_initialized, rpc_async, rpc_sync, shutdown)
+from .errors import (AuthenticationError, BrokenError, ClosedError, FrameError, RemoteError,
+                     RpcError, RpcTimeoutError, SerializationError)
+from .options import UcxRpcBackendOptions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "BackendType",
+    "BrokenError",
+    "ClosedError",
+    "FrameError",
+    "RemoteError",
+    "RpcError",
+    "RpcTimeoutError",
+    "SerializationError",
+    "UcxRpcBackendOptions",
+    "WorkerInfo",
+    "functions",
+    "get_pipe_info",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_initialized",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]

@@ -1,0 +1,100 @@
+"""The thread pool that runs user functions for incoming RPCs.
+
+torch's fixed pool deadlocks once every thread blocks in a nested call back
+to the caller.  Here a thread that blocks in an RPC wait is not counted
+against ``size``: the pool may start another so queued work keeps flowing,
+while ``size`` threads at most are runnable at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+logger = logging.getLogger(__name__)
+
+_local = threading.local()
+_STOP = object()
+
+
+class WorkerPool:
+    """Lazily grown pool; ``size`` bounds runnable (non-blocked) threads."""
+
+    def __init__(self, size: int, name: str = "ucxrpc-worker") -> None:
+        if size < 1:
+            raise ValueError(f"num_worker_threads must be positive, got {size}")
+        self.size = size
+        self._name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._blocked = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._queue.put((fn, args))
+        with self._lock:
+            if self._idle == 0:
+                self._maybe_spawn()
+
+    def _maybe_spawn(self) -> None:
+        if self._closed or len(self._threads) - self._blocked >= self.size:
+            return
+        t = threading.Thread(target=self._loop, name=f"{self._name}-{len(self._threads)}",
+                             daemon=True)
+        self._threads.append(t)
+        self._idle += 1  # counted idle until it takes its first item
+        t.start()
+
+    def _loop(self) -> None:
+        _local.pool = self
+        while True:
+            item = self._queue.get()
+            with self._lock:
+                self._idle -= 1
+            if item is _STOP:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except Exception:
+                logger.exception("unhandled error in an RPC worker thread")
+            with self._lock:
+                self._idle += 1
+
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Mark the calling pool thread as waiting on the network."""
+        if getattr(_local, "pool", None) is not self:
+            yield
+            return
+        with self._lock:
+            self._blocked += 1
+            if self._idle == 0 and not self._queue.empty():
+                self._maybe_spawn()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._blocked -= 1
+
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every thread after the queued work; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(_STOP)
+        me = threading.current_thread()
+        for t in threads:
+            if t is not me:
+                t.join(timeout)

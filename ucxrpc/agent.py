@@ -1,0 +1,425 @@
+"""The RPC agent: request/response matching, timeouts, user functions.
+
+One agent per process.  Requests run on a :class:`WorkerPool`; responses
+complete ``torch.futures.Future`` objects on the transport's progress
+thread.  A pipe that breaks fails every call waiting on that peer at once,
+naming it, instead of letting the calls run into their timeout.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import pickle
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import rendezvous, wire
+from ._pool import WorkerPool
+from .errors import (BrokenError, ClosedError, FrameError, RemoteError, RpcError,
+                     RpcTimeoutError, SerializationError)
+from .options import UcxRpcBackendOptions
+from .serialization import Serializer
+from .transport import Limits, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerInfo:
+    """A worker's name and id; hashable, picklable, equal by both."""
+
+    __slots__ = ("name", "id")
+
+    def __init__(self, name: str, id: int) -> None:  # noqa: A002  (torch's field name)
+        self.name = name
+        self.id = id
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WorkerInfo) and (self.id, self.name) == (other.id, other.name)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.name))
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (WorkerInfo, (self.name, self.id))
+
+
+@dataclass
+class _Call:
+    future: torch.futures.Future
+    peer: int
+    timeout: float
+
+
+@dataclass(order=True)
+class _Deadline:
+    at: float
+    msg_id: int = field(compare=False)
+
+
+def timeout_error(timeout: float) -> RpcTimeoutError:
+    return RpcTimeoutError(f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) "
+                           "and will now be marked with an error")
+
+
+def describe_exception(exc: BaseException, where: WorkerInfo) -> bytes:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    desc: dict[str, Any] = {"type": type(exc), "name": type(exc).__qualname__,
+                            "tb": tb, "worker": repr(where), "worker_name": where.name}
+    try:
+        return pickle.dumps(desc, protocol=5)
+    except Exception:  # the exception's class cannot be pickled by reference
+        desc["type"] = None
+        return pickle.dumps(desc, protocol=5)
+
+
+def rebuild_exception(body: memoryview) -> BaseException:
+    """The remote exception with its own type where it can be rebuilt."""
+    try:
+        desc = pickle.loads(body)
+    except Exception as exc:  # the type does not exist here, etc.
+        return RemoteError(f"a remote call failed and its error could not be decoded: {exc}")
+    msg = f"On {desc['worker']}:\n{desc['tb']}"
+    cls = desc.get("type")
+    rebuilt: BaseException | None = None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            rebuilt = cls(msg)
+        except Exception:
+            rebuilt = None
+    if rebuilt is None:
+        rebuilt = RemoteError(msg, worker=desc["worker_name"], remote_type=desc["name"],
+                              remote_traceback=desc["tb"])
+    setattr(rebuilt, "remote_traceback", desc["tb"])
+    return rebuilt
+
+
+class RpcAgent:
+    """Sends calls, serves calls, and owns the transport and worker pool."""
+
+    def __init__(self, name: str, rank: int, world_size: int,
+                 options: UcxRpcBackendOptions, store: Any) -> None:
+        self.options = options
+        self.store = store
+        self.info = WorkerInfo(name, rank)
+        self.world_size = world_size
+        self.serializer = Serializer(max_buffers=options.max_buffers)
+        self._pool = WorkerPool(options.num_worker_threads)
+        self._ids = itertools.count(1)
+        self._calls: dict[int, _Call] = {}
+        self._by_peer: dict[int, set[int]] = {}
+        self._lock = threading.Lock()
+        self._deadlines: list[_Deadline] = []
+        self._timer_cv = threading.Condition()
+        self._closed = False
+        self._broken: dict[int, BaseException] = {}
+        self._serving = 0  # requests received and not yet answered
+        self._serving_lock = threading.Lock()
+        self.counters = {"calls_sent": 0, "calls_served": 0, "timeouts": 0,
+                         "remote_errors": 0, "peer_failures": 0}
+        secret = rendezvous.job_secret(store, rank)
+        limits = Limits(max_buffers=options.max_buffers,
+                        max_frame_bytes=options.max_frame_bytes,
+                        max_message_bytes=options.max_message_bytes)
+        self.transport = Transport(my_id=rank, secret=secret, on_message=self._on_message,
+                                   on_frame_error=self._on_frame_error,
+                                   on_broken=self._on_broken, limits=limits,
+                                   transports=options.transports)
+        self.workers: dict[int, WorkerInfo] = {}
+        self._names: dict[str, WorkerInfo] = {}
+        self._timer = threading.Thread(target=self._expire, name="ucxrpc-timeouts", daemon=True)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def join(self, timeout: float) -> None:
+        """Publish our address, learn everyone's, then start serving."""
+        rendezvous.publish(self.store, self.info.id, self.info.name, self.transport.address)
+        members = rendezvous.collect(self.store, self.world_size)
+        for m in members.values():
+            wi = WorkerInfo(m.name, m.rank)
+            self.workers[m.rank] = wi
+            self._names[m.name] = wi
+            if m.rank != self.info.id:
+                self.transport.add_peer(m.rank, m.name, m.address)
+        self.transport.start()
+        self._timer.start()
+        rendezvous.barrier(self.store, "init", self.info.id, self.world_size, timeout)
+        logger.info("%s joined a job of %d workers", self.info, self.world_size)
+
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        """Stop serving; graceful waits for everyone's in-flight work first."""
+        if self._closed:
+            return
+        try:
+            if graceful:
+                self._drain(timeout)
+                try:
+                    rendezvous.barrier(self.store, "shutdown", self.info.id, self.world_size,
+                                       timeout, gone=lambda: set(self._broken), poke=self._ping)
+                    # The store lives in rank 0: keep it up until all have left.
+                    rendezvous.barrier(self.store, "shutdown-done", self.info.id,
+                                       self.world_size, min(timeout, 5.0),
+                                       gone=lambda: set(self._broken))
+                except Exception as exc:  # a dead rank 0 takes the store with it
+                    logger.warning("%s: shutdown barrier incomplete: %s", self.info, exc)
+        finally:
+            self._teardown()
+
+    def _drain(self, timeout: float) -> None:
+        """Wait for our outstanding calls and the requests we are serving."""
+        deadline = time.monotonic() + timeout
+        while (self._calls or self._serving) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _teardown(self) -> None:
+        self._closed = True
+        with self._timer_cv:
+            self._timer_cv.notify()
+        self._pool.close()
+        self.transport.close()
+        err = ClosedError(f"RPC agent {self.info.name} shut down")
+        for msg_id in list(self._calls):
+            self._fail(msg_id, err)
+
+    def _ping(self, rank: int) -> None:
+        if rank != self.info.id and rank not in self._broken:
+            try:
+                self.transport.send(rank, wire.encode(wire.MsgKind.PING, 0, b""), [])
+            except RpcError:
+                pass
+
+    # -------------------------------------------------------------- calling
+
+    def call(self, to: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any], timeout: float) -> torch.futures.Future:
+        """Send ``func(*args, **kwargs)`` to ``to``; the future gets the result.
+
+        ``timeout`` in seconds, 0 for none.  Pickling errors raise here with
+        their own type; transport errors raise as :class:`RpcError`.
+        """
+        if self._closed:
+            raise ClosedError("RPC agent is shut down")
+        pickled = self.serializer.dumps((func, args, kwargs))
+        fut: torch.futures.Future = torch.futures.Future()
+        msg_id = next(self._ids)
+        self.counters["calls_sent"] += 1
+        if to.id in self._broken:
+            raise self._peer_error(to.id)
+        with self._lock:
+            self._calls[msg_id] = _Call(fut, to.id, timeout)
+            self._by_peer.setdefault(to.id, set()).add(msg_id)
+        payload = wire.encode(wire.MsgKind.REQUEST, msg_id, pickled.payload)
+        try:
+            if to.id == self.info.id:
+                self._loopback(payload, pickled.buffers)
+            else:
+                self.transport.send(to.id, payload, pickled.buffers)
+        except BaseException:
+            self._pop(msg_id)
+            raise
+        if timeout > 0:
+            self._arm(msg_id, timeout)
+        return fut
+
+    def _loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
+        # A call to oneself gets copies, as a remote callee would.
+        copies = [b.clone() for b in buffers]
+        self._on_message(self.info.id, memoryview(payload), copies)
+
+    def _answered(self) -> None:
+        with self._serving_lock:
+            self._serving -= 1
+
+    def _send(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
+              buffers: list[torch.Tensor]) -> None:
+        payload = wire.encode(kind, msg_id, body)
+        if peer == self.info.id:
+            self._loopback(payload, buffers)
+        else:
+            self.transport.send(peer, payload, buffers)
+
+    def _arm(self, msg_id: int, timeout: float) -> None:
+        d = _Deadline(time.monotonic() + timeout, msg_id)
+        with self._timer_cv:
+            heapq.heappush(self._deadlines, d)
+            if self._deadlines[0] is d:
+                self._timer_cv.notify()
+
+    def _expire(self) -> None:
+        with self._timer_cv:
+            while not self._closed:
+                now = time.monotonic()
+                while self._deadlines and self._deadlines[0].at <= now:
+                    d = heapq.heappop(self._deadlines)
+                    call = self._calls.get(d.msg_id)
+                    if call is not None:
+                        self.counters["timeouts"] += 1
+                        self._fail(d.msg_id, timeout_error(call.timeout))
+                wait = self._deadlines[0].at - now if self._deadlines else None
+                self._timer_cv.wait(wait)
+
+    def _pop(self, msg_id: int) -> _Call | None:
+        with self._lock:
+            call = self._calls.pop(msg_id, None)
+            if call is not None:
+                peer_calls = self._by_peer.get(call.peer)
+                if peer_calls is not None:
+                    peer_calls.discard(msg_id)
+        return call
+
+    def _fail(self, msg_id: int, exc: BaseException) -> None:
+        call = self._pop(msg_id)
+        if call is not None:
+            call.future.set_exception(exc)
+
+    def wait(self, fut: torch.futures.Future) -> Any:
+        """``fut.wait()`` that lets the pool replace a thread blocked here."""
+        with self._pool.blocking():
+            return fut.wait()
+
+    # ------------------------------------------------------------ receiving
+
+    def _on_message(self, peer: int, payload: memoryview, buffers: list[torch.Tensor]) -> None:
+        hdr, body = wire.decode(payload)
+        if hdr.kind is wire.MsgKind.REQUEST:
+            with self._serving_lock:
+                self._serving += 1
+            self._pool.submit(self._serve, peer, hdr.msg_id, body, buffers)
+        elif hdr.kind is wire.MsgKind.RESPONSE:
+            call = self._pop(hdr.msg_id)
+            if call is None:
+                return  # timed out or failed already
+            try:
+                value = self.serializer.loads(body, buffers)
+            except Exception as exc:
+                call.future.set_exception(SerializationError(
+                    f"cannot decode the response from {self._name(peer)}: {exc}"))
+                return
+            call.future.set_result(value)
+        elif hdr.kind is wire.MsgKind.ERROR:
+            call = self._pop(hdr.msg_id)
+            if call is not None:
+                self.counters["remote_errors"] += 1
+                call.future.set_exception(rebuild_exception(body))
+
+    def _on_frame_error(self, peer: int, payload: memoryview, exc: Exception) -> None:
+        msg_id = wire.peek_msg_id(payload)
+        logger.warning("%s: message %s from %s rejected: %s", self.info.name, msg_id,
+                       self._name(peer), exc)
+        if msg_id is not None:
+            with self._serving_lock:
+                self._serving += 1
+            self._reply_error(peer, msg_id, FrameError(f"message rejected by {self.info.name}: {exc}"))
+
+    def _on_broken(self, peer: int, exc: BaseException) -> None:
+        self._broken[peer] = exc
+        self.counters["peer_failures"] += 1
+        with self._lock:
+            ids = list(self._by_peer.pop(peer, ()))
+        err = self._peer_error(peer)
+        for msg_id in ids:
+            self._fail(msg_id, err)
+
+    def _peer_error(self, peer: int) -> BaseException:
+        cause = self._broken.get(peer)
+        err = BrokenError(f"worker {self._name(peer)} (id {peer}) is unreachable: {cause}")
+        err.__cause__ = cause
+        return err
+
+    def _name(self, peer: int) -> str:
+        wi = self.workers.get(peer)
+        return wi.name if wi is not None else f"id {peer}"
+
+    def _serve(self, peer: int, msg_id: int, body: memoryview, buffers: list[torch.Tensor]) -> None:
+        self.counters["calls_served"] += 1
+        try:
+            func, args, kwargs = self.serializer.loads(body, buffers)
+        except Exception as exc:
+            self._reply_error(peer, msg_id, SerializationError(
+                f"{self.info.name} cannot decode a request from {self._name(peer)}: {exc}"))
+            return
+        try:
+            result = func(*(args or ()), **(kwargs or {}))
+        except Exception as exc:
+            self._reply_error(peer, msg_id, exc)
+            return
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+            if not isinstance(result, torch.futures.Future):
+                self._reply_error(peer, msg_id, TypeError(
+                    f"@async_execution function {getattr(func, '__name__', func)} returned "
+                    f"{type(result).__name__}, not a torch.futures.Future"))
+                return
+            result.add_done_callback(lambda f: self._reply_future(peer, msg_id, f))
+            return
+        self._reply(peer, msg_id, result, func)
+
+    def _reply_future(self, peer: int, msg_id: int, fut: torch.futures.Future) -> None:
+        try:
+            value = fut.value()
+        except Exception as exc:
+            self._reply_error(peer, msg_id, exc)
+            return
+        self._reply(peer, msg_id, value, None)
+
+    def _reply(self, peer: int, msg_id: int, result: Any, func: Any) -> None:
+        try:
+            pickled = self.serializer.dumps(result)
+        except Exception as exc:
+            name = getattr(func, "__qualname__", "the function")
+            self._reply_error(peer, msg_id, SerializationError(
+                f"cannot pickle the result of {name} on {self.info.name}: "
+                f"{type(exc).__name__}: {exc}"))
+            return
+        try:
+            self._send(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload, pickled.buffers)
+        except FrameError as exc:
+            self._reply_error(peer, msg_id, exc)
+            return
+        except RpcError as exc:
+            logger.warning("%s: reply to %s lost: %s", self.info.name, self._name(peer), exc)
+        self._answered()
+
+    def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
+        try:
+            self._send(peer, wire.MsgKind.ERROR, msg_id, describe_exception(exc, self.info), [])
+        except RpcError as err:
+            logger.warning("%s: error reply to %s lost: %s", self.info.name, self._name(peer), err)
+        self._answered()
+
+    # ---------------------------------------------------------------- info
+
+    def resolve(self, to: Any) -> WorkerInfo:
+        if isinstance(to, WorkerInfo):
+            if self.workers.get(to.id) != to:
+                raise RpcError(f"Unknown destination worker {to}: could not find destination "
+                               f"id {to.id}")
+            return to
+        if isinstance(to, str):
+            wi = self._names.get(to)
+            if wi is None:
+                raise RpcError(f"Unknown destination worker {to}: could not find "
+                               f"destination name {to}")
+            return wi
+        if isinstance(to, int) and not isinstance(to, bool):
+            wi = self.workers.get(to)
+            if wi is None:
+                raise RpcError(f"Unknown destination worker {to}: could not find "
+                               f"destination id {to}")
+            return wi
+        raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
+
+    def debug_info(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        out.update({"outstanding_calls": len(self._calls), "pending_requests": self._pool.pending(),
+                    "broken_peers": sorted(self._broken)})
+        out.update(self.transport.stats())
+        return out

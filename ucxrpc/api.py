@@ -1,0 +1,147 @@
+"""The public RPC calls, with torch.distributed.rpc's signatures and semantics."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from . import rendezvous
+from .agent import RpcAgent, WorkerInfo
+from .errors import RpcError
+from .options import UcxRpcBackendOptions
+
+logger = logging.getLogger(__name__)
+
+_agent: RpcAgent | None = None
+_lifecycle = threading.Lock()
+
+_NOT_INITIALIZED = ("RPC has not been initialized. Call "
+                    "torch.distributed.rpc.init_rpc first.")
+
+
+class BackendType(enum.Enum):
+    """The only backend ucxrpc has; accepted for torch compatibility."""
+
+    UCX = "UCX"
+
+
+def _current() -> RpcAgent:
+    agent = _agent
+    if agent is None:
+        raise RpcError(_NOT_INITIALIZED)
+    return agent
+
+
+def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
+             rpc_backend_options: UcxRpcBackendOptions | None = None) -> None:
+    """Join the job as ``name``: rendezvous, exchange addresses, barrier.
+
+    Blocks until every worker joined or ``rpc_timeout`` passed.
+
+    Raises:
+        ValueError: bad name or options.
+        RpcError: already initialized, duplicate names, rendezvous failure.
+    """
+    global _agent
+    rendezvous.check_name(name)
+    if backend not in (None, BackendType.UCX, "UCX", "ucx"):
+        raise ValueError(f"ucxrpc only has the UCX backend, got {backend!r}")
+    opts = rpc_backend_options or UcxRpcBackendOptions()
+    if not isinstance(opts, UcxRpcBackendOptions):
+        raise TypeError(f"rpc_backend_options must be UcxRpcBackendOptions, got "
+                        f"{type(opts).__name__}")
+    if world_size is None or world_size == 0:
+        raise RpcError("dynamic membership (world_size=None) is not supported yet; "
+                       "pass world_size")
+    with _lifecycle:
+        if _agent is not None:
+            raise RpcError("RPC is already initialized")
+        store, rank, world_size = rendezvous.open_store(opts.init_method, rank, world_size,
+                                                        opts.rpc_timeout)
+        agent = RpcAgent(name, rank, world_size, opts, store)
+        try:
+            agent.join(opts.rpc_timeout)
+        except BaseException:
+            agent.shutdown(graceful=False, timeout=0)
+            raise
+        _agent = agent
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Leave the job.
+
+    ``graceful`` waits for this worker's outstanding calls, then for every
+    live worker to reach shutdown (dead peers are not waited for), then tears
+    down.  ``timeout`` bounds those waits (0: the RPC timeout).  Idempotent
+    once shut down only in the sense that a second call raises as torch does.
+    """
+    global _agent
+    with _lifecycle:
+        agent = _current()
+        wait = timeout if timeout > 0 else (agent.options.rpc_timeout or 24 * 3600.0)
+        try:
+            agent.shutdown(graceful, wait)
+        finally:
+            _agent = None
+
+
+def _timeout(agent: RpcAgent, timeout: float) -> float:
+    if timeout is None or timeout < 0:
+        return agent.options.rpc_timeout
+    return float(timeout)
+
+
+def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
+              kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> torch.futures.Future:
+    """Call ``func(*args, **kwargs)`` on ``to``; returns a Future at once.
+
+    ``to`` is a name, rank or WorkerInfo.  ``timeout`` in seconds: -1 uses
+    the default, 0 waits forever; on expiry the future fails with a
+    RuntimeError saying the RPC timed out.  Pickling errors raise here with
+    their own type; an unknown ``to`` raises RuntimeError.
+    """
+    agent = _current()
+    dest = agent.resolve(to)
+    return agent.call(dest, func, tuple(args or ()), dict(kwargs or {}), _timeout(agent, timeout))
+
+
+def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
+             kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> Any:
+    """Like :func:`rpc_async`, then wait: returns the result or raises the
+    remote exception with its own type (remote traceback in the message)."""
+    agent = _current()
+    fut = rpc_async(to, func, args, kwargs, timeout)
+    return agent.wait(fut)
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """This worker's WorkerInfo, or the named worker's."""
+    agent = _current()
+    if worker_name is None:
+        return agent.info
+    return agent.resolve(worker_name)
+
+
+def get_rpc_timeout() -> float:
+    """The default RPC timeout in seconds."""
+    return _current().options.rpc_timeout
+
+
+def get_pipe_info(to: Any = None) -> list[dict[str, Any]]:
+    """Per open pipe: the peer and the UCX transports it uses (from UCX)."""
+    agent = _current()
+    peer = None if to is None else agent.resolve(to).id
+    return agent.transport.pipe_info(peer)
+
+
+def _get_debug_info() -> dict[str, Any]:
+    """Agent counters (calls sent/served, timeouts, failures, frames refused)."""
+    return _current().debug_info()
+
+
+def is_initialized() -> bool:
+    return _agent is not None

@@ -1,0 +1,26 @@
+"""``@async_execution``: the function returns a Future; the reply waits for it."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["async_execution"]
+
+
+def async_execution(fn: F) -> F:
+    """Mark ``fn`` as returning a ``torch.futures.Future``.
+
+    The callee's thread is released as soon as ``fn`` returns; the response is
+    sent when the future completes (its exception, if any, is re-raised on
+    the caller).  Stacks under ``@staticmethod`` / ``@classmethod``.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,68 @@
+"""Backend options, torch's ``TensorPipeRpcBackendOptions`` for UCX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_RPC_TIMEOUT = 60.0
+DEFAULT_INIT_METHOD = "env://"
+DEFAULT_NUM_WORKER_THREADS = 16
+
+
+def _device_key(d: Any) -> str:
+    return str(d) if not isinstance(d, int) else f"cuda:{d}"
+
+
+@dataclass(kw_only=True)
+class UcxRpcBackendOptions:
+    """Options for :func:`ucxrpc.init_rpc`; keyword-only, validated on creation.
+
+    Attributes:
+        num_worker_threads: threads running incoming calls (runnable at once;
+            threads blocked in nested RPCs do not count).
+        rpc_timeout: default timeout in seconds for RPCs; 0 means none.
+        init_method: c10d rendezvous URL: ``env://``, ``tcp://host:port`` or
+            ``file:///path``.
+        device_maps: ``{worker name: {local device: remote device}}``.
+        devices: local devices this worker uses (default: the map's).
+        transports: UCX transports allowed (``["tcp"]``, ``["sm", "cma"]``,
+            ...); ``None`` lets UCX choose (``UCX_TLS`` is honoured).
+        max_buffers / max_frame_bytes / max_message_bytes: bounds every
+            incoming frame is checked against before anything is allocated.
+    """
+
+    num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    init_method: str = DEFAULT_INIT_METHOD
+    device_maps: dict[str, dict[Any, Any]] | None = None
+    devices: list[Any] | None = None
+    transports: list[str] | None = None
+    max_buffers: int = 65535
+    max_frame_bytes: int = 1 << 30
+    max_message_bytes: int = 1 << 40
+    _maps: dict[str, dict[str, str]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be a positive int, got "
+                             f"{self.num_worker_threads!r}")
+        if self.rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
+        if not 1 <= self.max_buffers <= 65535:
+            raise ValueError(f"max_buffers must be in [1, 65535], got {self.max_buffers}")
+        if isinstance(self.transports, str):
+            self.transports = [t.strip() for t in self.transports.split(",") if t.strip()]
+        for to, m in (self.device_maps or {}).items():
+            self.set_device_map(to, m)
+
+    def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
+        """Map local devices to ``to``'s devices for tensors sent there."""
+        norm = {_device_key(k): _device_key(v) for k, v in device_map.items()}
+        if len(set(norm.values())) != len(norm):
+            raise ValueError(f"device map to {to} is not one-to-one: {device_map}")
+        self._maps.setdefault(to, {}).update(norm)
+        self.device_maps = {k: dict(v) for k, v in self._maps.items()}
+
+    def set_devices(self, devices: list[Any]) -> None:
+        self.devices = list(devices)

@@ -1,0 +1,130 @@
+"""Rendezvous and membership through torch's c10d stores.
+
+Workers publish ``(name, worker address, host, pid)`` under their rank,
+read everyone else's, and share the job secret.  ``env://``, ``tcp://`` and
+``file://`` come from ``torch.distributed.rendezvous`` unchanged, so
+torchrun's variables work as they do for torch's RPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .errors import AuthenticationError, RpcError, RpcTimeoutError
+
+logger = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
+PREFIX = "ucxrpc/"
+
+
+def check_name(name: str) -> None:
+    """torch's rule: letters, digits, ``_``, ``:`` and ``-``, under 128 chars."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or len(name) >= 128:
+        raise ValueError(f"Worker name must match ^[A-Za-z0-9-_:]*$ and be shorter than "
+                         f"128 characters, got {name!r}")
+
+
+@dataclass(frozen=True)
+class Member:
+    rank: int
+    name: str
+    address: bytes
+    host: str
+    pid: int
+
+    def to_json(self) -> str:
+        return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),
+                           "host": self.host, "pid": self.pid})
+
+    @staticmethod
+    def from_json(raw: bytes) -> "Member":
+        d = json.loads(raw)
+        return Member(int(d["rank"]), str(d["name"]), bytes.fromhex(d["address"]),
+                      str(d["host"]), int(d["pid"]))
+
+
+def open_store(init_method: str, rank: int, world_size: int,
+               timeout: float) -> tuple[Any, int, int]:
+    """A c10d store from ``init_method``; returns (store, rank, world_size)."""
+    td = timedelta(seconds=timeout if timeout > 0 else 24 * 3600)
+    store, rank, world_size = next(dist.rendezvous(init_method, rank=rank,
+                                                   world_size=world_size, timeout=td))
+    store.set_timeout(td)
+    return store, rank, world_size
+
+
+def job_secret(store: Any, rank: int) -> bytes:
+    """``UCXRPC_AUTH_TOKEN``, or a random secret rank 0 shares via the store."""
+    token = os.environ.get("UCXRPC_AUTH_TOKEN")
+    if token:
+        return token.encode()
+    if rank == 0:
+        store.set(PREFIX + "secret", os.urandom(32).hex())
+    try:
+        return bytes.fromhex(store.get(PREFIX + "secret").decode())
+    except ValueError as exc:
+        raise AuthenticationError("the job secret in the store is malformed") from exc
+
+
+def publish(store: Any, rank: int, name: str, address: bytes) -> Member:
+    me = Member(rank, name, address, socket.gethostname(), os.getpid())
+    store.set(f"{PREFIX}member/{rank}", me.to_json())
+    return me
+
+
+def collect(store: Any, world_size: int) -> dict[int, Member]:
+    """Every member's record, waiting for late ones up to the store timeout."""
+    members: dict[int, Member] = {}
+    for r in range(world_size):
+        members[r] = Member.from_json(store.get(f"{PREFIX}member/{r}"))
+    names: dict[str, int] = {}
+    for m in members.values():
+        if m.name in names:
+            raise RpcError(f"worker name {m.name!r} is used by ranks {names[m.name]} and {m.rank}")
+        names[m.name] = m.rank
+    return members
+
+
+def barrier(store: Any, key: str, rank: int, world_size: int, timeout: float,
+            gone: Callable[[], set[int]] = set, poke: Callable[[int], None] | None = None) -> None:
+    """Wait until every rank reached ``key``, or is known to be gone.
+
+    Ranks in ``gone()`` (dead peers) are not waited for; ``poke(rank)`` is
+    called for missing ranks once a second, so a dead peer is noticed.
+
+    Raises:
+        RpcTimeoutError: some live rank did not arrive within ``timeout``.
+    """
+    store.set(f"{PREFIX}{key}/{rank}", "1")
+    deadline = time.monotonic() + (timeout if timeout > 0 else 24 * 3600)
+    missing = set(range(world_size))
+    next_poke = time.monotonic() + 0.5
+    while True:
+        keys = [f"{PREFIX}{key}/{r}" for r in sorted(missing)]
+        if keys and store.check(keys):
+            return
+        for r in list(missing):
+            if store.check([f"{PREFIX}{key}/{r}"]):
+                missing.discard(r)
+        missing -= gone()
+        if not missing:
+            return
+        now = time.monotonic()
+        if now > deadline:
+            raise RpcTimeoutError(f"barrier {key!r} timed out waiting for ranks {sorted(missing)}")
+        if poke is not None and now > next_poke:
+            for r in missing:
+                poke(r)
+            next_poke = now + 1.0
+        time.sleep(0.01)

@@ -1,0 +1,8 @@
+"""UCX transport: the only layer that imports ucxx (inside :mod:`.ucx`)."""
+
+from __future__ import annotations
+
+from .engine import MAX_WORKER_ID, Transport
+from .frame import Limits
+
+__all__ = ["Transport", "Limits", "MAX_WORKER_ID"]

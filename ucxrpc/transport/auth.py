@@ -1,0 +1,89 @@
+"""Pipe authentication: a challenge-response over the job secret.
+
+Each direction of a pipe (initiator X sending to responder Y) is
+authenticated on its own::
+
+    X -> Y  HELLO      x_id, nonce_x
+    Y -> X  CHALLENGE  y_id, nonce_x, nonce_y, HMAC(secret, "resp"|x|y|nx|ny)
+    X -> Y  PROOF      HMAC(secret, "init"|x|y|nx|ny)
+
+Both sides then MAC every frame of that direction with
+``HMAC(secret, "key"|x|y|nx|ny)``.  Fresh nonces on both sides make a
+replayed handshake useless; the worker id inside the tag is only a claim
+until a frame's MAC proves it.  Handshake payloads are fixed-size structs,
+never pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+
+from ..errors import AuthenticationError, FrameError
+
+NONCE_LEN = 32
+_HELLO = struct.Struct(f"<I{NONCE_LEN}s")
+_CHALLENGE = struct.Struct(f"<I{NONCE_LEN}s{NONCE_LEN}s32s")
+_PROOF = struct.Struct("<32s")
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_LEN)
+
+
+def _mac(secret: bytes, label: bytes, x: int, y: int, nx: bytes, ny: bytes) -> bytes:
+    msg = label + struct.pack("<II", x, y) + nx + ny
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def hello(x: int, nx: bytes) -> bytes:
+    return _HELLO.pack(x, nx)
+
+
+def parse_hello(payload: memoryview) -> tuple[int, bytes]:
+    if payload.nbytes != _HELLO.size:
+        raise FrameError(f"HELLO of {payload.nbytes} bytes; expected {_HELLO.size}")
+    x, nx = _HELLO.unpack(payload)
+    return x, nx
+
+
+def challenge(secret: bytes, x: int, y: int, nx: bytes, ny: bytes) -> bytes:
+    return _CHALLENGE.pack(y, nx, ny, _mac(secret, b"resp", x, y, nx, ny))
+
+
+def check_challenge(secret: bytes, payload: memoryview, x: int, y: int,
+                    nx: bytes) -> bytes:
+    """Verify the responder's proof; returns its nonce.
+
+    Raises:
+        AuthenticationError: the responder does not know the job secret,
+            answered a different HELLO, or claims another identity.
+    """
+    if payload.nbytes != _CHALLENGE.size:
+        raise FrameError(f"CHALLENGE of {payload.nbytes} bytes; expected {_CHALLENGE.size}")
+    py, pnx, ny, proof = _CHALLENGE.unpack(payload)
+    if py != y or not hmac.compare_digest(pnx, nx):
+        raise AuthenticationError(f"worker {y} answered a handshake it was not sent")
+    if not hmac.compare_digest(proof, _mac(secret, b"resp", x, y, nx, ny)):
+        raise AuthenticationError(f"worker {y} failed authentication (wrong job secret?)")
+    return ny
+
+
+def proof(secret: bytes, x: int, y: int, nx: bytes, ny: bytes) -> bytes:
+    return _PROOF.pack(_mac(secret, b"init", x, y, nx, ny))
+
+
+def check_proof(secret: bytes, payload: memoryview, x: int, y: int,
+                nx: bytes, ny: bytes) -> None:
+    """Raises AuthenticationError unless the initiator knows the job secret."""
+    if payload.nbytes != _PROOF.size:
+        raise FrameError(f"PROOF of {payload.nbytes} bytes; expected {_PROOF.size}")
+    if not hmac.compare_digest(bytes(payload), _mac(secret, b"init", x, y, nx, ny)):
+        raise AuthenticationError(f"a peer claiming to be worker {x} failed "
+                                  "authentication (wrong job secret or replayed handshake)")
+
+
+def session_key(secret: bytes, x: int, y: int, nx: bytes, ny: bytes) -> bytes:
+    return _mac(secret, b"key", x, y, nx, ny)

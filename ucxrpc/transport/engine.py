@@ -1,0 +1,530 @@
+"""Pipes to peers over one UCX worker, and the loop that progresses them.
+
+Tags (64 bits) say what a tag message is and whom it claims to come from::
+
+    63-62 kind (0 handshake frame, 1 message frame, 2 data buffer)
+    61-46 sender worker id
+    45-16 message sequence number (data buffers only)
+    15-0  buffer index (data buffers only)
+
+Frames are found with ``tag_probe`` and received into memory of exactly
+their size; a frame then says how big each data buffer is and on which
+device, and the receiver posts a receive for each straight into its final
+memory.  Distinct tags per buffer let concurrent large messages on one pipe
+proceed side by side.
+
+Progress strategy (measured, see benchmarks/RESULTS.md): one thread polls
+``worker.progress()`` while there is work or for ``spin_s`` after the last
+event, then arms the worker and sleeps in epoll, so an idle agent uses no
+CPU.  Senders call UCX directly from their own thread (no hand-off on the
+send path) and wake the loop only when a send is left in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import select
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
+from . import auth
+from .frame import Frame, Kind, Limits, decode, encode, peek_seq
+from .pool import HostPool
+from .ucx import Endpoint, Request, Worker
+
+logger = logging.getLogger(__name__)
+
+KIND_SHIFT = 62
+HANDSHAKE, FRAME, DATA = 0, 1, 2
+ID_SHIFT = 46
+ID_MASK = 0xFFFF
+SEQ_MASK = (1 << 30) - 1
+MAX_WORKER_ID = ID_MASK
+
+
+def data_tag(sender: int, seq: int, index: int) -> int:
+    return (DATA << KIND_SHIFT) | (sender << ID_SHIFT) | ((seq & SEQ_MASK) << 16) | index
+
+
+OnMessage = Callable[[int, memoryview, list[torch.Tensor]], None]
+OnFrameError = Callable[[int, memoryview, Exception], None]
+OnBroken = Callable[[int, BaseException], None]
+Allocator = Callable[[int, int], torch.Tensor]
+
+
+class OutState(enum.Enum):
+    NEW = "new"
+    HELLO_SENT = "hello-sent"
+    OPEN = "open"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class Pipe:
+    """Both directions to one peer: our endpoint out, their frames in."""
+
+    def __init__(self, peer_id: int, name: str, address: bytes) -> None:
+        self.peer_id = peer_id
+        self.name = name
+        self.address = address
+        self.ep: Endpoint | None = None
+        self.lock = threading.Lock()
+        self.out_state = OutState.NEW
+        self.out_key = b""
+        self.out_seq = 0
+        self.out_nonce = b""
+        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor]]] = []
+        self.in_nonces: tuple[bytes, bytes] | None = None
+        self.in_key: bytes | None = None
+        self.in_seq = 0
+        self.error: BaseException | None = None
+        self.sent = 0
+        self.received = 0
+
+
+class _Incoming:
+    """A message whose frame arrived and whose data buffers are in flight."""
+
+    __slots__ = ("pipe", "frame", "buffers", "waiting", "error")
+
+    def __init__(self, pipe: Pipe, frame: Frame, buffers: list[Any]) -> None:
+        self.pipe = pipe
+        self.frame = frame
+        self.buffers = buffers
+        self.waiting = 0
+        self.error: BaseException | None = None
+
+
+class Transport:
+    """Authenticated, framed messages to peers over UCX.
+
+    Thread-safety: :meth:`send` may be called from any thread; callbacks run
+    on the progress thread and must not block.
+
+    Args:
+        my_id: this worker's id (< 65536), carried in every tag.
+        secret: the job secret every peer must prove knowledge of.
+        on_message: ``(peer_id, payload, buffers)`` for each complete message.
+        on_frame_error: ``(peer_id, payload, error)`` for an authenticated
+            message that broke a limit; lets the caller answer it.
+        on_broken: ``(peer_id, error)`` once when a pipe fails.
+    """
+
+    def __init__(self, *, my_id: int, secret: bytes, on_message: OnMessage,
+                 on_frame_error: OnFrameError, on_broken: OnBroken,
+                 limits: Limits = Limits(), transports: Sequence[str] | None = None,
+                 allocator: Allocator | None = None, spin_s: float = 0.005) -> None:
+        if not 0 <= my_id <= MAX_WORKER_ID:
+            raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
+        self.my_id = my_id
+        self._secret = secret
+        self._on_message = on_message
+        self._on_frame_error = on_frame_error
+        self._on_broken = on_broken
+        self.limits = limits
+        self.pool = HostPool()
+        self._alloc = allocator or self._default_alloc
+        self._spin_s = spin_s
+        self._worker = Worker(transports)
+        self.address = self._worker.address
+        self._pipes: dict[int, Pipe] = {}
+        self._tasks: deque[Callable[[], None]] = deque()
+        self._inflight: deque[tuple[Request, Any]] = deque()
+        self._watch: list[tuple[Request, Any]] = []
+        self._frames: list[tuple[Request, np.ndarray, int]] = []
+        self._sleeping = False
+        self._closing = False
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(self._worker.fd, select.EPOLLIN)
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
+        self.refused = 0
+        self.frame_errors = 0
+        self._thread = threading.Thread(target=self._run, name=f"ucxrpc-progress-{my_id}",
+                                        daemon=True)
+
+    # ------------------------------------------------------------------ API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add_peer(self, peer_id: int, name: str, address: bytes) -> None:
+        """Register a peer; its pipe opens on first use (ours or theirs)."""
+        self._pipes[peer_id] = Pipe(peer_id, name, address)
+
+    def peer_ids(self) -> list[int]:
+        return list(self._pipes)
+
+    def send(self, peer_id: int, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> None:
+        """Queue a message; returns once UCX holds it (not once delivered).
+
+        Raises:
+            ClosedError / BrokenError: the transport or pipe is down.
+            FrameError: the message breaks a configured limit.
+        """
+        pipe = self._pipes.get(peer_id)
+        if pipe is None:
+            raise BrokenError(f"no pipe to worker id {peer_id}")
+        with pipe.lock:
+            if pipe.out_state is OutState.OPEN:
+                self._send_locked(pipe, payload, buffers)
+                return
+            if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
+                raise self._pipe_error(pipe)
+            pipe.backlog.append((payload, buffers))
+            if pipe.out_state is OutState.NEW:
+                pipe.out_state = OutState.HELLO_SENT
+                self._call_soon(lambda: self._start_handshake(pipe))
+
+    def pipe_info(self, peer_id: int | None = None) -> list[dict[str, Any]]:
+        out = []
+        for pid, pipe in sorted(self._pipes.items()):
+            if peer_id is not None and pid != peer_id:
+                continue
+            if pipe.ep is None:
+                continue
+            lanes = pipe.ep.transports()
+            out.append({
+                "peer": pipe.name, "peer_id": pid, "state": pipe.out_state.value,
+                "authenticated_in": pipe.in_key is not None,
+                "transports": sorted({t for t, _ in lanes}),
+                "lanes": [{"transport": t, "device": d} for t, d in lanes],
+                "path": "host",
+                "messages_sent": pipe.sent, "messages_received": pipe.received,
+            })
+        return out
+
+    def close(self) -> None:
+        """Stop progress and close every endpoint; idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        for pipe in self._pipes.values():
+            with pipe.lock:
+                # Closing an endpoint whose peer already failed crashed ucxx.
+                if pipe.out_state is not OutState.BROKEN:
+                    pipe.out_state = OutState.CLOSED
+                    if pipe.ep is not None:
+                        pipe.ep.close()
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:  # let the close requests go out
+            self._worker.progress()
+        self._worker.close()
+        self.pool.clear()
+        self._epoll.close()
+        os.close(self._wake_fd)
+
+    # ------------------------------------------------------------- sending
+
+    def _send_locked(self, pipe: Pipe, payload: bytes | memoryview,
+                     buffers: list[torch.Tensor]) -> None:
+        views = []
+        for b in buffers:
+            if b.device.type == "cpu":
+                views.append((b.numel(), memoryview(b.numpy()), -1))
+            else:
+                views.append((b.numel(), None, b.device.index or 0))
+        pipe.out_seq += 1
+        seq = pipe.out_seq
+        frame, separate = encode(Kind.MESSAGE, seq, payload, views, pipe.out_key, self.limits)
+        assert pipe.ep is not None
+        reqs = [pipe.ep.tag_send(frame, (FRAME << KIND_SHIFT) | (self.my_id << ID_SHIFT))]
+        for i in separate:
+            reqs.append(pipe.ep.tag_send(buffers[i], data_tag(self.my_id, seq, i)))
+        pipe.sent += 1
+        left = [r for r in reqs if not r.done]
+        for r in reqs:
+            if r.done and (err := r.error()) is not None:
+                self._call_soon(lambda e=err: self._break(pipe, e))
+        if left:
+            for r in left:
+                self._inflight.append((r, pipe))
+            self._wake()
+
+    def _send_handshake(self, pipe: Pipe, kind: Kind, payload: bytes) -> None:
+        frame, _ = encode(kind, 0, payload, [], b"", self.limits)
+        ep = self._endpoint(pipe)
+        req = ep.tag_send(frame, (HANDSHAKE << KIND_SHIFT) | (self.my_id << ID_SHIFT))
+        self._watch.append((req, pipe))
+
+    def _endpoint(self, pipe: Pipe) -> Endpoint:
+        if pipe.ep is None:
+            pipe.ep = Endpoint(self._worker, pipe.address,
+                               lambda exc, p=pipe: self._call_soon(lambda: self._break(p, exc)))
+        return pipe.ep
+
+    def _start_handshake(self, pipe: Pipe) -> None:
+        pipe.out_nonce = auth.new_nonce()
+        try:
+            self._send_handshake(pipe, Kind.HELLO, auth.hello(self.my_id, pipe.out_nonce))
+        except Exception as exc:
+            self._break(pipe, exc)
+
+    # ----------------------------------------------------------- receiving
+
+    def _poll_frames(self) -> bool:
+        busy = False
+        while (probe := self._worker.probe(0, 1 << 63)) is not None:
+            busy = True
+            sender = (probe.sender_tag >> ID_SHIFT) & ID_MASK
+            limit = self.limits.max_frame_bytes + 64
+            size = probe.length if probe.length <= limit else 64
+            buf = np.empty(size, dtype=np.uint8)
+            self._frames.append((self._worker.recv_probed(buf, probe), buf, probe.sender_tag))
+            if probe.length > limit:
+                self.frame_errors += 1
+                logger.warning("dropped a %d-byte frame from worker id %d: exceeds "
+                               "max_frame_bytes=%d", probe.length, sender,
+                               self.limits.max_frame_bytes)
+        if self._frames:
+            still = []
+            for req, buf, tag in self._frames:
+                if not req.done:
+                    still.append((req, buf, tag))
+                    continue
+                busy = True
+                if req.error() is None:
+                    self._on_frame(tag, buf)
+            self._frames = still
+        return busy
+
+    def _on_frame(self, tag: int, buf: np.ndarray) -> None:
+        sender = (tag >> ID_SHIFT) & ID_MASK
+        kind = tag >> KIND_SHIFT
+        pipe = self._pipes.get(sender)
+        if pipe is None:
+            self.refused += 1
+            logger.warning("refused a frame from unknown worker id %d", sender)
+            return
+        try:
+            if kind == HANDSHAKE:
+                self._on_handshake(pipe, decode(buf, None, self.limits))
+            elif pipe.in_key is None:
+                self.refused += 1
+                logger.warning("refused an unauthenticated frame claiming to be from %s "
+                               "(seq %s)", pipe.name, peek_seq(buf))
+            else:
+                self._on_message_frame(pipe, buf)
+        except AuthenticationError as exc:
+            self.refused += 1
+            logger.warning("%s", exc)
+            if kind == HANDSHAKE and pipe.out_state is OutState.HELLO_SENT:
+                self._break(pipe, exc)
+        except FrameError as exc:
+            self.frame_errors += 1
+            logger.warning("dropped a frame from %s: %s", pipe.name, exc)
+
+    def _on_handshake(self, pipe: Pipe, frame: Frame) -> None:
+        x, y = pipe.peer_id, self.my_id
+        if frame.kind is Kind.HELLO:
+            claimed, nx = auth.parse_hello(frame.payload)
+            if claimed != x:
+                raise AuthenticationError(f"HELLO claims worker {claimed} on worker {x}'s tag")
+            ny = auth.new_nonce()
+            pipe.in_nonces = (nx, ny)
+            self._send_handshake(pipe, Kind.CHALLENGE, auth.challenge(self._secret, x, y, nx, ny))
+        elif frame.kind is Kind.CHALLENGE:
+            if pipe.out_state is not OutState.HELLO_SENT:
+                raise AuthenticationError(f"unexpected CHALLENGE from {pipe.name}")
+            nx = pipe.out_nonce
+            ny = auth.check_challenge(self._secret, frame.payload, y, x, nx)
+            self._send_handshake(pipe, Kind.PROOF, auth.proof(self._secret, y, x, nx, ny))
+            with pipe.lock:
+                pipe.out_key = auth.session_key(self._secret, y, x, nx, ny)
+                pipe.out_state = OutState.OPEN
+                backlog, pipe.backlog = pipe.backlog, []
+                for payload, buffers in backlog:
+                    try:
+                        self._send_locked(pipe, payload, buffers)
+                    except FrameError as exc:
+                        logger.error("message to %s not sent: %s", pipe.name, exc)
+            logger.debug("pipe to %s open", pipe.name)
+        elif frame.kind is Kind.PROOF:
+            if pipe.in_nonces is None:
+                raise AuthenticationError(f"PROOF without HELLO from a peer claiming to be {pipe.name}")
+            nx, ny = pipe.in_nonces
+            pipe.in_nonces = None
+            auth.check_proof(self._secret, frame.payload, x, y, nx, ny)
+            pipe.in_key = auth.session_key(self._secret, x, y, nx, ny)
+            pipe.in_seq = 0
+            logger.debug("pipe from %s authenticated", pipe.name)
+
+    def _on_message_frame(self, pipe: Pipe, buf: np.ndarray) -> None:
+        assert pipe.in_key is not None
+        frame = decode(buf, pipe.in_key, self.limits)
+        if frame.seq <= pipe.in_seq:
+            raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
+        pipe.in_seq = frame.seq
+        if frame.total > self.limits.max_message_bytes:
+            self._drain(pipe, frame)
+            self.frame_errors += 1
+            pipe.received += 1
+            self._on_frame_error(pipe.peer_id, frame.payload, FrameError(
+                f"message of {frame.total} bytes exceeds max_message_bytes="
+                f"{self.limits.max_message_bytes}"))
+            return
+        bufs: list[Any] = []
+        msg = _Incoming(pipe, frame, bufs)
+        for i, d in enumerate(frame.buffers):
+            if d.inline:
+                bufs.append(torch.from_numpy(buf[d.inline_offset:d.inline_offset + d.nbytes]))
+                continue
+            try:
+                target = self._alloc(d.nbytes, d.device)
+            except Exception as exc:
+                msg.error = exc
+                target = torch.empty(0, dtype=torch.uint8)
+            bufs.append(target)
+            req = self._worker.tag_recv(target, data_tag(pipe.peer_id, frame.seq, i))
+            msg.waiting += 1
+            self._watch.append((req, msg))
+        if msg.waiting == 0:
+            self._deliver(msg)
+
+    def _drain(self, pipe: Pipe, frame: Frame) -> None:
+        """Consume a rejected message's buffers (truncated into one byte) so
+        they do not sit in UCX's unexpected queue; their errors are ignored."""
+        for i, d in enumerate(frame.buffers):
+            if not d.inline:
+                sink = np.empty(1, dtype=np.uint8)
+                req = self._worker.tag_recv(sink, data_tag(pipe.peer_id, frame.seq, i))
+                self._watch.append((req, None))
+
+    def _deliver(self, msg: _Incoming) -> None:
+        msg.pipe.received += 1
+        try:
+            if msg.error is not None:
+                self._on_frame_error(msg.pipe.peer_id, msg.frame.payload, msg.error)
+            else:
+                self._on_message(msg.pipe.peer_id, msg.frame.payload, msg.buffers)
+        except Exception:
+            logger.exception("message handler failed for a message from %s", msg.pipe.name)
+
+    # ------------------------------------------------------------ the loop
+
+    def _poll_requests(self) -> bool:
+        while self._inflight:
+            self._watch.append(self._inflight.popleft())
+        if not self._watch:
+            return False
+        busy = False
+        still = []
+        for req, owner in self._watch:
+            if not req.done:
+                still.append((req, owner))
+                continue
+            busy = True
+            err = req.error()
+            if isinstance(owner, _Incoming):
+                owner.waiting -= 1
+                if err is not None and owner.error is None:
+                    owner.error = BrokenError(f"receiving a buffer from {owner.pipe.name} "
+                                              f"failed: {err}")
+                if owner.waiting == 0:
+                    self._deliver(owner)
+            elif err is not None and owner is not None:
+                self._break(owner, err)
+        self._watch = still
+        return busy
+
+    def _run_tasks(self) -> bool:
+        if not self._tasks:
+            return False
+        while self._tasks:
+            self._tasks.popleft()()
+        return True
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        while not self._closing:
+            try:
+                self._worker.progress()
+                busy = self._run_tasks()
+                busy = self._poll_frames() or busy
+                busy = self._poll_requests() or busy
+            except Exception:
+                logger.exception("progress loop error (continuing)")
+                busy = True
+            now = time.monotonic()
+            if busy or self._watch or self._frames:
+                idle_since = now
+                continue
+            if now - idle_since < self._spin_s:
+                continue
+            self._sleep()
+            idle_since = time.monotonic()
+
+    def _sleep(self) -> None:
+        self._sleeping = True
+        try:
+            if self._tasks or self._inflight or self._closing:
+                return
+            if self._worker.arm():
+                # Bounded so UCX keepalive timers still run on an idle worker.
+                self._epoll.poll(0.1)
+        finally:
+            self._sleeping = False
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+
+    def _wake(self) -> None:
+        if self._sleeping:
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except OSError:
+                pass
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        self._tasks.append(fn)
+        self._wake()
+
+    # ------------------------------------------------------------- failure
+
+    def _break(self, pipe: Pipe, exc: BaseException) -> None:
+        with pipe.lock:
+            if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
+                return
+            pipe.out_state = OutState.BROKEN
+            pipe.error = exc
+            pipe.in_key = None
+            pipe.backlog.clear()
+        logger.warning("pipe to %s broke: %s", pipe.name, exc)
+        try:
+            self._on_broken(pipe.peer_id, self._pipe_error(pipe))
+        except Exception:
+            logger.exception("on_broken handler failed")
+
+    def _pipe_error(self, pipe: Pipe) -> BaseException:
+        if pipe.out_state is OutState.CLOSED:
+            return ClosedError(f"pipe to {pipe.name} is closed")
+        if isinstance(pipe.error, AuthenticationError):
+            return pipe.error
+        err = BrokenError(f"pipe to {pipe.name} is broken: {pipe.error}")
+        err.__cause__ = pipe.error
+        return err
+
+    @staticmethod
+    def _default_alloc_cuda(nbytes: int, device: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+
+    def _default_alloc(self, nbytes: int, device: int) -> torch.Tensor:
+        if device < 0:
+            return self.pool.alloc(nbytes)
+        return self._default_alloc_cuda(nbytes, device)
+
+    def stats(self) -> dict[str, Any]:
+        return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
+                "pool": self.pool.stats(), "watched_requests": len(self._watch)}

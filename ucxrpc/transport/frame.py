@@ -1,0 +1,196 @@
+"""The transport's frame: what one tag message on a pipe carries.
+
+A message is one *frame* (sent on the header tag) followed by one tag
+message per out-of-band buffer.  The frame describes every buffer (size,
+device, and whether it travels inline inside the frame) so the receiver can
+allocate each buffer in its final memory before UCX writes into it.
+
+Layout (little endian)::
+
+    prefix   magic "UX" | version u8 | kind u8 | nbuf u16 | reserved u16
+             | payload_len u32 | seq u64                      (20 bytes)
+    nbuf x   nbytes u64 | inline_offset u64 (NOT_INLINE if separate)
+             | device i16 (-1 = cpu) | pad 6                  (24 bytes each)
+    payload  payload_len bytes, opaque to the transport
+    inline   small buffers copied in, each 64-byte aligned
+    mac      16 bytes, keyed BLAKE2b over everything before it
+
+Small buffers travel inline because one tag message costs microseconds in
+Python, while copying a few KiB costs nanoseconds.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import FrameError
+
+MAGIC = b"UX"
+VERSION = 1
+PREFIX = struct.Struct("<2sBBHHIQ")
+DESC = struct.Struct("<QQh6x")
+MAC_LEN = 16
+NOT_INLINE = 0xFFFF_FFFF_FFFF_FFFF
+ALIGN = 64
+
+
+class Kind(enum.IntEnum):
+    MESSAGE = 0
+    HELLO = 1
+    CHALLENGE = 2
+    PROOF = 3
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds every frame is checked against before anything is allocated.
+
+    Attributes:
+        max_buffers: buffers per message (the tag format allows 65535).
+        max_frame_bytes: size of one frame (payload plus inline buffers).
+        max_message_bytes: frame plus all out-of-band buffers.
+        inline_threshold: buffers up to this size are copied into the frame.
+        inline_total: at most this many bytes are inlined per message.
+    """
+
+    max_buffers: int = 65535
+    max_frame_bytes: int = 1 << 30
+    max_message_bytes: int = 1 << 40
+    inline_threshold: int = 64 << 10
+    inline_total: int = 4 << 20
+
+
+@dataclass(frozen=True)
+class BufferDesc:
+    nbytes: int
+    inline_offset: int
+    device: int  # -1 for host memory, else the CUDA device index
+
+    @property
+    def inline(self) -> bool:
+        return self.inline_offset != NOT_INLINE
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: Kind
+    seq: int
+    payload: memoryview
+    buffers: tuple[BufferDesc, ...]
+    raw: np.ndarray  # the received bytes; inline buffers are views of it
+    total: int = 0   # frame plus out-of-band bytes; checked by the receiver
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def mac(key: bytes, data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, key=key, digest_size=MAC_LEN).digest()
+
+
+def encode(kind: Kind, seq: int, payload: bytes | memoryview,
+           buffers: list[tuple[int, memoryview | None, int]],
+           key: bytes, limits: Limits) -> tuple[np.ndarray, list[int]]:
+    """Build a frame; returns it and the indices of buffers sent separately.
+
+    ``buffers`` holds (nbytes, host bytes view or None, device) triples; a
+    host buffer (device -1) no larger
+    than ``limits.inline_threshold`` is copied inline while the inline total
+    stays under ``limits.inline_total``.
+
+    Raises:
+        FrameError: the message breaks a limit (named in the message).
+    """
+    if len(buffers) > limits.max_buffers:
+        raise FrameError(f"message has {len(buffers)} buffers; the limit is {limits.max_buffers}")
+    head_len = PREFIX.size + DESC.size * len(buffers) + len(payload)
+    cursor = _align(head_len)
+    descs, separate, inline = [], [], []
+    total = 0
+    for i, (n, view, device) in enumerate(buffers):
+        total += n
+        if view is not None and device < 0 and n <= limits.inline_threshold and cursor + n - head_len <= limits.inline_total:
+            descs.append(DESC.pack(n, cursor, device))
+            inline.append((cursor, view))
+            cursor = _align(cursor + n)
+        else:
+            descs.append(DESC.pack(n, NOT_INLINE, device))
+            separate.append(i)
+    size = (cursor if inline else head_len) + MAC_LEN
+    if size > limits.max_frame_bytes:
+        raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
+    if size + total > limits.max_message_bytes:
+        raise FrameError(f"message of {size + total} bytes exceeds "
+                         f"max_message_bytes={limits.max_message_bytes}")
+    arr = np.empty(size, dtype=np.uint8)  # ucxx's Array is unsafe with bytearray
+    out = memoryview(arr)
+    PREFIX.pack_into(out, 0, MAGIC, VERSION, kind, len(buffers), 0, len(payload), seq)
+    pos = PREFIX.size
+    for d in descs:
+        out[pos:pos + DESC.size] = d
+        pos += DESC.size
+    out[pos:pos + len(payload)] = payload
+    for off, view in inline:
+        out[off:off + view.nbytes] = view
+    out[size - MAC_LEN:] = mac(key, out[:size - MAC_LEN])
+    return arr, separate
+
+
+def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
+    """Parse and check a received frame.
+
+    ``key=None`` skips the MAC (handshake frames, which carry no secret-derived
+    key yet and are parsed field by field, never unpickled).  The message's
+    total size is returned in ``Frame.total`` for the caller to check once
+    the MAC has proved whom to tell.
+
+    Raises:
+        FrameError: bad magic or version, truncated, inconsistent sizes, a
+            limit broken, or a MAC mismatch — the message says which.
+    """
+    data = memoryview(raw).cast("B")
+    n = data.nbytes
+    if n < PREFIX.size + MAC_LEN:
+        raise FrameError(f"truncated frame: {n} bytes is shorter than a frame header")
+    magic, version, kind, nbuf, _, plen, seq = PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise FrameError(f"frame version {version} not supported (this side speaks {VERSION})")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise FrameError(f"unknown frame kind {kind}") from None
+    if nbuf > limits.max_buffers:
+        raise FrameError(f"frame declares {nbuf} buffers; the limit is {limits.max_buffers}")
+    head_len = PREFIX.size + DESC.size * nbuf + plen
+    if head_len + MAC_LEN > n:
+        raise FrameError(f"truncated frame: header declares {head_len + MAC_LEN} bytes, got {n}")
+    if key is not None and mac(key, data[:n - MAC_LEN]) != bytes(data[n - MAC_LEN:]):
+        raise FrameError("frame authentication failed (MAC mismatch)")
+    descs = []
+    total = n
+    for i in range(nbuf):
+        nbytes, off, device = DESC.unpack_from(data, PREFIX.size + DESC.size * i)
+        if off != NOT_INLINE and (off < head_len or off + nbytes > n - MAC_LEN):
+            raise FrameError(f"buffer {i} claims inline bytes [{off}, {off + nbytes}) "
+                             f"outside the {n}-byte frame")
+        if off == NOT_INLINE:
+            total += nbytes
+        descs.append(BufferDesc(nbytes, off, device))
+    payload = data[head_len - plen:head_len]
+    return Frame(kind, seq, payload, tuple(descs), raw, total)
+
+
+def peek_seq(raw: np.ndarray) -> int | None:
+    """Best-effort sequence number of a possibly broken frame, for logs."""
+    try:
+        return int(PREFIX.unpack_from(raw, 0)[6])
+    except struct.error:
+        return None

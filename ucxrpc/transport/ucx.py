@@ -1,0 +1,254 @@
+"""The one module that imports ucxx: context, worker, endpoints, requests.
+
+Everything above this module speaks in bytes, numpy arrays and torch
+tensors; ucxx types and exceptions stop here (converted to
+:mod:`ucxrpc.errors` with ``from exc``).
+
+ucxx is imported lazily by :func:`open_worker`, after the environment has
+been prepared, because UCX reads ``UCX_*`` variables once, when the library
+loads (UCX-NOTES pitfall 7).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import BrokenError, ConnectError
+
+logger = logging.getLogger(__name__)
+
+# Names users may pass in ``transports=``; UCX's own names pass through too.
+_TRANSPORT_ALIASES = {
+    "shm": "sm",
+    "shared_memory": "sm",
+    "cuda": "cuda_copy,cuda_ipc",
+    "ib": "rc,ud,dc",
+    "infiniband": "rc,ud,dc",
+}
+
+
+def ucx_environment(transports: Sequence[str] | None,
+                    environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """Return the ``UCX_*`` settings ucxrpc needs, without applying them.
+
+    Shared memory only works with endpoint error handling when
+    ``UCX_MM_ERROR_HANDLING=y`` (UCX-NOTES pitfall 1); without it UCX falls
+    back to TCP over loopback.  Keepalive is shortened so a killed peer is
+    noticed within seconds on every transport.  Variables the user already
+    set win, except ``UCX_TLS`` when ``transports=`` is given explicitly.
+    """
+    wanted = {
+        "UCX_MM_ERROR_HANDLING": "y",
+        "UCX_KEEPALIVE_INTERVAL": "1s",
+        "UCX_KEEPALIVE_NUM_EPS": "inf",
+        "UCX_TCP_KEEPIDLE": "2s",
+        "UCX_TCP_KEEPINTVL": "1s",
+        "UCX_TCP_KEEPCNT": "3",
+    }
+    out = {k: v for k, v in wanted.items() if k not in environ}
+    if transports:
+        names = [_TRANSPORT_ALIASES.get(t, t) for t in transports]
+        out["UCX_TLS"] = ",".join(names)
+    return out
+
+
+class _TransportEntry(ctypes.Structure):
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class _Transports(ctypes.Structure):
+    _fields_ = [("entries", ctypes.POINTER(_TransportEntry)),
+                ("num_entries", ctypes.c_uint),
+                ("entry_size", ctypes.c_size_t)]
+
+
+class _EpAttr(ctypes.Structure):
+    _fields_ = [("field_mask", ctypes.c_uint64),
+                ("name", ctypes.c_char * 32),
+                ("local_sockaddr", ctypes.c_byte * 128),
+                ("remote_sockaddr", ctypes.c_byte * 128),
+                ("transports", _Transports),
+                ("user_data", ctypes.c_void_p)]
+
+
+_UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
+_retired: list[Any] = []
+_libucp: Any = None
+
+
+def _ucp_ep_query(handle: int) -> list[tuple[str, str]]:
+    """(transport, device) per lane of a UCP endpoint, as UCX reports them."""
+    global _libucp
+    if _libucp is None:
+        import libucx  # type: ignore[import-not-found]
+
+        path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so")
+        _libucp = ctypes.CDLL(path if os.path.exists(path) else "libucp.so")
+        _libucp.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpAttr)]
+        _libucp.ucp_ep_query.restype = ctypes.c_int
+    entries = (_TransportEntry * 16)()
+    attr = _EpAttr()
+    attr.field_mask = _UCP_EP_ATTR_FIELD_TRANSPORTS
+    attr.transports.entries = ctypes.cast(entries, ctypes.POINTER(_TransportEntry))
+    attr.transports.num_entries = 16
+    attr.transports.entry_size = ctypes.sizeof(_TransportEntry)
+    status = _libucp.ucp_ep_query(handle, ctypes.byref(attr))
+    if status != 0:
+        return []
+    return [(entries[i].transport_name.decode(), entries[i].device_name.decode())
+            for i in range(attr.transports.num_entries)]
+
+
+def as_array_source(buf: torch.Tensor | np.ndarray | bytes | bytearray | memoryview) -> Any:
+    """What ucxx's ``Array`` accepts for ``buf`` (UCX-NOTES pitfall 6)."""
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type == "cpu":
+            return buf.numpy()
+        return buf  # __cuda_array_interface__
+    return buf
+
+
+@dataclass
+class Request:
+    """An in-flight UCX operation; ``keep`` holds its memory alive (pitfall 4)."""
+
+    req: Any
+    keep: Any
+
+    @property
+    def done(self) -> bool:
+        return bool(self.req.completed)
+
+    def error(self) -> BaseException | None:
+        try:
+            self.req.check_error()
+        except Exception as exc:  # any ucxx error: the peer or pipe broke
+            return exc
+        return None
+
+
+class Endpoint:
+    """A UCP endpoint to one peer, created from the peer's worker address."""
+
+    def __init__(self, worker: "Worker", address: bytes,
+                 on_error: Callable[[BaseException], None]) -> None:
+        ucx = worker.ucx
+        try:
+            addr = ucx.UCXAddress.create_from_buffer(address)
+            self._ep = worker.raw.create_endpoint_from_worker_address(addr, True)
+        except Exception as exc:
+            raise ConnectError(f"cannot open a UCX endpoint: {exc}") from exc
+        self._ucx = ucx
+        self._Array = worker.Array
+        self._ep.set_close_callback(self._closed, cb_args=(on_error,))
+
+    @staticmethod
+    def _closed(on_error: Callable[[BaseException], None], *args: Any) -> None:
+        status = args[0] if args else "closed"
+        on_error(BrokenError(f"UCX endpoint failed: {status}"))
+
+    def tag_send(self, buf: Any, tag: int) -> Request:
+        src = as_array_source(buf)
+        return Request(self._ep.tag_send(self._Array(src), self._ucx.UCXXTag(tag)), (buf, src))
+
+    def transports(self) -> list[tuple[str, str]]:
+        try:
+            return _ucp_ep_query(int(self._ep.handle))
+        except Exception:  # diagnostics must never break a pipe
+            logger.debug("ucp_ep_query failed", exc_info=True)
+            return []
+
+    def close(self) -> None:
+        try:
+            self._ep.remove_close_callback()
+            self._ep.close()
+        except Exception:
+            logger.debug("endpoint close failed", exc_info=True)
+        _retired.append(self._ep)
+
+
+@dataclass
+class Probe:
+    sender_tag: int
+    length: int
+    raw: Any
+
+
+class Worker:
+    """One UCX context and worker for the process, in blocking-progress mode.
+
+    Blocking mode gives an epoll descriptor (``fd``) that :meth:`arm` makes
+    readable on the next UCX event, so an idle progress loop can sleep.
+    """
+
+    def __init__(self, transports: Sequence[str] | None) -> None:
+        os.environ.update(ucx_environment(transports))
+        import ucxx._lib.libucxx as ucx  # noqa: PLC0415  (lazy: env first)
+        from ucxx._lib.arr import Array  # noqa: PLC0415
+
+        self.ucx = ucx
+        self.Array = Array
+        feats = (ucx.Feature.TAG, ucx.Feature.WAKEUP)
+        self._ctx = ucx.UCXContext(feature_flags=feats)
+        self.raw = ucx.UCXWorker(self._ctx)
+        self.raw.init_blocking_progress_mode()
+        self.address: bytes = self.raw.address.tobytes()
+        self.fd: int = self.raw.epoll_file_descriptor
+        self._mask_cache: dict[int, Any] = {}
+
+    def progress(self) -> None:
+        self.raw.progress()
+
+    def arm(self) -> bool:
+        """True when armed (sleep is safe); False when events are pending."""
+        return bool(self.raw.arm())
+
+    def probe(self, tag: int, mask: int) -> Probe | None:
+        m = self._mask_cache.get(mask)
+        if m is None:
+            m = self._mask_cache[mask] = self.ucx.UCXXTagMask(mask)
+        r = self.raw.tag_probe(self.ucx.UCXXTag(tag), m, True)
+        if not r.matched:
+            return None
+        return Probe(int(r.sender_tag.value), int(r.length), r)
+
+    def recv_probed(self, buf: np.ndarray, probe: Probe) -> Request:
+        return Request(self.raw.tag_recv_with_handle(self.Array(buf), probe.raw), buf)
+
+    def tag_recv(self, buf: Any, tag: int) -> Request:
+        src = as_array_source(buf)
+        return Request(self.raw.tag_recv(self.Array(src), self.ucx.UCXXTag(tag)), (buf, src))
+
+    def info(self) -> str:
+        return str(self._ctx.info)
+
+    def close(self) -> None:
+        # Destroying a worker with requests still posted (or calling
+        # cancel_inflight_requests) crashed with SIGSEGV in ucxx 0.52; a closed
+        # worker is parked instead and dies with the process.
+        _retired.append((self._ctx, self.raw))
+
+
+def ucx_version() -> str:
+    import ucxx._lib.libucxx as ucx  # noqa: PLC0415
+
+    return ".".join(str(v) for v in ucx.get_ucx_version())
+
+
+def available_transports() -> list[str]:
+    """Transport names UCX can use in this process (from the context's info)."""
+    import ucxx._lib.libucxx as ucx  # noqa: PLC0415
+
+    ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG,))
+    names = []
+    for line in str(ctx.info).splitlines():
+        if "tl:" in line or "md[" in line:
+            names.append(line.strip())
+    return names

@@ -1,0 +1,65 @@
+"""The agent's message format, carried as the payload of a transport frame.
+
+::
+
+    kind u8 | version u8 | flags u16 | reserved u32 | msg_id u64 | body
+
+``body`` is a pickle (protocol 5, tensors out of band) whose shape depends
+on ``kind``; the transport has already checked sizes and authenticated the
+frame before the agent sees it, and the body is unpickled only then.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from .errors import FrameError
+
+VERSION = 1
+_HEAD = struct.Struct("<BBHIQ")
+HEAD_SIZE = _HEAD.size
+
+
+class MsgKind(enum.IntEnum):
+    REQUEST = 1     # body: (func, args, kwargs)
+    RESPONSE = 2    # body: the return value
+    ERROR = 3       # body: a RemoteException description (see agent)
+    PING = 4        # body: empty; proves a pipe still works
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: MsgKind
+    msg_id: int
+    flags: int = 0
+
+
+def encode(kind: MsgKind, msg_id: int, body: bytes | memoryview, flags: int = 0) -> bytes:
+    return _HEAD.pack(kind, VERSION, flags, 0, msg_id) + body
+
+
+def decode(payload: memoryview) -> tuple[Header, memoryview]:
+    """Split a payload into its header and body.
+
+    Raises:
+        FrameError: too short, unknown kind or unsupported version.
+    """
+    if payload.nbytes < HEAD_SIZE:
+        raise FrameError(f"truncated message: {payload.nbytes} bytes, header needs {HEAD_SIZE}")
+    kind, version, flags, _, msg_id = _HEAD.unpack_from(payload, 0)
+    if version != VERSION:
+        raise FrameError(f"message version {version} not supported (this side speaks {VERSION})")
+    try:
+        k = MsgKind(kind)
+    except ValueError:
+        raise FrameError(f"unknown message kind {kind}") from None
+    return Header(k, msg_id, flags), payload[HEAD_SIZE:]
+
+
+def peek_msg_id(payload: memoryview) -> int | None:
+    """The message id of a payload too broken to decode fully, if readable."""
+    if payload.nbytes < HEAD_SIZE:
+        return None
+    return int(_HEAD.unpack_from(payload, 0)[4])
