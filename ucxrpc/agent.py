@@ -22,7 +22,7 @@ import torch
 
 from . import rendezvous, wire
 from ._pool import WorkerPool
-from .errors import (BrokenError, ClosedError, FrameError, RemoteError, RpcError,
+from .errors import (AuthenticationError, BrokenError, ClosedError, FrameError, RemoteError, RpcError,
                      RpcTimeoutError, SerializationError)
 from .options import UcxRpcBackendOptions
 from .serialization import Serializer
@@ -133,7 +133,8 @@ class RpcAgent:
         self.transport = Transport(my_id=rank, secret=secret, on_message=self._on_message,
                                    on_frame_error=self._on_frame_error,
                                    on_broken=self._on_broken, limits=limits,
-                                   transports=options.transports)
+                                   transports=options.transports,
+                                   peer_timeout=options.peer_timeout)
         self.workers: dict[int, WorkerInfo] = {}
         self._names: dict[str, WorkerInfo] = {}
         self._timer = threading.Thread(target=self._expire, name="ucxrpc-timeouts", daemon=True)
@@ -331,7 +332,12 @@ class RpcAgent:
 
     def _peer_error(self, peer: int) -> BaseException:
         cause = self._broken.get(peer)
-        err = BrokenError(f"worker {self._name(peer)} (id {peer}) is unreachable: {cause}")
+        err: RpcError
+        if isinstance(cause, AuthenticationError):
+            err = AuthenticationError(f"pipe to worker {self._name(peer)} (id {peer}) "
+                                      f"refused: {cause}")
+        else:
+            err = BrokenError(f"worker {self._name(peer)} (id {peer}) is unreachable: {cause}")
         err.__cause__ = cause
         return err
 

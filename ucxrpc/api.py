@@ -63,12 +63,15 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         store, rank, world_size = rendezvous.open_store(opts.init_method, rank, world_size,
                                                         opts.rpc_timeout)
         agent = RpcAgent(name, rank, world_size, opts, store)
+        # Published before joining: peers may call us as soon as our
+        # transport runs, and their functions may use the API.
+        _agent = agent
         try:
             agent.join(opts.rpc_timeout)
         except BaseException:
+            _agent = None
             agent.shutdown(graceful=False, timeout=0)
             raise
-        _agent = agent
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

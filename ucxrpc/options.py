@@ -30,6 +30,8 @@ class UcxRpcBackendOptions:
             ...); ``None`` lets UCX choose (``UCX_TLS`` is honoured).
         max_buffers / max_frame_bytes / max_message_bytes: bounds every
             incoming frame is checked against before anything is allocated.
+        peer_timeout: seconds a peer in use may stay silent (with a ping
+            unanswered) before calls waiting on it fail, naming it.
     """
 
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
@@ -41,6 +43,7 @@ class UcxRpcBackendOptions:
     max_buffers: int = 65535
     max_frame_bytes: int = 1 << 30
     max_message_bytes: int = 1 << 40
+    peer_timeout: float = 5.0
     _maps: dict[str, dict[str, str]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +52,8 @@ class UcxRpcBackendOptions:
                              f"{self.num_worker_threads!r}")
         if self.rpc_timeout < 0:
             raise ValueError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
+        if self.peer_timeout <= 0:
+            raise ValueError(f"peer_timeout must be > 0 seconds, got {self.peer_timeout}")
         if not 1 <= self.max_buffers <= 65535:
             raise ValueError(f"max_buffers must be in [1, 65535], got {self.max_buffers}")
         if isinstance(self.transports, str):

@@ -81,13 +81,18 @@ class Pipe:
         self.out_key = b""
         self.out_seq = 0
         self.out_nonce = b""
-        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor]]] = []
+        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind]] = []
         self.in_nonces: tuple[bytes, bytes] | None = None
         self.in_key: bytes | None = None
         self.in_seq = 0
         self.error: BaseException | None = None
         self.sent = 0
         self.received = 0
+        now = time.monotonic()
+        self.last_heard = now     # any frame from the peer proves it alive
+        self.last_sent = 0.0      # pipes unused for a while are not pinged
+        self.ping_at = 0.0        # when an unanswered PING went out (0: none)
+        self.hello_at = now
 
 
 class _Incoming:
@@ -116,12 +121,15 @@ class Transport:
         on_frame_error: ``(peer_id, payload, error)`` for an authenticated
             message that broke a limit; lets the caller answer it.
         on_broken: ``(peer_id, error)`` once when a pipe fails.
+        peer_timeout: seconds of silence (with a PING unanswered) after which
+            a pipe in use is declared broken.
     """
 
     def __init__(self, *, my_id: int, secret: bytes, on_message: OnMessage,
                  on_frame_error: OnFrameError, on_broken: OnBroken,
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
-                 allocator: Allocator | None = None, spin_s: float = 0.005) -> None:
+                 allocator: Allocator | None = None, spin_s: float = 0.005,
+                 peer_timeout: float = 5.0) -> None:
         if not 0 <= my_id <= MAX_WORKER_ID:
             raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
         self.my_id = my_id
@@ -133,6 +141,8 @@ class Transport:
         self.pool = HostPool()
         self._alloc = allocator or self._default_alloc
         self._spin_s = spin_s
+        self._peer_timeout = peer_timeout
+        self._ping_interval = min(1.0, peer_timeout / 3)
         self._worker = Worker(transports)
         self.address = self._worker.address
         self._pipes: dict[int, Pipe] = {}
@@ -173,13 +183,17 @@ class Transport:
         pipe = self._pipes.get(peer_id)
         if pipe is None:
             raise BrokenError(f"no pipe to worker id {peer_id}")
+        self._send_or_queue(pipe, payload, buffers, Kind.MESSAGE)
+
+    def _send_or_queue(self, pipe: Pipe, payload: bytes | memoryview,
+                       buffers: list[torch.Tensor], kind: Kind) -> None:
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:
-                self._send_locked(pipe, payload, buffers)
+                self._send_locked(pipe, payload, buffers, kind)
                 return
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
                 raise self._pipe_error(pipe)
-            pipe.backlog.append((payload, buffers))
+            pipe.backlog.append((payload, buffers, kind))
             if pipe.out_state is OutState.NEW:
                 pipe.out_state = OutState.HELLO_SENT
                 self._call_soon(lambda: self._start_handshake(pipe))
@@ -228,7 +242,7 @@ class Transport:
     # ------------------------------------------------------------- sending
 
     def _send_locked(self, pipe: Pipe, payload: bytes | memoryview,
-                     buffers: list[torch.Tensor]) -> None:
+                     buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE) -> None:
         views = []
         for b in buffers:
             if b.device.type == "cpu":
@@ -237,7 +251,8 @@ class Transport:
                 views.append((b.numel(), None, b.device.index or 0))
         pipe.out_seq += 1
         seq = pipe.out_seq
-        frame, separate = encode(Kind.MESSAGE, seq, payload, views, pipe.out_key, self.limits)
+        frame, separate = encode(kind, seq, payload, views, pipe.out_key, self.limits)
+        pipe.last_sent = time.monotonic()
         assert pipe.ep is not None
         reqs = [pipe.ep.tag_send(frame, (FRAME << KIND_SHIFT) | (self.my_id << ID_SHIFT))]
         for i in separate:
@@ -266,6 +281,7 @@ class Transport:
 
     def _start_handshake(self, pipe: Pipe) -> None:
         pipe.out_nonce = auth.new_nonce()
+        pipe.hello_at = time.monotonic()
         try:
             self._send_handshake(pipe, Kind.HELLO, auth.hello(self.my_id, pipe.out_nonce))
         except Exception as exc:
@@ -344,9 +360,9 @@ class Transport:
                 pipe.out_key = auth.session_key(self._secret, y, x, nx, ny)
                 pipe.out_state = OutState.OPEN
                 backlog, pipe.backlog = pipe.backlog, []
-                for payload, buffers in backlog:
+                for payload, buffers, kind in backlog:
                     try:
-                        self._send_locked(pipe, payload, buffers)
+                        self._send_locked(pipe, payload, buffers, kind)
                     except FrameError as exc:
                         logger.error("message to %s not sent: %s", pipe.name, exc)
             logger.debug("pipe to %s open", pipe.name)
@@ -366,6 +382,16 @@ class Transport:
         if frame.seq <= pipe.in_seq:
             raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
         pipe.in_seq = frame.seq
+        pipe.last_heard = time.monotonic()
+        pipe.ping_at = 0.0
+        if frame.kind is Kind.PING:
+            try:
+                self._send_or_queue(pipe, b"", [], Kind.PONG)
+            except BrokenError:
+                pass
+            return
+        if frame.kind is not Kind.MESSAGE:
+            return
         if frame.total > self.limits.max_message_bytes:
             self._drain(pipe, frame)
             self.frame_errors += 1
@@ -445,14 +471,47 @@ class Transport:
             self._tasks.popleft()()
         return True
 
+    def _check_liveness(self, now: float) -> None:
+        """Ping pipes in use; break those whose peer stopped answering.
+
+        Shared-memory endpoints report no error when the peer process dies
+        (UCX keepalive does not cover them), so liveness is proven here: a
+        pipe used in the last minute that has heard nothing for a second gets
+        a PING; one silent for ``peer_timeout`` is broken.
+        """
+        for pipe in list(self._pipes.values()):
+            state = pipe.out_state
+            if state is OutState.HELLO_SENT and now - pipe.hello_at > 2 * self._peer_timeout:
+                self._break(pipe, BrokenError(
+                    f"no answer to the handshake for {2 * self._peer_timeout:.1f} s"))
+            if state is not OutState.OPEN or now - pipe.last_sent > 60.0:
+                continue
+            silent = now - pipe.last_heard
+            if pipe.ping_at and now - pipe.ping_at > self._peer_timeout \
+                    and silent > self._peer_timeout:
+                self._break(pipe, BrokenError(
+                    f"no response for {silent:.1f} s (process dead or stopped?)"))
+            elif not pipe.ping_at and silent > self._ping_interval:
+                with pipe.lock:
+                    if pipe.out_state is OutState.OPEN:
+                        last_sent = pipe.last_sent
+                        self._send_locked(pipe, b"", [], Kind.PING)
+                        pipe.last_sent = last_sent  # a PING is not use
+                        pipe.ping_at = now
+
     def _run(self) -> None:
         idle_since = time.monotonic()
+        next_check = idle_since
         while not self._closing:
             try:
                 self._worker.progress()
                 busy = self._run_tasks()
                 busy = self._poll_frames() or busy
                 busy = self._poll_requests() or busy
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + self._ping_interval / 2
+                    self._check_liveness(now)
             except Exception:
                 logger.exception("progress loop error (continuing)")
                 busy = True

@@ -44,6 +44,8 @@ class Kind(enum.IntEnum):
     HELLO = 1
     CHALLENGE = 2
     PROOF = 3
+    PING = 4      # authenticated like MESSAGE; asks for a PONG
+    PONG = 5
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,125 @@
+"""Test-suite wiring shared by every test.
+
+Markers (``gpu``, ``slow``), the per-test timeout and strictness live in
+pyproject.toml; this file adds:
+
+* GPU detection: tests marked ``gpu`` are skipped, with the reason, when
+  ``torch.cuda.is_available()`` is false. Torch is imported only when such a
+  test was collected.
+* A check after each test module that it left no child process running; any
+  leftover is killed and the module gets an error naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.workers import child_pids
+
+# How long children of a finished module get to exit on their own before
+# they count as left behind.
+_LEFTOVER_GRACE_S = 2.0
+
+
+@functools.cache
+def cuda_unavailable_reason() -> str | None:
+    """Return why CUDA cannot be used here, or None when a CUDA GPU is usable."""
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is a dependency
+        return f"needs a CUDA GPU: torch does not import ({exc})"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
+    return None
+
+
+@pytest.fixture(scope="session")
+def cuda_available() -> bool:
+    """Whether a CUDA GPU is usable in this session."""
+    return cuda_unavailable_reason() is None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def _exempt_pids() -> set[int]:
+    """Long-lived helpers multiprocessing starts once per session by design."""
+    exempt = set()
+    from multiprocessing import forkserver, resource_tracker
+
+    tracker_pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    if tracker_pid:
+        exempt.add(tracker_pid)
+    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if server_pid:
+        exempt.add(server_pid)
+    return exempt
+
+
+def _leftover_children() -> list[int]:
+    multiprocessing.active_children()  # reaps multiprocessing children that ended
+    exempt = _exempt_pids()
+    return [pid for pid in child_pids() if pid not in exempt]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip() or "?"
+    except OSError:
+        return "?"
+
+
+def _kill_and_reap(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        multiprocessing.active_children()
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return  # reaped by whoever owns it
+        if done:
+            return
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftover_children() -> Iterator[None]:
+    """Fail the module that leaves a child process running, and kill that child."""
+    before = set(_leftover_children())
+    yield
+    deadline = time.monotonic() + _LEFTOVER_GRACE_S
+    leftovers = [pid for pid in _leftover_children() if pid not in before]
+    while leftovers and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leftovers = [pid for pid in _leftover_children() if pid not in before]
+    if not leftovers:
+        return
+    described = [f"pid {pid}: {_cmdline(pid)}" for pid in leftovers]
+    for pid in leftovers:
+        _kill_and_reap(pid)
+    pytest.fail(
+        "this module left child processes running (now killed); stop them in a finally:\n  "
+        + "\n  ".join(described),
+        pytrace=False,
+    )

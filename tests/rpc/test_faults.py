@@ -1,0 +1,216 @@
+"""Peer death, authentication, malformed and oversize frames — real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.workers import run_workers, spawn_worker, stop_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _init(rank, world_size, init_method, **kw):
+    import ucxrpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method, **kw))
+
+
+def add(a, b):
+    return a + b
+
+
+def echo(x):
+    return x
+
+
+def slow_echo(x, seconds):
+    time.sleep(seconds)
+    return x
+
+
+def die_after(seconds):
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------ peer killed
+
+def _victim(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    time.sleep(60)  # killed long before this ends
+    rpc.shutdown()
+
+
+def _survivor(rank, world_size, init_method, full_world):
+    import ucxrpc as rpc
+
+    _init(rank, full_world, init_method)
+    out = {}
+    if rank == 0:
+        assert rpc.rpc_sync("worker2", add, args=(1, 2)) == 3
+        slow = rpc.rpc_async("worker2", die_after, args=(0.5,))
+        big = rpc.rpc_async("worker2", slow_echo, args=(torch.ones(16 << 20), 5.0))
+        t0 = time.monotonic()
+        for fut in (slow, big):
+            with pytest.raises(RuntimeError, match="worker2") as ei:
+                fut.wait()
+        out["detect_s"] = time.monotonic() - t0
+        out["error"] = str(ei.value)
+        # later calls to the dead peer fail at once, naming it
+        with pytest.raises(RuntimeError, match="worker2"):
+            rpc.rpc_sync("worker2", add, args=(1, 2))
+        # the other pipe keeps working
+        assert rpc.rpc_sync("worker1", add, args=(2, 2)) == 4
+    rpc.shutdown()
+    return out
+
+
+def test_peer_killed_mid_call_fails_fast_and_others_keep_working():
+    from tests.workers import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    victim = spawn_worker(_victim, 2, 3, init)
+    try:
+        res = run_workers(_survivor, 2, args=(3,), init_method=init, timeout=100)
+    finally:
+        stop_worker(victim)
+    # rpc_timeout is 60 s: failing in seconds proves detection, not a timeout
+    assert res[0]["detect_s"] < 15, res[0]
+    assert "unreachable" in res[0]["error"]
+
+
+# ---------------------------------------------------------- authentication
+
+def _wrong_secret(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    os.environ["UCXRPC_AUTH_TOKEN"] = "secret-A" if rank == 0 else "secret-B"
+    _init(rank, world_size, init_method, rpc_timeout=20)
+    if rank == 0:
+        with pytest.raises(rpc.AuthenticationError, match="failed authentication"):
+            rpc.rpc_sync("worker1", add, args=(1, 2))
+    time.sleep(0.5)
+    rpc.shutdown(graceful=False)
+
+
+def test_peer_with_wrong_secret_is_refused():
+    run_workers(_wrong_secret, 2, timeout=60)
+
+
+def _rogue(address_hex, claimed_id, store_port):
+    """A process that knows worker1's UCX address but not the job secret."""
+    import numpy as np
+
+    from ucxrpc.transport import Transport
+    from ucxrpc.transport.engine import FRAME, HANDSHAKE, ID_SHIFT, KIND_SHIFT
+    from ucxrpc.transport.frame import Kind, encode, Limits
+
+    tr = Transport(my_id=claimed_id, secret=b"not-the-secret", on_message=lambda *a: None,
+                   on_frame_error=lambda *a: None, on_broken=lambda *a: None)
+    tr.add_peer(1, "worker1", bytes.fromhex(address_hex))
+    tr.start()
+    ep = tr._endpoint(tr._pipes[1])
+    garbage = [
+        np.frombuffer(os.urandom(200), dtype=np.uint8).copy(),        # random bytes
+        np.frombuffer(b"UX\x01\x00" + b"\x00" * 8, dtype=np.uint8).copy(),  # truncated
+    ]
+    frame, _ = encode(Kind.MESSAGE, 1, b"\x80\x05N.", [], b"wrong-key", Limits())
+    garbage.append(frame)  # well formed but unauthenticated
+    reqs = []
+    for g in garbage:
+        reqs.append(ep.tag_send(g, (FRAME << KIND_SHIFT) | (claimed_id << ID_SHIFT)))
+    for g in garbage[:2]:
+        reqs.append(ep.tag_send(g, (HANDSHAKE << KIND_SHIFT) | (claimed_id << ID_SHIFT)))
+    # A full handshake attempt with the wrong secret.
+    tr.send(1, b"\x01" * 32, [])
+    time.sleep(2.0)
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    store.set("rogue-done", "1")
+    time.sleep(30)
+
+
+def _attacked(rank, world_size, init_method, store_port):
+    import ucxrpc as rpc
+    from ucxrpc import api
+
+    _init(rank, world_size, init_method)
+    import torch.distributed as dist
+
+    if rank == 1:
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+        store.set("worker1-address", api._agent.transport.address.hex())
+        store.wait(["rogue-done"])
+        refused = rpc._get_debug_info()
+        store.set("refused", str(refused["refused_frames"] + refused["frame_errors"]))
+    else:
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+        store.wait(["refused"])
+        # worker1 still serves its authenticated peer
+        assert rpc.rpc_sync("worker1", add, args=(20, 22)) == 42
+    n = int(store.get("refused"))
+    rpc.shutdown()
+    return n
+
+
+def _rogue_launcher(store_port):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    store.wait(["worker1-address"])
+    _rogue(store.get("worker1-address").decode(), 0, store_port)
+
+
+def test_unauthenticated_and_malformed_frames_are_refused_and_agent_keeps_serving():
+    from tests.workers import free_port
+
+    port = free_port()
+    rogue = spawn_worker(_rogue_launcher, port)
+    try:
+        res = run_workers(_attacked, 2, args=(port,), timeout=90)
+    finally:
+        stop_worker(rogue)
+    assert res[1] >= 5, res  # every garbage frame was counted as refused/dropped
+
+
+# ------------------------------------------------- malformed / oversize
+
+def _bad_messages(rank, world_size, init_method):
+    import ucxrpc as rpc
+    from ucxrpc import api, wire
+    from ucxrpc.agent import _Call
+
+    limit = (1 << 20) if rank == 1 else (64 << 20)
+    _init(rank, world_size, init_method, max_message_bytes=limit)
+    if rank == 0:
+        # the receiver's limit is smaller than ours: it rejects with an error
+        with pytest.raises(RuntimeError, match="exceeds max_message_bytes=1048576"):
+            rpc.rpc_sync("worker1", echo, args=(torch.ones(1 << 20),))
+        # our own limit is enforced before anything is sent
+        with pytest.raises(RuntimeError, match="exceeds max_message_bytes"):
+            rpc.rpc_sync("worker1", echo, args=(torch.ones(32 << 20),))
+        # an authenticated message whose body is not a valid pickle
+        agent = api._agent
+        fut = torch.futures.Future()
+        agent._calls[10**9] = _Call(fut, 1, 10.0)
+        agent.transport.send(1, wire.encode(wire.MsgKind.REQUEST, 10**9, b"\x80\x05garbage"), [])
+        with pytest.raises(RuntimeError, match="cannot decode a request"):
+            fut.wait()
+        # nothing was lost: the pipe still carries calls and data
+        assert rpc.rpc_sync("worker1", add, args=(1, 2)) == 3
+        t = torch.arange(1000.0)
+        assert torch.equal(rpc.rpc_sync("worker1", echo, args=(t,)), t)
+    rpc.shutdown()
+
+
+def test_malformed_and_oversize_messages_get_clear_errors():
+    run_workers(_bad_messages, 2, timeout=90)

@@ -1,0 +1,687 @@
+"""Round trips through ucxrpc.serialization, in process.
+
+``_wire`` plays the transport: it copies every buffer into a fresh uint8
+tensor (optionally a slice of a bigger allocation) so nothing received
+aliases what was sent.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from ucxrpc import serialization
+from ucxrpc.errors import SerializationError
+from ucxrpc.serialization import BufferSpec, Pickled, Serializer, dumps, loads
+
+ALL_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex64, torch.complex128,
+]
+
+
+def _wire(pickled: Pickled, offset: int | None = None) -> list[torch.Tensor]:
+    """Copy buffers as a transport would; ``offset`` places each inside a bigger
+    allocation at that byte offset."""
+    out = []
+    for buf in pickled.buffers:
+        if offset is None:
+            fresh = torch.empty(buf.numel(), dtype=torch.uint8, device=buf.device)
+        else:
+            big = torch.empty(buf.numel() + offset + 7, dtype=torch.uint8, device=buf.device)
+            fresh = big[offset:offset + buf.numel()]
+        fresh.copy_(buf)
+        out.append(fresh)
+    return out
+
+
+def _roundtrip(obj: object, offset: int | None = None) -> object:
+    pickled = dumps(obj)
+    return loads(pickled.payload, _wire(pickled, offset))
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Deterministic NaN-free values of any dtype."""
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=g)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=dtype)
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert type(got) is type(want)
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert got.stride() == want.stride()
+    assert got.device == want.device
+    assert torch.equal(got, want)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# --------------------------------------------------------------------------
+# Interface
+
+
+def test_all_names_exist():
+    assert sorted(serialization.__all__) == ["BufferSpec", "Pickled", "Serializer", "dumps", "loads"]
+    for name in serialization.__all__:
+        assert hasattr(serialization, name)
+
+
+def test_payload_is_protocol_5_pickle_without_tensor_bytes():
+    t = torch.full((4096,), 7, dtype=torch.uint8)
+    pickled = dumps({"t": t})
+    assert isinstance(pickled.payload, bytes)
+    assert pickled.payload[:2] == b"\x80\x05"
+    assert b"\x07" * 64 not in pickled.payload  # the data is out of band
+    assert len(pickled.payload) < 200
+    assert pickled.specs == [BufferSpec(4096, "cpu")]
+
+
+def test_buffers_are_zero_copy_uint8_views_of_the_storage():
+    t = torch.randn(64, 64)
+    pickled = dumps(t)
+    (buf,) = pickled.buffers
+    assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+    assert buf.numel() == t.nbytes
+    assert buf.data_ptr() == t.data_ptr()
+
+
+def test_specs_list_every_buffer_in_order():
+    a, b = torch.zeros(3, dtype=torch.int16), torch.zeros(5, dtype=torch.float64)
+    pickled = dumps([a, b])
+    assert pickled.specs == [BufferSpec(6, "cpu"), BufferSpec(40, "cpu")]
+
+
+def _noop() -> None:
+    return None
+
+
+def test_noop_message_has_no_buffers():
+    pickled = dumps((_noop, (), {}))
+    assert pickled.buffers == []
+    assert loads(pickled.payload, []) == (_noop, (), {})
+
+
+# --------------------------------------------------------------------------
+# Tensors
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_roundtrips(dtype):
+    t = _sample(dtype, (5, 7))
+    _assert_same(_roundtrip(t), t)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_roundtrips_from_misaligned_buffer(dtype):
+    t = _sample(dtype, (3, 5))
+    _assert_same(_roundtrip(t, offset=1), t)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (0, 3), (3, 0), (2, 0, 4)], ids=str)
+def test_zero_dim_and_zero_size(shape):
+    t = _sample(torch.float32, shape)
+    got = _roundtrip(t)
+    _assert_same(got, t)
+
+
+def test_zero_size_view_with_offset():
+    base = torch.arange(10.0)
+    view = base[5:5]
+    got_base, got_view = _roundtrip([base, view])
+    _assert_same(got_view, view)
+    assert got_view.storage_offset() == 5
+    assert _shares_storage(got_base, got_view)
+
+
+def test_non_contiguous_layouts_keep_strides():
+    base = torch.arange(60.0).reshape(3, 4, 5)
+    cases = [base.transpose(0, 2), base[:, ::2, 1:], base.permute(1, 2, 0),
+             torch.arange(3.0).reshape(3, 1).expand(3, 4)]
+    got = _roundtrip(cases)
+    for g, want in zip(got, cases):
+        _assert_same(g, want)
+        assert g.storage_offset() == want.storage_offset()
+        assert g.is_contiguous() == want.is_contiguous()
+
+
+def test_views_sent_together_stay_views():
+    a = torch.arange(12.0).reshape(3, 4)
+    pickled = dumps({"a": a, "tail": a[1:], "t": a.T, "flat": a.view(-1)})
+    assert len(pickled.buffers) == 1
+    got = loads(pickled.payload, _wire(pickled))
+    for key in ("tail", "t", "flat"):
+        assert _shares_storage(got["a"], got[key])
+    assert got["t"].stride() == (1, 4)
+    got["a"][1, 0] = -1.0
+    assert got["tail"][0, 0].item() == -1.0
+    assert got["t"][0, 1].item() == -1.0
+
+
+def test_views_of_different_dtypes_share_one_buffer():
+    a = torch.arange(8, dtype=torch.int32)
+    b = a.view(torch.uint8)
+    pickled = dumps([a, b])
+    assert len(pickled.buffers) == 1
+    got_a, got_b = loads(pickled.payload, _wire(pickled))
+    _assert_same(got_b, b)
+    got_b[0] = 99
+    assert got_a[0].item() == 99
+
+
+def test_same_tensor_twice_arrives_as_one_object():
+    t = torch.randn(4)
+    pickled = dumps([t, t])
+    assert len(pickled.buffers) == 1
+    got = loads(pickled.payload, _wire(pickled))
+    assert got[0] is got[1]
+
+
+def test_separate_storages_travel_separately():
+    a, b = torch.zeros(4), torch.ones(4)
+    pickled = dumps([a, b])
+    assert len(pickled.buffers) == 2
+    got_a, got_b = loads(pickled.payload, _wire(pickled))
+    assert not _shares_storage(got_a, got_b)
+
+
+def test_views_share_storage_after_realignment_copy():
+    a = torch.arange(16, dtype=torch.float64)
+    got_a, got_tail = _roundtrip([a, a[3:]], offset=3)
+    _assert_same(got_tail, a[3:])
+    assert _shares_storage(got_a, got_tail)
+
+
+# Compaction: storage >= 8 KiB and >= 2x the bytes the view uses.
+
+
+def test_compaction_when_storage_large_and_view_small():
+    base = torch.arange(2048, dtype=torch.float32)  # exactly 8 KiB
+    view = base[100:1124]  # 4 KiB: exactly half
+    pickled = dumps(view)
+    assert pickled.specs == [BufferSpec(4096, "cpu")]
+    got = loads(pickled.payload, _wire(pickled))
+    _assert_same(got, view)
+    assert got.storage_offset() == 0
+
+
+def test_no_compaction_just_below_size_threshold():
+    base = torch.arange(2047, dtype=torch.float32)  # 8 KiB - 4 bytes
+    view = base[100:101]
+    pickled = dumps(view)
+    assert pickled.specs == [BufferSpec(2047 * 4, "cpu")]
+    got = loads(pickled.payload, _wire(pickled))
+    _assert_same(got, view)
+    assert got.storage_offset() == 100
+
+
+def test_no_compaction_when_view_uses_more_than_half():
+    base = torch.arange(2048, dtype=torch.float32)
+    view = base[:1025]  # 4100 bytes > 8192 / 2
+    pickled = dumps(view)
+    assert pickled.specs == [BufferSpec(8192, "cpu")]
+    _assert_same(loads(pickled.payload, _wire(pickled)), view)
+
+
+def test_compacted_non_dense_view_arrives_contiguous():
+    base = torch.arange(8192, dtype=torch.float32).reshape(64, 128)
+    view = base[::4, ::2]  # 2 KiB of a 32 KiB storage
+    pickled = dumps(view)
+    assert pickled.specs == [BufferSpec(view.nbytes, "cpu")]
+    got = loads(pickled.payload, _wire(pickled))
+    assert torch.equal(got, view)
+    assert got.is_contiguous()
+
+
+def test_compacted_views_no_longer_share_but_whole_tensor_does():
+    base = torch.arange(4096, dtype=torch.float32)  # 16 KiB
+    small = base[:10]
+    pickled = dumps([base, base[1:], small])
+    assert [s.nbytes for s in pickled.specs] == [16384, 40]
+    got_base, got_tail, got_small = loads(pickled.payload, _wire(pickled))
+    assert _shares_storage(got_base, got_tail)
+    assert not _shares_storage(got_base, got_small)
+    assert torch.equal(got_small, small)
+
+
+# Received tensors are views of the received buffers.
+
+
+def test_received_tensor_is_a_view_of_its_buffer():
+    t = torch.randn(8, 8)
+    pickled = dumps(t)
+    bufs = _wire(pickled)
+    got = loads(pickled.payload, bufs)
+    assert got.data_ptr() == bufs[0].data_ptr()
+    bufs[0].zero_()
+    assert torch.count_nonzero(got).item() == 0
+
+
+def test_buffer_slice_at_aligned_offset_is_used_in_place():
+    t = torch.randn(5, 3, dtype=torch.float64)
+    pickled = dumps(t[1:])
+    bufs = _wire(pickled, offset=64)
+    assert bufs[0].storage_offset() == 64
+    got = loads(pickled.payload, bufs)
+    _assert_same(got, t[1:])
+    assert got.data_ptr() == bufs[0].data_ptr() + 3 * 8
+
+
+def test_buffer_slice_at_odd_offset_is_copied_for_wide_dtypes():
+    t = torch.randn(5, 3, dtype=torch.float32)
+    pickled = dumps(t)
+    bufs = _wire(pickled, offset=1)
+    got = loads(pickled.payload, bufs)
+    _assert_same(got, t)
+    assert got.data_ptr() % 4 == 0
+    assert got.data_ptr() != bufs[0].data_ptr()
+
+
+def test_byte_tensor_uses_odd_offset_buffer_in_place():
+    t = torch.arange(100, dtype=torch.uint8)
+    pickled = dumps(t)
+    bufs = _wire(pickled, offset=1)
+    got = loads(pickled.payload, bufs)
+    _assert_same(got, t)
+    assert got.data_ptr() == bufs[0].data_ptr()
+
+
+# Autograd flags, parameters and subclasses.
+
+
+def test_requires_grad_and_parameters_are_restored_as_leaves():
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2  # not a leaf on this side
+    p = torch.nn.Parameter(torch.randn(2, 2))
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    plain = torch.randn(2)
+    got_x, got_y, got_p, got_frozen, got_plain = _roundtrip([x, y, p, frozen, plain])
+    assert got_x.requires_grad and got_x.is_leaf and type(got_x) is torch.Tensor
+    assert got_y.requires_grad and got_y.is_leaf and got_y.grad_fn is None
+    assert torch.equal(got_y, y.detach())
+    assert type(got_p) is torch.nn.Parameter and got_p.requires_grad
+    assert torch.equal(got_p, p.detach())
+    assert type(got_frozen) is torch.nn.Parameter and not got_frozen.requires_grad
+    assert not got_plain.requires_grad
+    got_p.sum().backward()
+    assert torch.equal(got_p.grad, torch.ones(2, 2))
+
+
+class _TaggedTensor(torch.Tensor):
+    pass
+
+
+def test_plain_subclass_and_attributes_roundtrip_out_of_band():
+    sub = torch.arange(6.0).as_subclass(_TaggedTensor)
+    sub.tag = "hello"
+    plain = torch.arange(3.0)
+    plain.note = np.arange(3)
+    pickled = dumps([sub, plain])
+    assert len(pickled.buffers) == 2
+    got_sub, got_plain = loads(pickled.payload, _wire(pickled))
+    assert type(got_sub) is _TaggedTensor and got_sub.tag == "hello"
+    assert torch.equal(got_sub.as_subclass(torch.Tensor), torch.arange(6.0))
+    assert np.array_equal(got_plain.note, np.arange(3))
+
+
+def test_buffers_inside_tensor_state_keep_their_order():
+    t = torch.arange(4.0)
+    t.payload = np.arange(20000, dtype=np.float64)  # out of band itself
+    after = torch.arange(5, dtype=torch.int64)
+    pickled = dumps([t, after])
+    assert [s.nbytes for s in pickled.specs] == [16, 160000, 40]
+    got_t, got_after = loads(pickled.payload, _wire(pickled))
+    assert np.array_equal(got_t.payload, t.payload)
+    _assert_same(got_after, after)
+
+
+# Lazy bits and exotic layouts.
+
+
+def test_conj_and_neg_views_are_materialized():
+    c = torch.randn(4, dtype=torch.complex64)
+    conj = c.conj()
+    neg = conj.imag
+    assert conj.is_conj() and neg.is_neg()
+    got_conj, got_neg = _roundtrip([conj, neg])
+    assert not got_conj.is_conj() and not got_neg.is_neg()
+    assert torch.equal(got_conj, conj.resolve_conj())
+    assert torch.equal(got_neg, neg.resolve_neg())
+
+
+def test_zero_tensor_is_materialized():
+    z = torch._efficientzerotensor(3)
+    got = _roundtrip(z)
+    assert torch.equal(got, torch.zeros(3))
+
+
+def test_sparse_tensor_falls_back_but_its_parts_go_out_of_band():
+    dense = torch.zeros(6, 6)
+    dense[1, 2], dense[4, 0] = 3.0, -1.0
+    sparse = dense.to_sparse()
+    pickled = dumps(sparse)
+    assert len(pickled.buffers) == 2  # indices and values
+    got = loads(pickled.payload, _wire(pickled))
+    assert got.is_sparse
+    assert torch.equal(got.to_dense(), dense)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_quantized_tensor_falls_back_to_torch_pickling():
+    q = torch.quantize_per_tensor(torch.randn(8), scale=0.1, zero_point=3, dtype=torch.quint8)
+    got = _roundtrip(q)
+    assert got.is_quantized
+    assert torch.equal(got.int_repr(), q.int_repr())
+    assert got.q_scale() == q.q_scale()
+
+
+# --------------------------------------------------------------------------
+# numpy and containers
+
+
+def test_large_numpy_array_goes_out_of_band_zero_copy():
+    arr = np.arange(1 << 14, dtype=np.float64)  # 128 KiB
+    pickled = dumps({"arr": arr})
+    assert pickled.specs == [BufferSpec(arr.nbytes, "cpu")]
+    assert pickled.buffers[0].data_ptr() == arr.ctypes.data
+    assert len(pickled.payload) < 300
+    bufs = _wire(pickled)
+    got = loads(pickled.payload, bufs)["arr"]
+    assert got.dtype == arr.dtype and np.array_equal(got, arr)
+    assert got.ctypes.data == bufs[0].data_ptr()
+
+
+def test_small_numpy_array_stays_in_band():
+    arr = np.arange(100, dtype=np.int32)
+    pickled = dumps(arr)
+    assert pickled.buffers == []
+    assert np.array_equal(loads(pickled.payload, []), arr)
+
+
+def test_numpy_layouts_and_readonly():
+    fortran = np.asfortranarray(np.arange(40000, dtype=np.float32).reshape(200, 200))
+    strided = np.arange(40000, dtype=np.float64)[::2]  # not contiguous: in band
+    readonly = np.frombuffer(bytes(range(256)) * 512, dtype=np.uint8)
+    pickled = dumps([fortran, strided, readonly])
+    assert [s.nbytes for s in pickled.specs] == [fortran.nbytes, readonly.nbytes]
+    got_f, got_s, got_r = loads(pickled.payload, _wire(pickled))
+    assert np.array_equal(got_f, fortran) and got_f.flags.f_contiguous
+    assert np.array_equal(got_s, strided)
+    assert np.array_equal(got_r, readonly) and not got_r.flags.writeable
+
+
+def test_nested_containers_mixing_everything():
+    base = torch.randn(4, 4)
+    obj = {
+        "list": [base, (base[0], {"deep": base.T})],
+        "tuple": (1, "two", 3.0, None, b"bytes"),
+        "np": np.ones(20000),
+        "small_np": np.zeros(3),
+        "meta": (torch.Size([2, 3]), torch.float16, torch.device("cpu")),
+        "int8": _sample(torch.int8, (9,)),
+    }
+    pickled = dumps(obj)
+    assert len(pickled.buffers) == 3
+    got = loads(pickled.payload, _wire(pickled, offset=16))
+    _assert_same(got["list"][0], base)
+    _assert_same(got["list"][1][0], base[0])
+    _assert_same(got["list"][1][1]["deep"], base.T)
+    assert _shares_storage(got["list"][0], got["list"][1][1]["deep"])
+    assert got["tuple"] == obj["tuple"]
+    assert np.array_equal(got["np"], obj["np"])
+    assert np.array_equal(got["small_np"], obj["small_np"])
+    assert got["meta"] == obj["meta"]
+    _assert_same(got["int8"], obj["int8"])
+
+
+def test_large_in_band_payload_written_in_pieces():
+    blob = bytes(range(256)) * 1024  # 256 KiB: pickle writes it separately
+    obj = {"head": torch.arange(3), "blob": blob, "tail": [torch.ones(2), "end"]}
+    pickled = dumps(obj)
+    assert len(pickled.payload) > len(blob)
+    got = loads(pickled.payload, _wire(pickled))
+    assert got["blob"] == blob and got["tail"][1] == "end"
+    assert torch.equal(got["head"], obj["head"]) and torch.equal(got["tail"][0], torch.ones(2))
+
+
+# --------------------------------------------------------------------------
+# Errors on dumps: the original pickling exception
+
+
+@pytest.mark.parametrize("make", [lambda: (lambda: 0), threading.Lock], ids=["lambda", "lock"])
+def test_unpicklable_raises_the_original_exception_type(make):
+    bad = make()
+    with pytest.raises(Exception) as plain:
+        pickle.dumps(bad, protocol=5)
+    with pytest.raises(Exception) as ours:
+        dumps({"x": [torch.ones(2), bad]})
+    assert type(ours.value) is type(plain.value)
+    assert not isinstance(ours.value, SerializationError)
+    # the serializer is still usable afterwards
+    assert torch.equal(_roundtrip(torch.ones(2)), torch.ones(2))
+
+
+def test_too_many_buffers_on_dumps():
+    ser = Serializer(max_buffers=2)
+    ser.dumps([torch.ones(1), torch.ones(1)])
+    with pytest.raises(SerializationError, match="3 buffers; the limit is 2"):
+        ser.dumps([torch.ones(1), torch.ones(1), torch.ones(1)])
+
+
+# --------------------------------------------------------------------------
+# Errors on loads: SerializationError that says what was wrong
+
+
+def test_too_few_buffers():
+    pickled = dumps([torch.ones(3), torch.zeros(3)])
+    with pytest.raises(SerializationError, match=r"^tensor 1 needs buffer 1 but the message has only 1 buffers$"):
+        loads(pickled.payload, _wire(pickled)[:1])
+
+
+def test_no_buffers_for_numpy():
+    pickled = dumps(np.ones(20000))
+    with pytest.raises(SerializationError, match=r"^pickle buffer 0 needs buffer 0 but the message has only 0 buffers$"):
+        loads(pickled.payload, [])
+
+
+def test_too_many_buffers():
+    pickled = dumps(torch.ones(3))
+    bufs = _wire(pickled) + [torch.zeros(4, dtype=torch.uint8)]
+    with pytest.raises(SerializationError, match="^message has 2 buffers but its pickle uses 1$"):
+        loads(pickled.payload, bufs)
+
+
+def test_more_buffers_than_allowed():
+    with pytest.raises(SerializationError, match="^message has 3 buffers; the limit is 2$"):
+        Serializer(max_buffers=2).loads(dumps(None).payload, [torch.zeros(1, dtype=torch.uint8)] * 3)
+
+
+def test_buffer_too_small():
+    t = torch.ones(4, 256)
+    pickled = dumps([torch.ones(2), t])
+    bufs = _wire(pickled)
+    bufs[1] = bufs[1][:100]
+    with pytest.raises(SerializationError,
+                       match=r"^tensor 1 needs bytes \[0, 4096\) but buffer 1 has 100 bytes$"):
+        loads(pickled.payload, bufs)
+
+
+def test_buffer_of_wrong_kind():
+    pickled = dumps(torch.ones(2))
+    with pytest.raises(SerializationError, match="^buffer 0 is not a 1-D contiguous uint8 tensor$"):
+        loads(pickled.payload, [torch.ones(2)])
+
+
+@pytest.mark.parametrize("payload", [b"", b"garbage", b"\x80\x05\x95", b"\x80\x05K\x01"],
+                         ids=["empty", "garbage", "truncated", "no-stop"])
+def test_garbage_payload(payload):
+    with pytest.raises(SerializationError, match="cannot unpickle message"):
+        loads(payload, [])
+
+
+def test_truncated_real_payload():
+    pickled = dumps({"a": torch.ones(3), "b": [1, 2, 3]})
+    with pytest.raises(SerializationError, match="cannot unpickle message"):
+        loads(pickled.payload[:-5], _wire(pickled))
+
+
+class _Forged:
+    """Pickles as a direct call of the rebuild function with chosen arguments."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __reduce__(self):
+        return (serialization._rebuild_tensor, self.args)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 0, "float32", (4,), (-1,), 0), "^tensor has negative shape"),
+    ((0, 0, "float32", (4, 4), (1,), 0), "^tensor shape .* differ in length$"),
+    ((0, 0, "no_such_dtype", (4,), (1,), 0), "^unknown tensor dtype 'no_such_dtype' in message$"),
+    ((0, 3, "float32", (4,), (1,), 0), r"^tensor 0 needs bytes \[12, 28\) but buffer 0 has 16 bytes$"),
+    ((0, -1, "float32", (4,), (1,), 0), r"^tensor 0 needs bytes \[-4, 12\)"),
+    ((1, 0, "float32", (4,), (1,), 0), "^tensor 0 refers to buffer 1 out of order"),
+    ((0, 0, "float32", (4,), (1,), 0, int), "^tensor 0 has type <class 'int'>, not a Tensor subclass$"),
+])
+def test_forged_metadata_is_rejected(args, message):
+    payload = pickle.dumps(_Forged(*args), protocol=5)
+    bufs = [torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)]
+    with pytest.raises(SerializationError, match=message):
+        loads(payload, bufs)
+
+
+def test_plain_unpickling_of_a_message_is_refused():
+    pickled = dumps(torch.ones(2))
+    with pytest.raises(SerializationError, match="^a ucxrpc tensor can only be unpickled by Serializer.loads$"):
+        pickle.loads(pickled.payload)
+
+
+# --------------------------------------------------------------------------
+# Extension hooks
+
+
+class _Handle:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _rebuild_handle(name: str) -> _Handle:
+    return _Handle("rebuilt:" + name)
+
+
+def test_dispatch_mapping_intercepts_exact_type():
+    ser = Serializer(dispatch={_Handle: lambda h: (_rebuild_handle, (h.name,))})
+    pickled = ser.dumps([_Handle("a"), torch.ones(2)])
+    got_handle, got_tensor = ser.loads(pickled.payload, _wire(pickled))
+    assert got_handle.name == "rebuilt:a"
+    assert torch.equal(got_tensor, torch.ones(2))
+    # the default serializer pickles it normally
+    assert _roundtrip(_Handle("a")).name == "a"
+
+
+def test_subclass_reducer_override_sees_objects_and_tensors_still_work():
+    seen = []
+
+    class Intercepting(Serializer):
+        def reducer_override(self, obj):
+            seen.append(type(obj))
+            if isinstance(obj, _Handle):
+                return (_rebuild_handle, (obj.name,))
+            return NotImplemented
+
+    ser = Intercepting()
+    pickled = ser.dumps({"h": _Handle("b"), "t": torch.arange(3)})
+    assert len(pickled.buffers) == 1
+    got = ser.loads(pickled.payload, _wire(pickled))
+    assert got["h"].name == "rebuilt:b"
+    assert torch.equal(got["t"], torch.arange(3))
+    assert _Handle in seen and torch.Tensor in seen
+
+
+def _rebuild_inner(payload: bytes, raw: list[bytes]) -> object:
+    bufs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in raw]
+    return loads(payload, bufs)
+
+
+class _Envelope:
+    """Pickles by running a whole dumps of its content (a nested dumps)."""
+
+    def __init__(self, content: object):
+        self.content = content
+
+    def __reduce__(self):
+        inner = dumps(self.content)
+        return (_rebuild_inner, (inner.payload, [b.numpy().tobytes() for b in inner.buffers]))
+
+
+def test_nested_dumps_and_loads_do_not_disturb_the_outer_message():
+    outer_t = torch.arange(6.0)
+    inner_t = torch.arange(3, dtype=torch.int16)
+    pickled = dumps([outer_t, _Envelope({"t": inner_t, "v": inner_t[1:]}), outer_t[2:]])
+    assert len(pickled.buffers) == 1
+    got_outer, got_inner, got_tail = loads(pickled.payload, _wire(pickled))
+    _assert_same(got_outer, outer_t)
+    _assert_same(got_tail, outer_t[2:])
+    assert _shares_storage(got_outer, got_tail)
+    _assert_same(got_inner["t"], inner_t)
+    assert _shares_storage(got_inner["t"], got_inner["v"])
+
+
+def test_module_level_and_instance_agree():
+    t = torch.randn(3)
+    a, b = dumps(t), Serializer().dumps(t)
+    assert a.payload == b.payload
+    assert torch.equal(Serializer().loads(a.payload, _wire(a)), t)
+
+
+def test_threads_serialize_independently():
+    errors = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(200):
+                t = torch.full((16,), float(seed * 1000 + i))
+                got = _roundtrip({"t": t, "v": t[2:]})
+                assert torch.equal(got["t"], t) and _shares_storage(got["t"], got["v"])
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not errors
+
+
+# --------------------------------------------------------------------------
+# CUDA
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_roundtrip_on_device():
+    base = torch.randn(8, 8, device="cuda")
+    cpu = torch.arange(4)
+    pickled = dumps({"a": base, "t": base.T, "row": base[1], "cpu": cpu})
+    assert pickled.specs == [BufferSpec(256, "cuda:0"), BufferSpec(32, "cpu")]
+    assert pickled.buffers[0].data_ptr() == base.data_ptr()
+    got = loads(pickled.payload, _wire(pickled))
+    _assert_same(got["a"], base)
+    _assert_same(got["t"], base.T)
+    assert _shares_storage(got["a"], got["row"])
+    _assert_same(got["cpu"], cpu)

@@ -1,0 +1,553 @@
+"""Pickle protocol 5 with tensors travelling out of band.
+
+A message becomes a :class:`Pickled`: a pickle stream (``payload``) that holds
+only metadata, plus a list of raw byte buffers (``buffers``), each a 1-D
+contiguous ``torch.uint8`` tensor on the CPU or a CUDA device.  The transport
+sends ``[payload, *buffers]``; the receiver reads the sizes and devices first
+(:attr:`Pickled.specs`), allocates the buffers itself, receives straight into
+them and calls :meth:`Serializer.loads`, which rebuilds every tensor as a view
+of those buffers -- no copy on either side for contiguous data.
+
+What goes out of band:
+
+* every strided CPU or CUDA tensor (``nn.Parameter`` and plain subclasses
+  included): its storage bytes.  A storage shared by several tensors in one
+  message travels once and arrives shared again.  As in torch's RPC, a view
+  that uses less than half of a storage of at least 8 KiB travels as a compact
+  copy of just the view instead.
+* any protocol-5 ``PickleBuffer`` of at least 64 KiB, which is how large
+  contiguous numpy arrays pickle themselves.
+
+Sparse, quantized, nested and other exotic tensors fall back to torch's own
+pickling (correct, not zero-copy).
+
+Buffer numbering: buffers are numbered in the order the pickle stream first
+refers to them.  Tensors name their buffer index explicitly (so shared storages
+can be referenced again); pickle's own out-of-band buffers (``NEXT_BUFFER``)
+carry no index, and take the next unused number.  Because a tensor's rebuild
+call never has another buffer nested inside its arguments, the load side sees
+the buffers introduced in exactly the same order, which :class:`_Loader`
+checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pickle
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    from ucxrpc.errors import SerializationError
+except ImportError:  # pragma: no cover - errors.py is written by the lead
+
+    class SerializationError(RuntimeError):  # type: ignore[no-redef]
+        """A value could not be pickled or unpickled, or its buffers do not fit."""
+
+
+__all__ = ["BufferSpec", "Pickled", "Serializer", "dumps", "loads"]
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL = 5
+
+# torch's RPC rule (tensorpipe_utils.cpp): re-copy a view when its storage is
+# at least this large and at least _COMPACT_RATIO times the bytes it uses.
+_COMPACT_MIN_BYTES = 8 * 1024
+_COMPACT_RATIO = 2
+
+# PickleBuffers (large numpy arrays) below this size stay inside the pickle:
+# one more transport buffer costs more than copying a few KiB.
+_OOB_MIN_BYTES = 64 * 1024
+
+# Bits of the ``flags`` argument of _rebuild_tensor.
+_REQUIRES_GRAD = 1
+_PARAMETER = 2
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
+
+Reducer = Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    """Size and device of one out-of-band buffer, known before its bytes.
+
+    Attributes:
+        nbytes: length of the buffer in bytes.
+        device: ``"cpu"`` or ``"cuda:N"``.
+    """
+
+    nbytes: int
+    device: str
+
+
+@dataclass(slots=True)
+class Pickled:
+    """One serialized message: a pickle stream and its out-of-band buffers.
+
+    The buffers view the sender's memory (zero-copy): the tensors and arrays
+    they came from must not be modified until the transport has sent them.
+    CUDA buffers may still have work pending on the current stream (the
+    producer's kernels, or the compaction copy made by ``dumps``).
+
+    Attributes:
+        payload: the pickle stream (protocol 5).
+        buffers: 1-D contiguous ``torch.uint8`` tensors (CPU or CUDA), in the
+            order ``loads`` expects them back.
+    """
+
+    payload: bytes
+    buffers: list[torch.Tensor]
+
+    @property
+    def specs(self) -> list[BufferSpec]:
+        """What the receiver must allocate: one spec per buffer, in order."""
+        return [BufferSpec(b.numel(), _device_name(b)) for b in self.buffers]
+
+
+def _device_name(t: torch.Tensor) -> str:
+    # str(t.device) is several times slower and this runs once per buffer.
+    return f"cuda:{t.get_device()}" if t.is_cuda else "cpu"
+
+
+# ---------------------------------------------------------------------------
+# dtype names: tensors carry their dtype as a short string.  The same string
+# object is reused for every tensor of a dtype, so pickle's memo sends it once
+# per message; a torch.dtype object would cost a global lookup on load.
+
+
+_DTYPE_TO_NAME: dict[torch.dtype, str] = {}
+_NAME_TO_DTYPE: dict[str, torch.dtype] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_TO_NAME.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        _DTYPE_TO_NAME[dtype] = name
+    return name
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = _NAME_TO_DTYPE.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise SerializationError(f"unknown tensor dtype {name!r} in message")
+        _NAME_TO_DTYPE[name] = dtype
+    return dtype
+
+
+# ---------------------------------------------------------------------------
+# Sending side.
+
+
+@functools.cache
+def _plain_subclass(cls: type) -> bool:
+    """Whether tensors of ``cls`` can travel as raw storage plus their type.
+
+    True for subclasses that keep torch's default pickling and dispatch (so a
+    real storage backs them); wrapper subclasses and those with their own
+    ``__reduce_ex__`` (Parameter subclasses, DTensor, ...) use their own.
+    """
+    return (cls.__reduce_ex__ is _Tensor.__reduce_ex__
+            and cls.__torch_dispatch__ is _Tensor.__torch_dispatch__)
+
+
+# Empty tensors to make new ones from: ``proto.new()`` is the cheapest way to
+# get a tensor of a given dtype and device to ``set_`` onto a storage (it
+# skips parsing dtype/device arguments), and this runs once per tensor.
+# Keyed by device index (-1 for the CPU); the receiving side adds the dtype.
+_BYTE_PROTOS: dict[int, torch.Tensor] = {}
+_PROTOS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _bytes_of(view: memoryview) -> torch.Tensor:
+    """A uint8 CPU tensor viewing ``view``'s bytes (no copy)."""
+    if view.readonly:
+        # torch warns that writing would be undefined; nothing here writes.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(view, dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    """Resolve lazy conj/neg bits and zero tensors into real memory."""
+    t = t.detach()
+    if t._is_zerotensor():
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return t.resolve_conj().resolve_neg()
+
+
+def _set_tensor_state(tensor: torch.Tensor, state: Any) -> torch.Tensor:
+    """Restore Python attributes of a received tensor (as torch's pickling)."""
+    if getattr(type(tensor), "__setstate__", _Tensor.__setstate__) is not _Tensor.__setstate__:
+        tensor.__setstate__(state)
+    else:
+        torch._utils._set_obj_state(tensor, state)
+    return tensor
+
+
+class _MessagePickler(pickle.Pickler):
+    """Pickler for one thread; reused across messages (state reset per dump)."""
+
+    def __init__(self, serializer: Serializer) -> None:
+        self._chunks: list[bytes] = []
+        super().__init__(self, protocol=PROTOCOL, buffer_callback=self._buffer_callback)
+        self._dispatch = serializer._dispatch
+        self._hook = serializer._hook
+        self.buffers: list[torch.Tensor] = []
+        self._storage_index: dict[tuple[int, int, int], int] = {}
+        self.busy = False
+
+    def write(self, data: bytes) -> Any:
+        # The pickler is its own file: it writes once per dump except for very
+        # large streams, so keeping the chunks avoids a BytesIO copy.
+        self._chunks.append(data)
+
+    def run(self, obj: object) -> tuple[bytes, list[torch.Tensor]]:
+        """Pickle ``obj``; returns the payload and buffers, then resets."""
+        try:
+            self.dump(obj)
+            chunks, buffers = self._chunks, self.buffers
+            payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        finally:
+            self.clear_memo()  # do not keep the message's objects alive
+            self._chunks = []
+            self.buffers = []
+            self._storage_index = {}
+        return payload, buffers
+
+    def reducer_override(self, obj: Any) -> Any:
+        if self._hook is not None:
+            rv = self._hook(obj)
+            if rv is not NotImplemented:
+                return rv
+        reducer = self._dispatch.get(type(obj))
+        if reducer is not None:
+            return reducer(obj)
+        if isinstance(obj, _Tensor):
+            return self._reduce_tensor(obj)
+        return NotImplemented
+
+    def _buffer_callback(self, buffer: pickle.PickleBuffer) -> bool:
+        # Returning False sends the buffer out of band; it takes the next
+        # buffer number, matching _Loader.__next__.
+        view = buffer.raw()
+        if view.nbytes < _OOB_MIN_BYTES:
+            return True
+        self.buffers.append(_bytes_of(view))
+        return False
+
+    def _reduce_tensor(self, t: torch.Tensor) -> Any:
+        cls = type(t)
+        if cls is not _Tensor and cls is not _Parameter and not _plain_subclass(cls):
+            return NotImplemented
+        if (t.layout is not _STRIDED or t.is_quantized or t.is_nested
+                or not (t.is_cpu or t.is_cuda)):
+            return NotImplemented  # torch's own pickling: in band, but correct
+        data = _materialize(t) if t.is_neg() or t.is_conj() or t._is_zerotensor() else t
+        index = self._buffer_index(data)
+        if index < 0:  # compacted: a fresh copy of just the view
+            data = data.detach().clone()
+            index = self._add_buffer(data.untyped_storage(), data.get_device())
+        flags = _REQUIRES_GRAD if t.requires_grad else 0
+        if cls is _Parameter:
+            flags |= _PARAMETER
+        args: tuple[Any, ...] = (index, data.storage_offset(), _dtype_name(data.dtype),
+                                 tuple(data.shape), data.stride(), flags)
+        if cls is not _Tensor and cls is not _Parameter:
+            args += (cls,)
+        elif not t.__dict__:
+            return (_rebuild_tensor, args)
+        state = torch._utils._get_obj_state(t)
+        if not state:
+            return (_rebuild_tensor, args)
+        # state_setter (not BUILD, which would call Tensor.__setstate__) runs
+        # after the tensor exists, so buffers inside the state keep stream order.
+        return (_rebuild_tensor, args, state, None, None, _set_tensor_state)
+
+    def _buffer_index(self, t: torch.Tensor) -> int:
+        """Index of the buffer holding ``t``'s whole storage, or -1 to compact."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes >= _COMPACT_MIN_BYTES and nbytes >= _COMPACT_RATIO * t.nbytes:
+            return -1
+        # The device is part of the key so that empty storages (all at
+        # address 0) on different devices stay apart.
+        device = t.get_device()
+        key = (storage.data_ptr(), nbytes, device)
+        index = self._storage_index.get(key)
+        if index is None:
+            index = self._storage_index[key] = self._add_buffer(storage, device)
+        return index
+
+    def _add_buffer(self, storage: torch.UntypedStorage, device: int) -> int:
+        """Append a uint8 tensor over all of ``storage``; returns its index."""
+        proto = _BYTE_PROTOS.get(device)
+        if proto is None:
+            proto = _BYTE_PROTOS[device] = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        self.buffers.append(proto.new().set_(storage))
+        return len(self.buffers) - 1
+
+
+# ---------------------------------------------------------------------------
+# Receiving side.
+
+_LOCAL = threading.local()  # .loader: the _Loader of the loads running here
+
+
+def _rebuild_tensor(index: int, offset: int, dtype: str, shape: tuple[int, ...],
+                    stride: tuple[int, ...], flags: int, cls: type | None = None) -> torch.Tensor:
+    """Pickle's rebuild call for an out-of-band tensor (see _Loader.tensor)."""
+    loader = getattr(_LOCAL, "loader", None)
+    if loader is None:
+        raise SerializationError("a ucxrpc tensor can only be unpickled by Serializer.loads")
+    return loader.tensor(index, offset, dtype, shape, stride, flags, cls)
+
+
+def _extent(offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """One past the last storage element a view touches; 0 if it has none."""
+    if len(shape) != len(stride):
+        raise SerializationError(f"tensor shape {shape} and stride {stride} differ in length")
+    end = offset + 1
+    for size, step in zip(shape, stride):
+        if size == 0:
+            return 0
+        if size < 0 or step < 0:
+            raise SerializationError(f"tensor has negative shape {shape} or stride {stride}")
+        end += (size - 1) * step
+    return end
+
+
+# (buffer, its storage, the buffer's byte offset in it, its address, its
+# device index)
+_Entry = tuple[torch.Tensor, torch.UntypedStorage, int, int, int]
+
+
+def _make_proto(dtype_name: str, buf: torch.Tensor) -> torch.Tensor:
+    """The empty tensor of this dtype on ``buf``'s device (see _PROTOS)."""
+    proto = torch.empty(0, dtype=_dtype_from_name(dtype_name), device=buf.device)
+    _PROTOS[(dtype_name, buf.get_device())] = proto
+    return proto
+
+
+class _Loader:
+    """Per-``loads`` state: hands buffers to tensors and to pickle.
+
+    Also the iterator pickle draws its out-of-band buffers from.
+    """
+
+    __slots__ = ("buffers", "used", "ntensors", "_entries")
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.used = 0  # buffers introduced so far, in stream order
+        self.ntensors = 0
+        self._entries: dict[int, _Entry] = {}
+
+    def __iter__(self) -> _Loader:
+        return self
+
+    def __next__(self) -> Any:
+        """The next out-of-band pickle buffer (a numpy array's bytes)."""
+        index = self.used
+        buf = (self._entries.get(index) or self._entry(index, f"pickle buffer {index}"))[0]
+        self.used += 1
+        if buf.is_cuda:
+            raise SerializationError(f"buffer {index} holds pickled bytes but is on {_device_name(buf)}")
+        return buf.numpy()
+
+    def tensor(self, index: int, offset: int, dtype_name: str, shape: tuple[int, ...],
+               stride: tuple[int, ...], flags: int, cls: type | None) -> torch.Tensor:
+        """Rebuild one tensor as a view of buffer ``index`` (no copy if aligned)."""
+        number = self.ntensors
+        self.ntensors = number + 1
+        if index == self.used:
+            self.used = index + 1
+        elif not 0 <= index < self.used:
+            raise SerializationError(f"tensor {number} refers to buffer {index} out of order "
+                                     f"(next new buffer is {self.used}); corrupt message")
+        entry = self._entries.get(index)
+        if entry is None:
+            entry = self._entry(index, f"tensor {number}")
+        buf, storage, base, address, device = entry
+        proto = _PROTOS.get((dtype_name, device))
+        if proto is None:
+            proto = _make_proto(dtype_name, buf)
+        itemsize = proto.itemsize
+        end = _extent(offset, shape, stride)
+        if end and (offset < 0 or end * itemsize > buf.numel()):
+            raise SerializationError(
+                f"tensor {number} needs bytes [{offset * itemsize}, {end * itemsize}) "
+                f"but buffer {index} has {buf.numel()} bytes")
+        if address % itemsize:
+            storage, base = self._realign(index, buf, itemsize)
+        t = proto.new().set_(storage, base // itemsize + offset, shape, stride)
+        requires_grad = bool(flags & _REQUIRES_GRAD)
+        if flags & _PARAMETER:
+            return _Parameter(t, requires_grad=requires_grad)
+        if cls is not None:
+            if not (isinstance(cls, type) and issubclass(cls, _Tensor)):
+                raise SerializationError(f"tensor {number} has type {cls!r}, not a Tensor subclass")
+            t = t.as_subclass(cls)
+        return t.requires_grad_() if requires_grad else t
+
+    def _entry(self, index: int, who: str) -> _Entry:
+        """Check buffer ``index`` and cache it with its storage (first use)."""
+        buffers = self.buffers
+        if index >= len(buffers):
+            raise SerializationError(f"{who} needs buffer {index} but the message has only "
+                                     f"{len(buffers)} buffers")
+        buf = buffers[index]
+        if not (isinstance(buf, _Tensor) and buf.dtype == torch.uint8
+                and buf.dim() == 1 and buf.is_contiguous()):
+            raise SerializationError(f"buffer {index} is not a 1-D contiguous uint8 tensor")
+        entry = self._entries[index] = (buf, buf.untyped_storage(), buf.storage_offset(),
+                                        buf.data_ptr(), buf.get_device())
+        return entry
+
+    def _realign(self, index: int, buf: torch.Tensor, itemsize: int) -> tuple[torch.UntypedStorage, int]:
+        """Copy a buffer whose address does not suit ``itemsize``-byte elements.
+
+        The copy is a fresh (aligned) allocation and replaces the buffer for
+        the rest of this message, so later views share it.
+        """
+        logger.debug("buffer %d is misaligned for %d-byte elements; copying %d bytes",
+                     index, itemsize, buf.numel())
+        copy = torch.empty_like(buf).copy_(buf)
+        storage = copy.untyped_storage()
+        self._entries[index] = (copy, storage, 0, copy.data_ptr(), copy.get_device())
+        return storage, 0
+
+    def finish(self) -> None:
+        """Check that the pickle used every buffer the message carried."""
+        if self.used != len(self.buffers):
+            raise SerializationError(f"message has {len(self.buffers)} buffers but its pickle "
+                                     f"uses {self.used}")
+
+
+# ---------------------------------------------------------------------------
+# Public interface.
+
+
+class Serializer:
+    """Turns objects into :class:`Pickled` messages and back.
+
+    Thread-safe: each thread reuses its own pickler.
+
+    Extension: later layers intercept their own types either by passing
+    ``dispatch={SomeType: reducer}`` (``reducer(obj)`` returns a ``__reduce__``
+    tuple; matched on the exact type, checked before tensors) or by
+    subclassing and overriding :meth:`reducer_override`, which then sees every
+    object pickle does not handle natively.  Rebuild functions named in those
+    tuples must be importable module-level callables.
+
+    Args:
+        max_buffers: most out-of-band buffers one message may have (the wire
+            format allows 65535).
+        dispatch: extra reducers by exact type.
+    """
+
+    def __init__(self, *, max_buffers: int = 65535,
+                 dispatch: Mapping[type, Reducer] | None = None) -> None:
+        self.max_buffers = max_buffers
+        self._dispatch: dict[type, Reducer] = dict(dispatch or {})
+        overridden = type(self).reducer_override is not Serializer.reducer_override
+        self._hook: Reducer | None = self.reducer_override if overridden else None
+        self._local = threading.local()
+
+    def reducer_override(self, obj: Any) -> Any:
+        """Hook for subclasses: a reduce tuple for ``obj``, or ``NotImplemented``.
+
+        Called for every object that is not an int, float, str, bytes, None,
+        bool, tuple, list or dict -- tensors included -- before the built-in
+        handling.  The base class is never called (the hook is skipped when not
+        overridden, to keep the hot path short).
+        """
+        return NotImplemented
+
+    def dumps(self, obj: object) -> Pickled:
+        """Serialize ``obj``; tensor and large array bytes go out of band.
+
+        Never blocks: no timeout.  CUDA work (compaction copies) is only
+        enqueued on the current stream.
+
+        Raises:
+            TypeError, AttributeError, pickle.PicklingError, ...: whatever
+                pickle raised for an unpicklable object, unchanged.
+            SerializationError: the message needs more than ``max_buffers``
+                buffers.
+        """
+        pickler = self._acquire_pickler()
+        try:
+            payload, buffers = pickler.run(obj)
+        finally:
+            pickler.busy = False
+        if len(buffers) > self.max_buffers:
+            raise SerializationError(f"message needs {len(buffers)} buffers; the limit is "
+                                     f"{self.max_buffers}")
+        return Pickled(payload, buffers)
+
+    def loads(self, payload: bytes | memoryview, buffers: Sequence[torch.Tensor]) -> object:
+        """Rebuild an object from ``payload`` and the received ``buffers``.
+
+        Tensors come back as views of ``buffers`` (same devices), except where
+        a buffer's address does not suit a tensor's dtype: then that buffer is
+        copied once.  Received tensors are leaves.  Never blocks: no timeout.
+
+        Raises:
+            SerializationError: too many, too few or too small buffers, a
+                corrupt payload, or any error raised while unpickling (chained).
+        """
+        if len(buffers) > self.max_buffers:
+            raise SerializationError(f"message has {len(buffers)} buffers; the limit is "
+                                     f"{self.max_buffers}")
+        loader = _Loader(buffers)
+        outer = getattr(_LOCAL, "loader", None)  # loads may nest via __setstate__
+        _LOCAL.loader = loader
+        try:
+            obj = pickle.loads(payload, buffers=loader)
+        except SerializationError:
+            raise
+        except Exception as exc:
+            raise SerializationError(f"cannot unpickle message: {type(exc).__name__}: {exc}") from exc
+        finally:
+            _LOCAL.loader = outer
+        loader.finish()
+        return obj
+
+    def _acquire_pickler(self) -> _MessagePickler:
+        # Building a Pickler costs about as much as pickling a small message,
+        # so each thread keeps one; a nested dumps (from inside a reducer)
+        # gets a fresh one.
+        pickler = getattr(self._local, "pickler", None)
+        if pickler is None:
+            pickler = self._local.pickler = _MessagePickler(self)
+        elif pickler.busy:
+            pickler = _MessagePickler(self)
+        pickler.busy = True
+        return pickler
+
+
+_default = Serializer()
+
+
+def dumps(obj: object) -> Pickled:
+    """:meth:`Serializer.dumps` with the default serializer."""
+    return _default.dumps(obj)
+
+
+def loads(payload: bytes | memoryview, buffers: Sequence[torch.Tensor]) -> object:
+    """:meth:`Serializer.loads` with the default serializer."""
+    return _default.loads(payload, buffers)
