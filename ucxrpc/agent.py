@@ -8,14 +8,14 @@ naming it, instead of letting the calls run into their timeout.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import pickle
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -58,12 +58,6 @@ class _Call:
     future: torch.futures.Future
     peer: int
     timeout: float
-
-
-@dataclass(order=True)
-class _Deadline:
-    at: float
-    msg_id: int = field(compare=False)
 
 
 def timeout_error(timeout: float) -> RpcTimeoutError:
@@ -118,7 +112,7 @@ class RpcAgent:
         self._calls: dict[int, _Call] = {}
         self._by_peer: dict[int, set[int]] = {}
         self._lock = threading.Lock()
-        self._deadlines: list[_Deadline] = []
+        self._deadlines: dict[float, deque[tuple[float, int]]] = {}
         self._timer_cv = threading.Condition()
         self._closed = False
         self._broken: dict[int, BaseException] = {}
@@ -249,24 +243,32 @@ class RpcAgent:
             self.transport.send(peer, payload, buffers)
 
     def _arm(self, msg_id: int, timeout: float) -> None:
-        d = _Deadline(time.monotonic() + timeout, msg_id)
-        with self._timer_cv:
-            heapq.heappush(self._deadlines, d)
-            if self._deadlines[0] is d:
+        # One FIFO per timeout value keeps deadlines sorted for free: a deque
+        # append per call instead of a heap push under a lock.
+        q = self._deadlines.get(timeout)
+        if q is None:
+            with self._timer_cv:
+                q = self._deadlines.setdefault(timeout, deque())
+        q.append((time.monotonic() + timeout, msg_id))
+        if len(q) == 1:
+            with self._timer_cv:
                 self._timer_cv.notify()
 
     def _expire(self) -> None:
         with self._timer_cv:
             while not self._closed:
                 now = time.monotonic()
-                while self._deadlines and self._deadlines[0].at <= now:
-                    d = heapq.heappop(self._deadlines)
-                    call = self._calls.get(d.msg_id)
-                    if call is not None:
-                        self.counters["timeouts"] += 1
-                        self._fail(d.msg_id, timeout_error(call.timeout))
-                wait = self._deadlines[0].at - now if self._deadlines else None
-                self._timer_cv.wait(wait)
+                wait = 1.0
+                for timeout, q in list(self._deadlines.items()):
+                    while q and q[0][0] <= now:
+                        _, msg_id = q.popleft()
+                        if msg_id in self._calls:
+                            self.counters["timeouts"] += 1
+                            self._fail(msg_id, timeout_error(timeout))
+                    if q:
+                        # Capped: an append racing the pop above is seen soon.
+                        wait = min(wait, q[0][0] - now, 0.1)
+                self._timer_cv.wait(max(wait, 0.0))
 
     def _pop(self, msg_id: int) -> _Call | None:
         with self._lock:

@@ -29,6 +29,9 @@ class MsgKind(enum.IntEnum):
     PING = 4        # body: empty; proves a pipe still works
 
 
+_KINDS = {int(k): k for k in MsgKind}
+
+
 @dataclass(frozen=True)
 class Header:
     kind: MsgKind
@@ -51,10 +54,9 @@ def decode(payload: memoryview) -> tuple[Header, memoryview]:
     kind, version, flags, _, msg_id = _HEAD.unpack_from(payload, 0)
     if version != VERSION:
         raise FrameError(f"message version {version} not supported (this side speaks {VERSION})")
-    try:
-        k = MsgKind(kind)
-    except ValueError:
-        raise FrameError(f"unknown message kind {kind}") from None
+    k = _KINDS.get(kind)
+    if k is None:
+        raise FrameError(f"unknown message kind {kind}")
     return Header(k, msg_id, flags), payload[HEAD_SIZE:]
 
 

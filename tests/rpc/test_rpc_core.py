@@ -289,3 +289,29 @@ def test_env_and_file_init(tmp_path):
     res = run_workers(_env_init, 2, args=(free_port(),), timeout=90,
                       init_method=f"file://{tmp_path}/store")
     assert res == ["trainer1", "trainer0"]
+
+
+def _tcp_only(rank: int, world_size: int, init_method: str) -> list:
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, transports=["tcp"])
+    t = torch.randn(1 << 20)
+    assert torch.equal(rpc.rpc_sync(1 - rank, echo, args=(t,)), t)
+    info = rpc.get_pipe_info()
+    rpc.shutdown()
+    return info[0]["transports"]
+
+
+def test_transports_option_narrows_what_ucx_uses():
+    res = run_workers(_tcp_only, 2, timeout=90, env={"UCX_NET_DEVICES": "lo"})
+    assert res == [["tcp"], ["tcp"]]
+
+
+def test_info_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ucxrpc.cli", "info"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert "UCX           1." in out
+    assert "tcp/lo" in out and "CUDA support" in out

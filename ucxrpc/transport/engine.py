@@ -145,6 +145,7 @@ class Transport:
         self._ping_interval = min(1.0, peer_timeout / 3)
         self._worker = Worker(transports)
         self.address = self._worker.address
+        self._frame_tag = self._worker.tag((FRAME << KIND_SHIFT) | (my_id << ID_SHIFT))
         self._pipes: dict[int, Pipe] = {}
         self._tasks: deque[Callable[[], None]] = deque()
         self._inflight: deque[tuple[Request, Any]] = deque()
@@ -254,7 +255,7 @@ class Transport:
         frame, separate = encode(kind, seq, payload, views, pipe.out_key, self.limits)
         pipe.last_sent = time.monotonic()
         assert pipe.ep is not None
-        reqs = [pipe.ep.tag_send(frame, (FRAME << KIND_SHIFT) | (self.my_id << ID_SHIFT))]
+        reqs = [pipe.ep.tag_send(frame, self._frame_tag)]
         for i in separate:
             reqs.append(pipe.ep.tag_send(buffers[i], data_tag(self.my_id, seq, i)))
         pipe.sent += 1

@@ -48,6 +48,9 @@ class Kind(enum.IntEnum):
     PONG = 5
 
 
+_KINDS = {int(k): k for k in Kind}  # a dict lookup is 10x cheaper than Kind(n)
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds every frame is checked against before anything is allocated.
@@ -165,10 +168,9 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
         raise FrameError(f"bad frame magic {bytes(magic)!r}")
     if version != VERSION:
         raise FrameError(f"frame version {version} not supported (this side speaks {VERSION})")
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise FrameError(f"unknown frame kind {kind}") from None
+    kind = _KINDS.get(kind)
+    if kind is None:
+        raise FrameError(f"unknown frame kind {PREFIX.unpack_from(data, 0)[2]}")
     if nbuf > limits.max_buffers:
         raise FrameError(f"frame declares {nbuf} buffers; the limit is {limits.max_buffers}")
     head_len = PREFIX.size + DESC.size * nbuf + plen

@@ -46,6 +46,7 @@ def ucx_environment(transports: Sequence[str] | None,
     """
     wanted = {
         "UCX_MM_ERROR_HANDLING": "y",
+        "UCX_WARN_UNUSED_ENV_VARS": "n",  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
         "UCX_KEEPALIVE_INTERVAL": "1s",
         "UCX_KEEPALIVE_NUM_EPS": "inf",
         "UCX_TCP_KEEPIDLE": "2s",
@@ -115,12 +116,14 @@ def as_array_source(buf: torch.Tensor | np.ndarray | bytes | bytearray | memoryv
     return buf
 
 
-@dataclass
 class Request:
     """An in-flight UCX operation; ``keep`` holds its memory alive (pitfall 4)."""
 
-    req: Any
-    keep: Any
+    __slots__ = ("req", "keep")
+
+    def __init__(self, req: Any, keep: Any) -> None:
+        self.req = req
+        self.keep = keep
 
     @property
     def done(self) -> bool:
@@ -154,9 +157,12 @@ class Endpoint:
         status = args[0] if args else "closed"
         on_error(BrokenError(f"UCX endpoint failed: {status}"))
 
-    def tag_send(self, buf: Any, tag: int) -> Request:
+    def tag_send(self, buf: Any, tag: Any) -> Request:
+        """Send ``buf`` with ``tag`` (an int, or a tag from :meth:`Worker.tag`)."""
         src = as_array_source(buf)
-        return Request(self._ep.tag_send(self._Array(src), self._ucx.UCXXTag(tag)), (buf, src))
+        if isinstance(tag, int):
+            tag = self._ucx.UCXXTag(tag)
+        return Request(self._ep.tag_send(self._Array(src), tag), (buf, src))
 
     def transports(self) -> list[tuple[str, str]]:
         try:
@@ -201,7 +207,7 @@ class Worker:
         self.raw.init_blocking_progress_mode()
         self.address: bytes = self.raw.address.tobytes()
         self.fd: int = self.raw.epoll_file_descriptor
-        self._mask_cache: dict[int, Any] = {}
+        self._mask_cache: dict[tuple[int, int], Any] = {}
 
     def progress(self) -> None:
         self.raw.progress()
@@ -210,11 +216,16 @@ class Worker:
         """True when armed (sleep is safe); False when events are pending."""
         return bool(self.raw.arm())
 
+    def tag(self, value: int) -> Any:
+        """A reusable UCX tag object (building one per message costs µs)."""
+        return self.ucx.UCXXTag(value)
+
     def probe(self, tag: int, mask: int) -> Probe | None:
-        m = self._mask_cache.get(mask)
-        if m is None:
-            m = self._mask_cache[mask] = self.ucx.UCXXTagMask(mask)
-        r = self.raw.tag_probe(self.ucx.UCXXTag(tag), m, True)
+        key = (tag, mask)
+        tm = self._mask_cache.get(key)
+        if tm is None:
+            tm = self._mask_cache[key] = (self.ucx.UCXXTag(tag), self.ucx.UCXXTagMask(mask))
+        r = self.raw.tag_probe(tm[0], tm[1], True)
         if not r.matched:
             return None
         return Probe(int(r.sender_tag.value), int(r.length), r)
@@ -242,13 +253,13 @@ def ucx_version() -> str:
     return ".".join(str(v) for v in ucx.get_ucx_version())
 
 
-def available_transports() -> list[str]:
-    """Transport names UCX can use in this process (from the context's info)."""
+def local_resources() -> dict[str, Any]:
+    """What UCX can use in this process: (transport, device) pairs and
+    whether the UCX build has CUDA support, read from a throwaway context."""
+    import re
+
     import ucxx._lib.libucxx as ucx  # noqa: PLC0415
 
     ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG,))
-    names = []
-    for line in str(ctx.info).splitlines():
-        if "tl:" in line or "md[" in line:
-            names.append(line.strip())
-    return names
+    pairs = re.findall(r"resource \d+\s*:.*?--\s*(\S+?)/(\S+)", str(ctx.info))
+    return {"resources": [(t, d) for t, d in pairs], "cuda_support": bool(ctx.cuda_support)}

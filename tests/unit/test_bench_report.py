@@ -1,0 +1,185 @@
+"""The benchmark report: table, ratios, text and JSON, on synthetic numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ucxrpc.bench import report
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _measurements(p50: float, p99: float, gbps: float, calls: float | None = 10_000.0,
+                  dict_us: float | None = 2_000.0, sizes: tuple[int, ...] = (4 * KiB, MiB)):
+    doc = {
+        "latency": {"p50_us": p50, "p99_us": p99, "mean_us": p50, "n": 100},
+        "one_way": [{"bytes": n, "gbps": gbps, "iters": 3} for n in sizes],
+        "round_trip": [{"bytes": n, "gbps": 2 * gbps, "iters": 3} for n in sizes],
+    }
+    if calls is not None:
+        doc["async"] = {"calls_per_s": calls, "runs": [calls], "stat": "median",
+                        "outstanding": 10_000}
+    if dict_us is not None:
+        doc["dict_echo"] = {"p50_us": dict_us, "n": 20}
+    return doc
+
+
+RESULTS = {
+    "ucxrpc": _measurements(p50=50.0, p99=100.0, gbps=8.0, calls=40_000.0, dict_us=500.0),
+    "torch": _measurements(p50=200.0, p99=400.0, gbps=2.0, calls=10_000.0, dict_us=2_000.0),
+    "ucxx": _measurements(p50=5.0, p99=10.0, gbps=16.0, calls=None, dict_us=None),
+}
+
+
+def _row(table: report.Table, key: str) -> report.Row:
+    (row,) = [r for r in table.rows if r.metric.key == key]
+    return row
+
+
+def test_ratios_are_primary_over_other_for_every_metric():
+    table = report.build_table(RESULTS, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
+    assert table.impls == ("ucxrpc", "torch", "ucxx")
+    assert table.ratio_against == ("torch", "ucxx")
+
+    latency = _row(table, "latency_p50_us")
+    assert latency.metric.better == "lower"
+    assert latency.ratios["torch"] == pytest.approx(0.25)    # < 1: ucxrpc is faster
+    assert latency.ratios["ucxx"] == pytest.approx(10.0)
+
+    bandwidth = _row(table, f"one_way_gbps/{MiB}")
+    assert bandwidth.metric.better == "higher"
+    assert bandwidth.ratios["torch"] == pytest.approx(4.0)   # > 1: ucxrpc moves more
+    assert bandwidth.ratios["ucxx"] == pytest.approx(0.5)
+
+    throughput = _row(table, "async_calls_per_s")
+    assert throughput.metric.better == "higher"
+    assert throughput.ratios["torch"] == pytest.approx(4.0)
+    assert throughput.ratios["ucxx"] is None                 # raw has no such figure
+    assert throughput.values["ucxx"] is None
+
+
+def test_ratio_columns_are_labelled_primary_over_other():
+    table = report.build_table(RESULTS, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
+    text = report.render_table(table)
+    header = text.splitlines()[0].split()
+    assert header[-2:] == ["ucxrpc/torch", "ucxrpc/raw"]
+    assert "raw" in header and "ucxx" in header   # the "raw ucxx" value column
+    assert "< 1 is better" in text and "> 1 is better" in text
+
+
+def test_rows_in_order_with_sizes_ascending():
+    table = report.build_table(RESULTS, primary="ucxrpc", impls=["ucxrpc", "torch"])
+    keys = [r.metric.key for r in table.rows]
+    assert keys == ["latency_p50_us", "latency_p99_us", "async_calls_per_s",
+                    f"one_way_gbps/{4 * KiB}", f"one_way_gbps/{MiB}",
+                    f"round_trip_gbps/{4 * KiB}", f"round_trip_gbps/{MiB}",
+                    "dict_echo_p50_us"]
+    labels = [r.metric.label for r in table.rows]
+    assert "one-way bandwidth 4 KiB" in labels and "round-trip bandwidth 1 MiB" in labels
+
+
+def test_missing_implementation_gives_empty_cells_not_errors():
+    results = {"ucxrpc": None, "torch": RESULTS["torch"]}     # ucxrpc failed; ucxx absent
+    table = report.build_table(results, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
+    assert table.rows, "rows come from whoever did report"
+    for row in table.rows:
+        assert row.values["ucxrpc"] is None and row.values["ucxx"] is None
+        assert all(v is None for v in row.ratios.values())
+    text = report.render_table(table)
+    assert report.EMPTY in text
+    assert "200" in text                                      # torch's latency still shown
+
+
+def test_sizes_only_one_implementation_measured_still_appear():
+    results = {"torch": _measurements(200.0, 400.0, 2.0, sizes=(4 * KiB,)),
+               "ucxx": _measurements(5.0, 10.0, 16.0, sizes=(4 * KiB, 256 * MiB))}
+    table = report.build_table(results, primary="torch", impls=["torch", "ucxx"])
+    row = _row(table, f"one_way_gbps/{256 * MiB}")
+    assert row.values == {"torch": None, "ucxx": 16.0}
+    assert row.ratios == {"ucxx": None}
+    assert "one-way bandwidth 256 MiB" in report.render_table(table)
+
+
+def test_no_results_at_all():
+    table = report.build_table({}, primary="ucxrpc", impls=["ucxrpc", "torch"])
+    assert table.rows == ()
+    assert "no measurements" in report.render_table(table)
+
+
+def test_primary_is_moved_first_and_duplicates_dropped():
+    table = report.build_table(RESULTS, primary="torch", impls=["ucxx", "torch", "ucxx"])
+    assert table.impls == ("torch", "ucxx")
+    assert table.ratio_header("ucxx") == "torch/raw"
+    assert _row(table, "latency_p50_us").ratios == {"ucxx": pytest.approx(40.0)}
+
+
+def test_ratio_edge_cases():
+    assert report.ratio(1.0, 2.0) == 0.5
+    assert report.ratio(None, 2.0) is None
+    assert report.ratio(1.0, None) is None
+    assert report.ratio(1.0, 0.0) is None
+
+
+def test_render_is_aligned():
+    table = report.build_table(RESULTS, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
+    lines = report.render_table(table).splitlines()
+    header, rule, body = lines[0], lines[1], lines[2:2 + len(table.rows)]
+    # every numeric column ends where its header ends (right-aligned)
+    ends = [i + 1 for i, (a, b) in enumerate(zip(rule, rule[1:] + " ")) if a == "-" and b == " "]
+    for line in [header] + body:
+        for end in ends[3:]:
+            assert line[end - 1] != " ", (line, end)
+            assert end == len(line) or line[end] == " "
+
+
+@pytest.mark.parametrize("value, text", [(None, "—"), (12_345.6, "12,346"), (333.4, "333"),
+                                         (55.55, "55.5"), (5.555, "5.55"), (0.0123, "0.012")])
+def test_format_value(value, text):
+    assert report.format_value(value) == text
+
+
+@pytest.mark.parametrize("value, text", [(None, "—"), (0.0146, "0.0146"), (0.5, "0.5"),
+                                         (1.0, "1.00"), (42.74, "42.74"), (1234.0, "1,234")])
+def test_format_ratio(value, text):
+    assert report.format_ratio(value) == text
+
+
+@pytest.mark.parametrize("text, size", [("4096", 4096), ("4K", 4 * KiB), ("16kib", 16 * KiB),
+                                        ("1M", MiB), ("256MiB", 256 * MiB), ("1G", 1 << 30),
+                                        (" 64 K ", 64 * KiB), ("8B", 8)])
+def test_parse_size(text, size):
+    assert report.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "K", "4T", "-1", "0", "4.5K", "1MM"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        report.parse_size(text)
+
+
+def test_parse_sizes_sorted_unique_and_format_size():
+    assert report.parse_sizes("1M,4K,4096,") == (4 * KiB, MiB)
+    with pytest.raises(ValueError):
+        report.parse_sizes(" , ")
+    assert [report.format_size(n) for n in (8, 4 * KiB, 3 * MiB, 1 << 30, 1000)] == \
+        ["8 B", "4 KiB", "3 MiB", "1 GiB", "1000 B"]
+
+
+def test_json_document_round_trips(tmp_path):
+    table = report.build_table(RESULTS, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
+    info = report.machine_info(["ucxrpc", "bench", "--quick"])
+    for key in ("hostname", "cpu_count", "torch", "ucxx", "command", "timestamp"):
+        assert key in info
+    assert info["command"] == "ucxrpc bench --quick"
+    doc = report.build_json(table, RESULTS, info, {"sizes": [4096]}, {"torch": "boom"})
+    path = tmp_path / "bench.json"
+    report.dump_json(path, doc)
+    loaded = json.loads(path.read_text(encoding="utf-8"))
+    assert loaded["machine"]["hostname"] == info["hostname"]
+    assert loaded["errors"] == {"torch": "boom"}
+    first = loaded["table"][0]
+    assert first["metric"] == "latency_p50_us" and first["better"] == "lower"
+    assert first["ratios"] == {"ucxrpc/torch": pytest.approx(0.25), "ucxrpc/raw": pytest.approx(10.0)}
+    assert loaded["results"]["torch"]["latency"]["p50_us"] == 200.0

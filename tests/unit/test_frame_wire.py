@@ -1,0 +1,137 @@
+"""Frame, message header and handshake codecs: round trips and bad input."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ucxrpc import wire
+from ucxrpc.errors import AuthenticationError, FrameError
+from ucxrpc.options import UcxRpcBackendOptions
+from ucxrpc.transport import auth
+from ucxrpc.transport.frame import NOT_INLINE, Kind, Limits, decode, encode
+
+KEY = b"k" * 32
+
+
+def _bufs(*sizes: int, device: int = -1):
+    out = []
+    for n in sizes:
+        a = np.arange(n, dtype=np.uint8)
+        out.append((n, memoryview(a), device))
+    return out
+
+
+def test_frame_round_trip_inlines_small_buffers_only():
+    limits = Limits(inline_threshold=1024)
+    frame, separate = encode(Kind.MESSAGE, 7, b"payload", _bufs(10, 2000, 0), KEY, limits)
+    assert separate == [1]
+    f = decode(frame, KEY, limits)
+    assert (f.kind, f.seq, bytes(f.payload)) == (Kind.MESSAGE, 7, b"payload")
+    assert [d.nbytes for d in f.buffers] == [10, 2000, 0]
+    assert f.buffers[1].inline_offset == NOT_INLINE
+    d0 = f.buffers[0]
+    assert d0.inline_offset % 64 == 0
+    assert bytes(frame[d0.inline_offset:d0.inline_offset + 10]) == bytes(range(10))
+    assert f.total == frame.nbytes + 2000
+
+
+def test_device_buffers_never_inline():
+    frame, separate = encode(Kind.MESSAGE, 1, b"", [(16, None, 0)], KEY, Limits())
+    assert separate == [0]
+    assert decode(frame, KEY, Limits()).buffers[0].device == 0
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda f: f[:10], "truncated frame"),
+    (lambda f: np.concatenate([np.frombuffer(b"XX", np.uint8), f[2:]]), "bad frame magic"),
+    (lambda f: _set(f, 2, 99), "frame version 99 not supported"),
+    (lambda f: _set(f, 3, 77), "unknown frame kind 77"),
+    (lambda f: _set(f, 30, f[30] ^ 1), "MAC mismatch"),
+])
+def test_malformed_frames_raise_clear_errors(mutate, message):
+    frame, _ = encode(Kind.MESSAGE, 3, b"hello", _bufs(8), KEY, Limits())
+    with pytest.raises(FrameError, match=message):
+        decode(mutate(frame), KEY, Limits())
+
+
+def _set(a: np.ndarray, i: int, v: int) -> np.ndarray:
+    b = a.copy()
+    b[i] = v
+    return b
+
+
+def test_unknown_kind_and_lying_sizes_without_mac():
+    frame, _ = encode(Kind.MESSAGE, 3, b"hello", [], b"", Limits())
+    with pytest.raises(FrameError, match="unknown frame kind 77"):
+        decode(_set(frame, 3, 77), None, Limits())
+    with pytest.raises(FrameError, match="truncated frame: header declares"):
+        decode(_set(frame, 8, 200), None, Limits())  # payload_len says 200+
+
+
+def test_limits_checked_on_both_sides():
+    with pytest.raises(FrameError, match="3 buffers; the limit is 2"):
+        encode(Kind.MESSAGE, 1, b"", _bufs(1, 1, 1), KEY, Limits(max_buffers=2))
+    with pytest.raises(FrameError, match="exceeds max_message_bytes=100"):
+        encode(Kind.MESSAGE, 1, b"", [(1000, None, 0)], KEY, Limits(max_message_bytes=100))
+    with pytest.raises(FrameError, match="exceeds max_frame_bytes=64"):
+        encode(Kind.MESSAGE, 1, b"x" * 100, [], KEY, Limits(max_frame_bytes=64))
+    frame, _ = encode(Kind.MESSAGE, 1, b"", _bufs(1, 1, 1), KEY, Limits())
+    with pytest.raises(FrameError, match="declares 3 buffers; the limit is 2"):
+        decode(frame, KEY, Limits(max_buffers=2))
+
+
+def test_random_bytes_never_decode():
+    for n in (0, 5, 19, 64, 500):
+        with pytest.raises(FrameError):
+            decode(np.frombuffer(os.urandom(n), np.uint8), KEY, Limits())
+
+
+def test_wire_header():
+    payload = wire.encode(wire.MsgKind.RESPONSE, 99, b"body")
+    hdr, body = wire.decode(memoryview(payload))
+    assert (hdr.kind, hdr.msg_id, bytes(body)) == (wire.MsgKind.RESPONSE, 99, b"body")
+    assert wire.peek_msg_id(memoryview(payload)) == 99
+    with pytest.raises(FrameError, match="truncated message"):
+        wire.decode(memoryview(payload[:5]))
+    with pytest.raises(FrameError, match="unknown message kind 42"):
+        wire.decode(memoryview(bytes([42]) + payload[1:]))
+    with pytest.raises(FrameError, match="message version 9"):
+        wire.decode(memoryview(payload[:1] + bytes([9]) + payload[2:]))
+
+
+def test_handshake_accepts_the_secret_and_refuses_others():
+    secret = b"job-secret"
+    nx = auth.new_nonce()
+    x, y = auth.parse_hello(memoryview(auth.hello(3, nx)))
+    assert x == 3 and y == nx
+    ny = auth.new_nonce()
+    ch = auth.challenge(secret, 3, 5, nx, ny)
+    assert auth.check_challenge(secret, memoryview(ch), 3, 5, nx) == ny
+    with pytest.raises(AuthenticationError, match="wrong job secret"):
+        auth.check_challenge(b"other", memoryview(ch), 3, 5, nx)
+    with pytest.raises(AuthenticationError, match="not sent"):
+        auth.check_challenge(secret, memoryview(ch), 3, 5, auth.new_nonce())
+    pr = auth.proof(secret, 3, 5, nx, ny)
+    auth.check_proof(secret, memoryview(pr), 3, 5, nx, ny)
+    # a replayed proof does not fit a fresh challenge nonce
+    with pytest.raises(AuthenticationError, match="replayed"):
+        auth.check_proof(secret, memoryview(pr), 3, 5, nx, auth.new_nonce())
+    with pytest.raises(FrameError, match="PROOF of 3 bytes"):
+        auth.check_proof(secret, memoryview(b"abc"), 3, 5, nx, ny)
+    assert auth.session_key(secret, 3, 5, nx, ny) != auth.session_key(secret, 5, 3, nx, ny)
+
+
+def test_options_validation():
+    with pytest.raises(ValueError, match="num_worker_threads"):
+        UcxRpcBackendOptions(num_worker_threads=0)
+    with pytest.raises(ValueError, match="rpc_timeout"):
+        UcxRpcBackendOptions(rpc_timeout=-1)
+    with pytest.raises(TypeError):
+        UcxRpcBackendOptions(16)  # keyword-only
+    opts = UcxRpcBackendOptions(transports="tcp, sm")
+    assert opts.transports == ["tcp", "sm"]
+    with pytest.raises(ValueError, match="not one-to-one"):
+        opts.set_device_map("w1", {0: 1, 1: 1})
