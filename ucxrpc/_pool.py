@@ -63,6 +63,9 @@ class WorkerPool:
                 fn(*args)
             except Exception:
                 logger.exception("unhandled error in an RPC worker thread")
+            # Not held while waiting for the next item: arguments may pin
+            # pooled receive buffers.
+            del item, fn, args
             with self._lock:
                 self._idle += 1
 

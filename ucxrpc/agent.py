@@ -16,7 +16,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -314,7 +314,7 @@ class RpcAgent:
                 self.counters["remote_errors"] += 1
                 call.future.set_exception(rebuild_exception(body))
 
-    def _on_frame_error(self, peer: int, payload: memoryview, exc: Exception) -> None:
+    def _on_frame_error(self, peer: int, payload: memoryview, exc: BaseException) -> None:
         msg_id = wire.peek_msg_id(payload)
         logger.warning("%s: message %s from %s rejected: %s", self.info.name, msg_id,
                        self._name(peer), exc)
@@ -350,7 +350,7 @@ class RpcAgent:
     def _serve(self, peer: int, msg_id: int, body: memoryview, buffers: list[torch.Tensor]) -> None:
         self.counters["calls_served"] += 1
         try:
-            func, args, kwargs = self.serializer.loads(body, buffers)
+            func, args, kwargs = cast(tuple[Any, Any, Any], self.serializer.loads(body, buffers))
         except Exception as exc:
             self._reply_error(peer, msg_id, SerializationError(
                 f"{self.info.name} cannot decode a request from {self._name(peer)}: {exc}"))
@@ -360,6 +360,9 @@ class RpcAgent:
         except Exception as exc:
             self._reply_error(peer, msg_id, exc)
             return
+        # Drop the arguments before replying: the caller's next message may
+        # arrive at once and should find their pooled buffers free again.
+        del args, kwargs, body, buffers
         if getattr(func, "_wrapped_async_rpc_function", None) is not None:
             if not isinstance(result, torch.futures.Future):
                 self._reply_error(peer, msg_id, TypeError(

@@ -15,14 +15,16 @@ proceed side by side.
 
 Progress strategy (measured, see benchmarks/RESULTS.md): one thread polls
 ``worker.progress()`` while there is work or for ``spin_s`` after the last
-event, then arms the worker and sleeps in epoll, so an idle agent uses no
-CPU.  Senders call UCX directly from their own thread (no hand-off on the
+event (yielding the CPU between idle polls), then arms the worker and sleeps
+in epoll, so an idle agent uses no CPU.  Sleeping right away instead costs
+~180 µs per wake-up on this kind of machine (p50 363 µs vs 81 µs).  Senders call UCX directly from their own thread (no hand-off on the
 send path) and wake the loop only when a send is left in flight.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import select
@@ -55,7 +57,7 @@ def data_tag(sender: int, seq: int, index: int) -> int:
 
 
 OnMessage = Callable[[int, memoryview, list[torch.Tensor]], None]
-OnFrameError = Callable[[int, memoryview, Exception], None]
+OnFrameError = Callable[[int, memoryview, BaseException], None]
 OnBroken = Callable[[int, BaseException], None]
 Allocator = Callable[[int, int], torch.Tensor]
 
@@ -128,7 +130,7 @@ class Transport:
     def __init__(self, *, my_id: int, secret: bytes, on_message: OnMessage,
                  on_frame_error: OnFrameError, on_broken: OnBroken,
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
-                 allocator: Allocator | None = None, spin_s: float = 0.005,
+                 allocator: Allocator | None = None, spin_s: float = 0.01,
                  peer_timeout: float = 5.0) -> None:
         if not 0 <= my_id <= MAX_WORKER_ID:
             raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
@@ -142,6 +144,7 @@ class Transport:
         self._alloc = allocator or self._default_alloc
         self._spin_s = spin_s
         self._peer_timeout = peer_timeout
+        self._data_spins = int(os.environ.get("XSPINS", "8"))
         self._ping_interval = min(1.0, peer_timeout / 3)
         self._worker = Worker(transports)
         self.address = self._worker.address
@@ -244,10 +247,10 @@ class Transport:
 
     def _send_locked(self, pipe: Pipe, payload: bytes | memoryview,
                      buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE) -> None:
-        views = []
+        views: list[tuple[int, memoryview | None, int]] = []
         for b in buffers:
             if b.device.type == "cpu":
-                views.append((b.numel(), memoryview(b.numpy()), -1))
+                views.append((b.numel(), b.numpy().data, -1))
             else:
                 views.append((b.numel(), None, b.device.index or 0))
         pipe.out_seq += 1
@@ -262,7 +265,7 @@ class Transport:
         left = [r for r in reqs if not r.done]
         for r in reqs:
             if r.done and (err := r.error()) is not None:
-                self._call_soon(lambda e=err: self._break(pipe, e))
+                self._call_soon(functools.partial(self._break, pipe, err))
         if left:
             for r in left:
                 self._inflight.append((r, pipe))
@@ -276,8 +279,10 @@ class Transport:
 
     def _endpoint(self, pipe: Pipe) -> Endpoint:
         if pipe.ep is None:
-            pipe.ep = Endpoint(self._worker, pipe.address,
-                               lambda exc, p=pipe: self._call_soon(lambda: self._break(p, exc)))
+            def failed(exc: BaseException, p: Pipe = pipe) -> None:
+                self._call_soon(functools.partial(self._break, p, exc))
+
+            pipe.ep = Endpoint(self._worker, pipe.address, failed)
         return pipe.ep
 
     def _start_handshake(self, pipe: Pipe) -> None:
@@ -506,6 +511,11 @@ class Transport:
         while not self._closing:
             try:
                 self._worker.progress()
+                if self._watch:
+                    # Data in flight: UCX moves a few fragments per call, and
+                    # the Python work between calls is what limits bandwidth.
+                    for _ in range(self._data_spins):
+                        self._worker.progress()
                 busy = self._run_tasks()
                 busy = self._poll_frames() or busy
                 busy = self._poll_requests() or busy
@@ -521,6 +531,10 @@ class Transport:
                 idle_since = now
                 continue
             if now - idle_since < self._spin_s:
+                # Idle spinning still takes the GIL between UCX calls; yielding
+                # lets a thread just handed a result take it (p99 3.7 ms ->
+                # 0.3 ms on 2 cores, benchmarks/RESULTS.md).
+                os.sched_yield()
                 continue
             self._sleep()
             idle_since = time.monotonic()

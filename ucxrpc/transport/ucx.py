@@ -88,7 +88,7 @@ def _ucp_ep_query(handle: int) -> list[tuple[str, str]]:
     """(transport, device) per lane of a UCP endpoint, as UCX reports them."""
     global _libucp
     if _libucp is None:
-        import libucx  # type: ignore[import-not-found]
+        import libucx  # type: ignore[import-untyped]
 
         path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so")
         _libucp = ctypes.CDLL(path if os.path.exists(path) else "libucp.so")
