@@ -144,7 +144,7 @@ class Transport:
         self._alloc = allocator or self._default_alloc
         self._spin_s = spin_s
         self._peer_timeout = peer_timeout
-        self._data_spins = int(os.environ.get("XSPINS", "8"))
+        self._data_spins = 8
         self._ping_interval = min(1.0, peer_timeout / 3)
         self._worker = Worker(transports)
         self.address = self._worker.address
