@@ -136,6 +136,16 @@ def _basics(rank: int, world_size: int, init_method: str) -> dict:
         futs = [rpc.rpc_async("worker1", echo, args=(t,)) for t in tensors]
         for t, f in zip(tensors, futs):
             assert torch.equal(f.wait(), t)
+        # frames of very different sizes in flight together arrive in order
+        # (a large frame completes after a small one sent behind it)
+        many = {f"t{i}": torch.full((1024,), float(i)) for i in range(100)}
+        for _ in range(50):
+            futs = [rpc.rpc_async("worker1", echo, args=(many,)),
+                    rpc.rpc_async("worker1", add, args=(1, 2)),
+                    rpc.rpc_async("worker1", echo, args=(many,))]
+            assert futs[1].wait() == 3
+            assert torch.equal(futs[2].wait()["t99"], many["t99"])
+            futs[0].wait()
         assert rpc.get_rpc_timeout() == 60.0
         info = rpc.get_pipe_info("worker1")
         assert info and info[0]["peer"] == "worker1" and info[0]["transports"], info

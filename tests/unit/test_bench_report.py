@@ -183,3 +183,47 @@ def test_json_document_round_trips(tmp_path):
     assert first["metric"] == "latency_p50_us" and first["better"] == "lower"
     assert first["ratios"] == {"ucxrpc/torch": pytest.approx(0.25), "ucxrpc/raw": pytest.approx(10.0)}
     assert loaded["results"]["torch"]["latency"]["p50_us"] == 200.0
+
+
+def test_repeated_runs_show_the_median_per_metric():
+    runs = [_measurements(p50=p50, p99=400.0, gbps=gbps)
+            for p50, gbps in ((100.0, 1.0), (300.0, 5.0), (200.0, 2.0))]
+    runs.append(None)                                          # a failed run is left out
+    table = report.build_table({"torch": runs, "ucxx": [RESULTS["ucxx"]]},
+                               primary="torch", impls=["torch", "ucxx"])
+    assert _row(table, "latency_p50_us").values["torch"] == 200.0
+    assert _row(table, f"one_way_gbps/{MiB}").values["torch"] == 2.0
+    assert _row(table, f"one_way_gbps/{MiB}").ratios["ucxx"] == pytest.approx(2.0 / 16.0)
+
+
+def test_combine_runs_median_even_count_and_missing_metrics():
+    a = _measurements(p50=100.0, p99=1.0, gbps=1.0, calls=None)
+    b = _measurements(p50=200.0, p99=1.0, gbps=3.0, calls=50.0)
+    flat = report.combine_runs([a, b])
+    assert flat["latency_p50_us"] == 150.0
+    assert flat[f"one_way_gbps/{MiB}"] == 2.0
+    assert flat["async_calls_per_s"] == 50.0                  # only one run had it
+    assert report.combine_runs([]) == {}
+    table = report.build_table({"ucxrpc": [], "torch": [b]}, primary="ucxrpc",
+                               impls=["ucxrpc", "torch"])
+    assert all(r.values["ucxrpc"] is None for r in table.rows)
+
+
+def test_best_of_runs_takes_lowest_time_and_highest_rate():
+    slow = _measurements(p50=300.0, p99=900.0, gbps=1.0, calls=5_000.0, dict_us=4_000.0)
+    fast = _measurements(p50=100.0, p99=200.0, gbps=4.0, calls=9_000.0, dict_us=2_000.0)
+    flat = report.combine_runs([slow, None, fast], stat="best")
+    assert flat["latency_p50_us"] == 100.0 and flat["latency_p99_us"] == 200.0
+    assert flat["dict_echo_p50_us"] == 2_000.0
+    assert flat[f"round_trip_gbps/{MiB}"] == 8.0 and flat["async_calls_per_s"] == 9_000.0
+    table = report.build_table({"torch": [slow, fast]}, primary="torch", impls=["torch"],
+                               stat="best")
+    assert _row(table, "latency_p50_us").values["torch"] == 100.0
+    with pytest.raises(ValueError):
+        report.combine_runs([slow], stat="mean")
+
+
+def test_direction_of_every_metric_agrees_with_the_key_rule():
+    table = report.build_table(RESULTS, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
+    for row in table.rows:
+        assert report.lower_is_better(row.metric.key) == (not row.metric.higher_is_better)

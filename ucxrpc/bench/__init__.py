@@ -20,7 +20,7 @@ import time
 from typing import Any, Iterator, Sequence
 
 from . import report
-from .workload import (IMPLEMENTATIONS, RunOutcome, WorkloadConfig, 
+from .workload import (IMPLEMENTATIONS, RunOutcome, WorkloadConfig,
                        describe_config, quick_config, run_implementation,
                        ucxrpc_unavailable_reason)
 
@@ -61,8 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write the results, config and machine info as JSON")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: sizes 4K,64K,1M, few iterations")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every implementation N times, interleaved, and show the "
+                             "median of the runs per figure (default: 1)")
+    parser.add_argument("--stat", choices=("median", "best"), default="median",
+                        help="with --repeat: per figure, the median of the runs or the best "
+                             "(lowest time, highest rate) (default: median)")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="overall deadline in seconds (default: 600, --quick: 180)")
+                        help="overall deadline in seconds (default: 600 per repeat, "
+                             "--quick: 180)")
     return parser
 
 
@@ -70,6 +77,8 @@ def _config(args: argparse.Namespace) -> WorkloadConfig:
     overrides: dict[str, Any] = {}
     if args.sizes is not None:
         overrides["sizes"] = args.sizes
+    if args.repeat < 1:
+        raise ValueError("--repeat must be at least 1")
     if args.iters is not None:
         if args.iters < 1:
             raise ValueError("--iters must be at least 1")
@@ -86,6 +95,8 @@ def _header(impls: Sequence[str], cfg: WorkloadConfig, info: dict[str, Any]) -> 
     lines = [f"ucxrpc bench: {names[0]} vs {', '.join(names[1:]) or 'nothing'}"]
     for impl in impls:
         text = _DESCRIPTIONS[impl].format(threads=cfg.num_worker_threads, tls=tls)
+        if impl == "torch" and cfg.transports:
+            text += " (--transports does not apply)"
         lines.append(f"  {report.IMPL_LABELS[impl]:<10}{text}")
     lines.append(f"  latency:    {cfg.latency_warmup} warm-up + {cfg.latency_iters} timed calls; "
                  f"p50/p99")
@@ -101,11 +112,11 @@ def _header(impls: Sequence[str], cfg: WorkloadConfig, info: dict[str, Any]) -> 
     return "\n".join(lines)
 
 
-def _transport_lines(outcomes: dict[str, RunOutcome]) -> list[str]:
+def _transport_lines(outcomes: dict[str, list[RunOutcome]]) -> list[str]:
     lines = []
-    ucxrpc = outcomes.get("ucxrpc")
-    if ucxrpc is not None and ucxrpc.result is not None:
-        pipes = ucxrpc.result.get("pipe_info")
+    ucxrpc = _last_result(outcomes.get("ucxrpc"))
+    if ucxrpc is not None:
+        pipes = ucxrpc.get("pipe_info")
         if pipes is None:
             lines.append("ucxrpc pipes: (ucxrpc.get_pipe_info is not available)")
         for pipe in pipes or ():
@@ -114,29 +125,43 @@ def _transport_lines(outcomes: dict[str, RunOutcome]) -> list[str]:
                               for lane in pipe.get("lanes") or ())
             lines.append(f"ucxrpc pipe worker0 -> {pipe.get('peer', '?')}: {tls}"
                          + (f" (lanes: {lanes})" if lanes else ""))
-    raw = outcomes.get("ucxx")
-    if raw is not None and raw.result is not None:
-        tls = ", ".join(raw.result.get("transports") or ()) or "unknown"
-        lines.append(f"raw ucxx endpoint lanes: {tls} (UCX {raw.result.get('ucx_version')})")
+    raw = _last_result(outcomes.get("ucxx"))
+    if raw is not None:
+        tls = ", ".join(raw.get("transports") or ()) or "unknown"
+        lines.append(f"raw ucxx endpoint lanes: {tls} (UCX {raw.get('ucx_version')})")
     return lines
 
 
-def _run_all(impls: Sequence[str], cfg: WorkloadConfig, deadline: float) -> dict[str, RunOutcome]:
-    outcomes = {}
-    for impl in impls:
-        print(f"[{impl}] running ...", file=sys.stderr, flush=True)
-        outcome = run_implementation(impl, cfg, deadline)
-        state = "failed" if outcome.error else "done"
-        others = "" if outcome.cpu_others is None else \
-            f" (other processes: {outcome.cpu_others:.0%} of the CPUs)"
-        print(f"[{impl}] {state} in {outcome.wall_s:.1f} s{others}", file=sys.stderr, flush=True)
-        if outcome.cpu_others is not None and outcome.cpu_others > _BUSY_WARN:
-            outcome.warnings.append(
-                f"other processes used {outcome.cpu_others:.0%} of the CPUs during this run; "
-                "its figures are distorted (a benchmark wants the machine to itself)")
-        for warning in outcome.warnings:
-            print(f"[{impl}] warning: {warning}", file=sys.stderr, flush=True)
-        outcomes[impl] = outcome
+def _last_result(runs: list[RunOutcome] | None) -> dict[str, Any] | None:
+    results = [o.result for o in runs or () if o.result is not None]
+    return results[-1] if results else None
+
+
+def _run_all(impls: Sequence[str], cfg: WorkloadConfig, repeat: int,
+             deadline: float) -> dict[str, list[RunOutcome]]:
+    """Run each implementation ``repeat`` times, interleaved (a, b, a, b, ...).
+
+    Interleaving spreads slow drifts of the machine over every implementation
+    instead of loading them onto whichever ran last.
+    """
+    outcomes: dict[str, list[RunOutcome]] = {impl: [] for impl in impls}
+    for round_ in range(repeat):
+        for impl in impls:
+            tag = impl if repeat == 1 else f"{impl} {round_ + 1}/{repeat}"
+            print(f"[{tag}] running ...", file=sys.stderr, flush=True)
+            outcome = run_implementation(impl, cfg, deadline)
+            state = "failed" if outcome.error else "done"
+            others = "" if outcome.cpu_others is None else \
+                f" (other processes: {outcome.cpu_others:.0%} of the CPUs)"
+            print(f"[{tag}] {state} in {outcome.wall_s:.1f} s{others}", file=sys.stderr,
+                  flush=True)
+            if outcome.cpu_others is not None and outcome.cpu_others > _BUSY_WARN:
+                outcome.warnings.append(
+                    f"other processes used {outcome.cpu_others:.0%} of the CPUs during this "
+                    "run; its figures are distorted (a benchmark wants the machine to itself)")
+            for warning in outcome.warnings:
+                print(f"[{tag}] warning: {warning}", file=sys.stderr, flush=True)
+            outcomes[impl].append(outcome)
     return outcomes
 
 
@@ -165,16 +190,19 @@ def main(argv: list[str] | None = None) -> int:
             ``sys.argv[1:]``).
 
     Returns:
-        0 when every implementation ran; 1 when one failed (the others are
-        still reported); 2 on bad arguments or when ucxrpc is asked for but
-        not usable.
+        0 when every implementation ran (or ``--help``); 1 when a run failed
+        (the others are still reported); 2 on bad arguments (argparse's
+        message on stderr) or when ucxrpc is asked for but not usable.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        cfg = _config(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    try:   # argparse exits on --help and on bad arguments; a caller wants a code
+        args = parser.parse_args(argv)
+        try:
+            cfg = _config(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     impls = tuple(dict.fromkeys([args.impl] + list(args.compare)))
     assert all(i in IMPLEMENTATIONS for i in impls)
     if "ucxrpc" in impls:
@@ -185,26 +213,34 @@ def main(argv: list[str] | None = None) -> int:
     info = report.machine_info()
     info["bench_args"] = list(sys.argv[1:] if argv is None else argv)
     print(_header(impls, cfg, info), flush=True)
-    timeout = args.timeout if args.timeout is not None else (180.0 if args.quick else 600.0)
+    timeout = args.timeout if args.timeout is not None else \
+        (180.0 if args.quick else 600.0 * args.repeat)
     with _sigterm_as_exit():
-        outcomes = _run_all(impls, cfg, time.monotonic() + timeout)
+        outcomes = _run_all(impls, cfg, args.repeat, time.monotonic() + timeout)
 
-    results = {i: o.result for i, o in outcomes.items()}
-    errors = {i: o.error for i, o in outcomes.items() if o.error}
-    table = report.build_table(results, primary=args.impl, impls=impls)
+    results: dict[str, Any] = {i: [o.result for o in runs if o.result is not None]
+                               for i, runs in outcomes.items()}
+    errors = {i: "\n".join(o.error for o in runs if o.error)
+              for i, runs in outcomes.items() if any(o.error for o in runs)}
+    table = report.build_table(results, primary=args.impl, impls=impls, stat=args.stat)
     print()
+    if args.repeat > 1:
+        print(f"{args.stat} of {args.repeat} runs per implementation (failed runs left out)")
     print(report.render_table(table))
     for line in _transport_lines(outcomes):
         print(line)
     for impl, error in errors.items():
         print(f"\n{impl} FAILED: {error}", file=sys.stderr)
     if args.json:
-        raw = outcomes.get("ucxx")
-        if raw is not None and raw.result is not None:
-            info["ucx"] = raw.result.get("ucx_version")
-        doc = report.build_json(table, results, info, describe_config(cfg), errors)
-        doc["runs"] = {i: {"wall_s": o.wall_s, "warnings": o.warnings,
-                           "cpu_others": o.cpu_others} for i, o in outcomes.items()}
+        raw = _last_result(outcomes.get("ucxx"))
+        if raw is not None:
+            info["ucx"] = raw.get("ucx_version")
+        config = describe_config(cfg)
+        config.update(repeat=args.repeat, stat=args.stat)
+        doc = report.build_json(table, results, info, config, errors)
+        doc["runs"] = {i: [{"wall_s": o.wall_s, "warnings": o.warnings,
+                            "cpu_others": o.cpu_others, "ok": o.error is None} for o in runs]
+                       for i, runs in outcomes.items()}
         report.dump_json(args.json, doc)
         print(f"JSON written to {args.json}")
     return 1 if errors else 0

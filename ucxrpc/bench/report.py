@@ -50,6 +50,8 @@ __all__ = [
     "format_ratio",
     "format_value",
     "machine_info",
+    "combine_runs",
+    "lower_is_better",
     "parse_size",
     "parse_sizes",
     "ratio",
@@ -181,13 +183,47 @@ def ratio(primary: float | None, other: float | None) -> float | None:
     return primary / other
 
 
-def build_table(results: Mapping[str, Mapping[str, Any] | None],
-                primary: str, impls: Sequence[str]) -> Table:
+def lower_is_better(key: str) -> bool:
+    """Whether a smaller value of metric ``key`` is better (times: ``*_us``)."""
+    return key.endswith("_us")
+
+
+def combine_runs(runs: Sequence[Mapping[str, Any] | None], stat: str = "median") -> dict[str, float]:
+    """Flatten several runs of one implementation into one value per metric.
+
+    Args:
+        runs: measurements per run; ``None`` (a failed run) and metrics a run
+            lacks are skipped.
+        stat: ``"median"`` (the mean of the middle two for an even count) or
+            ``"best"`` (the lowest time, the highest rate: on a shared machine
+            interference only ever slows a run down).
+    """
+    if stat not in ("median", "best"):
+        raise ValueError(f"stat must be 'median' or 'best', not {stat!r}")
+    values: dict[str, list[float]] = {}
+    for run in runs:
+        for key, value in flatten(run).items():
+            values.setdefault(key, []).append(value)
+    out = {}
+    for key, vals in values.items():
+        vals.sort()
+        if stat == "best":
+            out[key] = vals[0] if lower_is_better(key) else vals[-1]
+        else:
+            mid = len(vals) // 2
+            out[key] = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+    return out
+
+
+def build_table(results: Mapping[str, Any], primary: str, impls: Sequence[str],
+                stat: str = "median") -> Table:
     """Build the comparison table.
 
     Args:
         results: implementation key -> measurements (schema in the module
-            docstring); an implementation may be missing or ``None``.
+            docstring), or a list of them from repeated runs, combined per
+            metric by ``stat`` (see :func:`combine_runs`); an implementation
+            may be missing or ``None``.
         primary: the implementation under test; ratio columns are
             ``primary ÷ other`` for every other implementation in ``impls``.
         impls: value columns in display order (primary is moved first).
@@ -195,7 +231,11 @@ def build_table(results: Mapping[str, Mapping[str, Any] | None],
     Rows appear only for metrics at least one implementation reported.
     """
     order = (primary,) + tuple(i for i in dict.fromkeys(impls) if i != primary)
-    flat = {impl: flatten(results.get(impl)) for impl in order}
+    flat = {}
+    for impl in order:
+        result = results.get(impl)
+        runs = result if isinstance(result, Sequence) else [result]
+        flat[impl] = combine_runs(runs, stat)
     others = order[1:]
     rows = []
     for metric in _metrics_for(list(flat.values())):

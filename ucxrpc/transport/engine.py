@@ -310,9 +310,15 @@ class Transport:
                                "max_frame_bytes=%d", probe.length, sender,
                                self.limits.max_frame_bytes)
         if self._frames:
+            # A large frame (rendezvous) completes after a small one sent
+            # behind it; frames are delivered in the order each sender sent
+            # them, so a sender's frames wait behind its incomplete ones.
             still = []
+            waiting: set[int] = set()
             for req, buf, tag in self._frames:
-                if not req.done:
+                sender = (tag >> ID_SHIFT) & ID_MASK
+                if sender in waiting or not req.done:
+                    waiting.add(sender)
                     still.append((req, buf, tag))
                     continue
                 busy = True

@@ -1,0 +1,7 @@
+"""``python -m ucxrpc.bench``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
