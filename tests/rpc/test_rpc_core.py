@@ -315,13 +315,3 @@ def _tcp_only(rank: int, world_size: int, init_method: str) -> list:
 def test_transports_option_narrows_what_ucx_uses():
     res = run_workers(_tcp_only, 2, timeout=90, env={"UCX_NET_DEVICES": "lo"})
     assert res == [["tcp"], ["tcp"]]
-
-
-def test_info_command():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "ucxrpc.cli", "info"], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
-    assert "UCX           1." in out
-    assert "tcp/lo" in out and "CUDA support" in out
