@@ -21,8 +21,7 @@ from typing import Any, Iterator, Sequence
 
 from . import report
 from .workload import (IMPLEMENTATIONS, RunOutcome, WorkloadConfig,
-                       describe_config, quick_config, run_implementation,
-                       ucxrpc_unavailable_reason)
+                       describe_config, quick_config, run_implementation)
 
 __all__ = ["main", "build_parser"]
 
@@ -205,11 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     impls = tuple(dict.fromkeys([args.impl] + list(args.compare)))
     assert all(i in IMPLEMENTATIONS for i in impls)
-    if "ucxrpc" in impls:
-        reason = ucxrpc_unavailable_reason()
-        if reason is not None:
-            print(f"ucxrpc bench: {reason}", file=sys.stderr)
-            return 2
     info = report.machine_info()
     info["bench_args"] = list(sys.argv[1:] if argv is None else argv)
     print(_header(impls, cfg, info), flush=True)

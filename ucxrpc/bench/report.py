@@ -318,6 +318,7 @@ def machine_info(argv: Sequence[str] | None = None) -> dict[str, Any]:
     Versions come from installed package metadata, so nothing heavy (torch,
     ucxx) is imported here. ``argv`` defaults to ``sys.argv``.
     """
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

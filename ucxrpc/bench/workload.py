@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib
 import math
 import multiprocessing
 import os
@@ -44,7 +43,6 @@ __all__ = [
     "quick_config",
     "run_implementation",
     "run_workload",
-    "ucxrpc_unavailable_reason",
 ]
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -94,8 +92,9 @@ class WorkloadConfig:
 
 def quick_config(**overrides: Any) -> WorkloadConfig:
     """A smoke-test configuration: small sizes, few iterations (seconds)."""
-    base = dict(sizes=(4 * KiB, 64 * KiB, 1 * MiB), latency_iters=200, latency_warmup=20,
-                async_outstanding=1000, async_repeats=3, target_s=0.05, dict_min_iters=5)
+    base: dict[str, Any] = dict(sizes=(4 * KiB, 64 * KiB, 1 * MiB), latency_iters=200,
+                                latency_warmup=20, async_outstanding=1000, async_repeats=3,
+                                target_s=0.05, dict_min_iters=5)
     base.update(overrides)
     return WorkloadConfig(**base)
 
@@ -223,21 +222,6 @@ def run_workload(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
 
 # --- child processes --------------------------------------------------------
 
-def ucxrpc_unavailable_reason() -> str | None:
-    """``None`` if ``ucxrpc`` can run RPC; else a sentence saying why not."""
-    try:
-        module = importlib.import_module("ucxrpc")
-    except ImportError as exc:
-        return f"cannot import ucxrpc: {exc}"
-    missing = [n for n in ("init_rpc", "rpc_sync", "rpc_async", "shutdown",
-                           "UcxRpcBackendOptions") if not hasattr(module, n)]
-    if missing:
-        return (f"the ucxrpc package does not provide {', '.join(missing)} yet "
-                "(ucxrpc/__init__.py is missing or incomplete); use --impl torch "
-                "to exercise the harness")
-    return None
-
-
 def _rpc_module_and_options(impl: str, init_method: str, cfg: WorkloadConfig) -> tuple[Any, Any]:
     if impl == "torch":
         import torch.distributed.rpc as rpc
@@ -245,11 +229,9 @@ def _rpc_module_and_options(impl: str, init_method: str, cfg: WorkloadConfig) ->
         return rpc, rpc.TensorPipeRpcBackendOptions(
             init_method=init_method, num_worker_threads=cfg.num_worker_threads,
             rpc_timeout=cfg.rpc_timeout)
-    reason = ucxrpc_unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
-    rpc = importlib.import_module("ucxrpc")
-    return rpc, rpc.UcxRpcBackendOptions(
+    import ucxrpc
+
+    return ucxrpc, ucxrpc.UcxRpcBackendOptions(
         init_method=init_method, num_worker_threads=cfg.num_worker_threads,
         rpc_timeout=cfg.rpc_timeout,
         transports=list(cfg.transports) if cfg.transports else None)
