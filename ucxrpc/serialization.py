@@ -21,6 +21,11 @@ What goes out of band:
 Sparse, quantized, nested and other exotic tensors fall back to torch's own
 pickling (correct, not zero-copy).
 
+Wire forms: a plain 1-D tensor that is all of its storage (the common case)
+travels as ``_rebuild_vector(buffer, code, numel)``, ``code`` packing a dtype
+number from a fixed table with the autograd flags; every other tensor as
+``_rebuild_tensor(buffer, offset, dtype name, shape, stride, flags[, type])``.
+
 Buffer numbering: buffers are numbered in the order the pickle stream first
 refers to them.  Tensors name their buffer index explicitly (so shared storages
 can be referenced again); pickle's own out-of-band buffers (``NEXT_BUFFER``)
@@ -32,6 +37,7 @@ checks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import pickle
@@ -39,7 +45,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -66,13 +72,10 @@ _COMPACT_RATIO = 2
 # one more transport buffer costs more than copying a few KiB.
 _OOB_MIN_BYTES = 64 * 1024
 
-# Bits of the ``flags`` argument of _rebuild_tensor.
-_REQUIRES_GRAD = 1
-_PARAMETER = 2
-
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
+_UINT8 = torch.uint8
 
 Reducer = Callable[[Any], Any]
 
@@ -147,6 +150,24 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+# dtype numbers for _rebuild_vector.  The table is part of the wire format:
+# append only (a name this torch lacks keeps its slot).  A code is the number
+# shifted left by two, or'ed with the flags below.
+_CODED_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16",
+                 "int8", "uint8", "bool", "complex64", "complex128", "complex32",
+                 "uint16", "uint32", "uint64")
+_REQUIRES_GRAD, _PARAMETER = 1, 2  # flags of _rebuild_tensor and of codes
+
+# dtype -> (code without flags, itemsize); code -> (dtype, itemsize, flags)
+_DTYPE_CODES: dict[torch.dtype, tuple[int, int]] = {
+    dt: (number << 2, dt.itemsize) for number, dt in
+    enumerate(getattr(torch, name, None) for name in _CODED_DTYPES) if isinstance(dt, torch.dtype)}
+_CODE_SPECS: dict[int, tuple[torch.dtype, int, int]] = {
+    code | flags: (dt, itemsize, flags) for dt, (code, itemsize) in _DTYPE_CODES.items()
+    for flags in range(4)}
+_COMPLEX_CODES = frozenset(code for dt, (code, _) in _DTYPE_CODES.items() if dt.is_complex)
+
+
 # ---------------------------------------------------------------------------
 # Sending side.
 
@@ -160,7 +181,7 @@ def _plain_subclass(cls: type) -> bool:
     ``__reduce_ex__`` (Parameter subclasses, DTensor, ...) use their own.
     """
     return (cls.__reduce_ex__ is _Tensor.__reduce_ex__
-            and cls.__torch_dispatch__ is _Tensor.__torch_dispatch__)
+            and getattr(cls, "__torch_dispatch__", None) is _Tensor.__torch_dispatch__)
 
 
 # Empty tensors to make new ones from: ``proto.new()`` is the cheapest way to
@@ -168,7 +189,7 @@ def _plain_subclass(cls: type) -> bool:
 # skips parsing dtype/device arguments), and this runs once per tensor.
 # Keyed by device index (-1 for the CPU); the receiving side adds the dtype.
 _BYTE_PROTOS: dict[int, torch.Tensor] = {}
-_PROTOS: dict[tuple[str, int], torch.Tensor] = {}
+_PROTOS: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
 
 def _bytes_of(view: memoryview) -> torch.Tensor:
@@ -179,6 +200,36 @@ def _bytes_of(view: memoryview) -> torch.Tensor:
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(view, dtype=torch.uint8)
     return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _bytes_over(storage: torch.UntypedStorage, device: int) -> torch.Tensor:
+    """A 1-D uint8 tensor over all of ``storage`` (on device index ``device``)."""
+    proto = _BYTE_PROTOS.get(device)
+    if proto is None:
+        proto = _BYTE_PROTOS[device] = torch.empty(0, dtype=_UINT8, device=storage.device)
+    return proto.new().set_(storage)
+
+
+# Below this guard, view and set_ skip autograd's view and version tracking
+# (0.15-0.2 us each, a third), which no transport buffer needs.  Entering it
+# costs about 0.6 us, so it pays from _UNTRACKED_MIN buffers.  Only our own
+# calls run inside it, never pickling (user code).
+_UNTRACKED: Callable[[], Any] = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView",
+                                        contextlib.nullcontext)
+_UNTRACKED_MIN = 4
+
+
+def _as_bytes(buffers: list[Any]) -> list[torch.Tensor]:
+    """The uint8 tensors for what a dump put in ``buffers``, all made at once.
+
+    Each is a tensor (a 1-D stride-1 one, or already bytes: a numpy array's)
+    whose bytes are ``view(uint8)``, half the cost of ``set_``, or a (storage,
+    device index) pair.  Made after the dump so that one guard covers them.
+    """
+    if len(buffers) < _UNTRACKED_MIN:
+        return [_bytes_over(*b) if type(b) is tuple else b.view(_UINT8) for b in buffers]
+    with _UNTRACKED():
+        return [_bytes_over(*b) if type(b) is tuple else b.view(_UINT8) for b in buffers]
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
@@ -203,10 +254,14 @@ class _MessagePickler(pickle.Pickler):
 
     def __init__(self, serializer: Serializer) -> None:
         self._chunks: list[bytes] = []
-        super().__init__(self, protocol=PROTOCOL, buffer_callback=self._buffer_callback)
         self._dispatch = serializer._dispatch
         self._hook = serializer._hook
-        self.buffers: list[torch.Tensor] = []
+        if self._hook is not None or self._dispatch:
+            # pickle reads this attribute once, here: without extensions the
+            # per-object call goes straight to the tensor code.
+            self.reducer_override = self._reduce_extended  # type: ignore[method-assign]
+        super().__init__(self, protocol=PROTOCOL, buffer_callback=self._buffer_callback)
+        self.buffers: list[Any] = []  # see _as_bytes
         self._storage_index: dict[tuple[int, int, int], int] = {}
         self.busy = False
 
@@ -221,6 +276,8 @@ class _MessagePickler(pickle.Pickler):
             self.dump(obj)
             chunks, buffers = self._chunks, self.buffers
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if buffers:
+                buffers = _as_bytes(buffers)
         finally:
             self.clear_memo()  # do not keep the message's objects alive
             self._chunks = []
@@ -228,7 +285,8 @@ class _MessagePickler(pickle.Pickler):
             self._storage_index = {}
         return payload, buffers
 
-    def reducer_override(self, obj: Any) -> Any:
+    def _reduce_extended(self, obj: Any) -> Any:
+        """reducer_override with the serializer's hook and dispatch table first."""
         if self._hook is not None:
             rv = self._hook(obj)
             if rv is not NotImplemented:
@@ -236,9 +294,51 @@ class _MessagePickler(pickle.Pickler):
         reducer = self._dispatch.get(type(obj))
         if reducer is not None:
             return reducer(obj)
-        if isinstance(obj, _Tensor):
-            return self._reduce_tensor(obj)
-        return NotImplemented
+        return _MessagePickler.reducer_override(self, obj)
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is not _Tensor and cls is not _Parameter:
+            return self._reduce_tensor(obj) if isinstance(obj, _Tensor) else NotImplemented
+        # Fast path, inline: a plain tensor that is all of its storage (most
+        # tensors an RPC carries).  Its buffer is its own bytes: no offset, no
+        # compaction to weigh.  Each attribute read costs ~0.05 us, a quarter
+        # of this path, so each is done once and only where it can matter.
+        t = obj
+        dtype = t.dtype
+        spec = _DTYPE_CODES.get(dtype)  # None for quantized and rare dtypes
+        if spec is None or t.layout is not _STRIDED or t.is_nested or t.__dict__ or t.is_neg():
+            return self._reduce_tensor(t)
+        code, itemsize = spec
+        if t.is_cpu:
+            device = -1
+        elif t.is_cuda:
+            device = t.get_device()
+        else:
+            return self._reduce_tensor(t)
+        if code in _COMPLEX_CODES and t.is_conj():
+            return self._reduce_tensor(t)
+        nbytes = t.nbytes
+        ptr = t.data_ptr()  # null for a ZeroTensor (it has no bytes) and empty ones
+        storage = t.untyped_storage()
+        if not ptr or storage.nbytes() != nbytes:
+            return self._reduce_tensor(t)
+        # A stride-1 vector as large as its storage starts at offset 0.
+        vector = t.stride() == (1,)
+        if not vector and t.storage_offset():
+            return self._reduce_tensor(t)
+        key = (ptr, nbytes, device)  # as _buffer_index's, the offset being 0
+        index = self._storage_index.get(key)
+        if index is None:
+            index = self._storage_index[key] = len(self.buffers)
+            # Its bytes, made by _as_bytes after the dump.
+            self.buffers.append(t if vector else (storage, device))
+        flags = _REQUIRES_GRAD if t.requires_grad else 0
+        if cls is _Parameter:
+            flags |= _PARAMETER
+        if vector:
+            return (_rebuild_vector, (index, code | flags, nbytes // itemsize))
+        return (_rebuild_tensor, (index, 0, _dtype_name(dtype), tuple(t.shape), t.stride(), flags))
 
     def _buffer_callback(self, buffer: pickle.PickleBuffer) -> bool:
         # Returning False sends the buffer out of band; it takes the next
@@ -250,6 +350,7 @@ class _MessagePickler(pickle.Pickler):
         return False
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
+        """General path: any tensor (views, subclasses, lazy bits, ...)."""
         cls = type(t)
         if cls is not _Tensor and cls is not _Parameter and not _plain_subclass(cls):
             return NotImplemented
@@ -293,27 +394,79 @@ class _MessagePickler(pickle.Pickler):
         return index
 
     def _add_buffer(self, storage: torch.UntypedStorage, device: int) -> int:
-        """Append a uint8 tensor over all of ``storage``; returns its index."""
-        proto = _BYTE_PROTOS.get(device)
-        if proto is None:
-            proto = _BYTE_PROTOS[device] = torch.empty(0, dtype=torch.uint8, device=storage.device)
-        self.buffers.append(proto.new().set_(storage))
+        """Add a buffer for all of ``storage`` (made by _as_bytes); its index."""
+        self.buffers.append((storage, device))
         return len(self.buffers) - 1
 
 
 # ---------------------------------------------------------------------------
 # Receiving side.
 
-_LOCAL = threading.local()  # .loader: the _Loader of the loads running here
+
+class _LoadState(threading.local):
+    loader: _Loader | None = None  # the _Loader of the loads running here
+
+
+_LOCAL = _LoadState()
+
+_NOT_IN_LOADS = "a ucxrpc tensor can only be unpickled by Serializer.loads"
+
+
+def _rebuild_vector(index: int, code: int, numel: int) -> torch.Tensor:
+    """Pickle's rebuild call for a 1-D tensor that is all of its buffer.
+
+    The hot path of every load, so it is written out here rather than as a
+    _Loader method (one Python call less per tensor): mostly one view op.
+    """
+    loader = _LOCAL.loader
+    if loader is None:
+        raise SerializationError(_NOT_IN_LOADS)
+    number = loader.ntensors
+    loader.ntensors = number + 1
+    if index == loader.used:  # a new buffer (each earlier one has its entry)
+        loader.used = index + 1
+        buffers = loader.buffers
+        buf = buffers[index] if index < len(buffers) else None
+        # The checks of _Loader.entry, in their cheapest form.
+        if not (isinstance(buf, _Tensor) and buf.dtype is _UINT8 and buf.stride() == (1,)):
+            buf, bits, nbytes = loader.entry(index, number)  # or raises
+        else:
+            bits, nbytes = buf.data_ptr(), buf.numel()
+            loader.entries[index] = (buf, bits, nbytes)
+    elif 0 <= index < loader.used:
+        buf, bits, nbytes = loader.entries[index]
+    else:
+        raise loader.out_of_order(number, index)
+    spec = _CODE_SPECS.get(code)
+    if spec is None:
+        raise SerializationError(f"unknown tensor dtype code {code!r} in message")
+    dtype, itemsize, flags = spec
+    if numel * itemsize == nbytes and not bits % itemsize:
+        try:
+            # view(dtype) is a non-differentiable view: a leaf with no _base.
+            t = buf.view(dtype)
+        except RuntimeError:  # its storage starts misaligned (buffer over odd memory)
+            t = loader.place(number, index, dtype, 0, (numel,), (1,))
+    else:  # a buffer of another size, or misaligned: checked, maybe copied
+        t = loader.place(number, index, dtype, 0, (numel,), (1,))
+    return _finish(t, flags, None, number) if flags else t
 
 
 def _rebuild_tensor(index: int, offset: int, dtype: str, shape: tuple[int, ...],
                     stride: tuple[int, ...], flags: int, cls: type | None = None) -> torch.Tensor:
-    """Pickle's rebuild call for an out-of-band tensor (see _Loader.tensor)."""
-    loader = getattr(_LOCAL, "loader", None)
+    """Pickle's rebuild call for any other out-of-band tensor (no copy if aligned)."""
+    loader = _LOCAL.loader
     if loader is None:
-        raise SerializationError("a ucxrpc tensor can only be unpickled by Serializer.loads")
-    return loader.tensor(index, offset, dtype, shape, stride, flags, cls)
+        raise SerializationError(_NOT_IN_LOADS)
+    number = loader.ntensors
+    loader.ntensors = number + 1
+    if index == loader.used:
+        loader.used = index + 1
+        loader.entry(index, number)
+    elif not 0 <= index < loader.used:
+        raise loader.out_of_order(number, index)
+    t = loader.place(number, index, _dtype_from_name(dtype), offset, shape, stride)
+    return _finish(t, flags, cls, number) if flags or cls is not None else t
 
 
 def _extent(offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
@@ -330,16 +483,20 @@ def _extent(offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> int
     return end
 
 
-# (buffer, its storage, the buffer's byte offset in it, its address, its
-# device index)
-_Entry = tuple[torch.Tensor, torch.UntypedStorage, int, int, int]
+def _finish(t: torch.Tensor, flags: int, cls: type | None, number: int) -> torch.Tensor:
+    """Apply the autograd flags and the tensor type to a rebuilt tensor."""
+    requires_grad = bool(flags & _REQUIRES_GRAD)
+    if flags & _PARAMETER:
+        return _Parameter(t, requires_grad=requires_grad)
+    if cls is not None:
+        if not (isinstance(cls, type) and issubclass(cls, _Tensor)):
+            raise SerializationError(f"tensor {number} has type {cls!r}, not a Tensor subclass")
+        t = t.as_subclass(cls)
+    return t.requires_grad_() if requires_grad else t
 
 
-def _make_proto(dtype_name: str, buf: torch.Tensor) -> torch.Tensor:
-    """The empty tensor of this dtype on ``buf``'s device (see _PROTOS)."""
-    proto = torch.empty(0, dtype=_dtype_from_name(dtype_name), device=buf.device)
-    _PROTOS[(dtype_name, buf.get_device())] = proto
-    return proto
+# (buffer, its address, its length in bytes)
+_Entry = tuple[torch.Tensor, int, int]
 
 
 class _Loader:
@@ -348,13 +505,13 @@ class _Loader:
     Also the iterator pickle draws its out-of-band buffers from.
     """
 
-    __slots__ = ("buffers", "used", "ntensors", "_entries")
+    __slots__ = ("buffers", "used", "ntensors", "entries")
 
     def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
         self.buffers = buffers
         self.used = 0  # buffers introduced so far, in stream order
         self.ntensors = 0
-        self._entries: dict[int, _Entry] = {}
+        self.entries: dict[int, _Entry] = {}
 
     def __iter__(self) -> _Loader:
         return self
@@ -362,62 +519,57 @@ class _Loader:
     def __next__(self) -> Any:
         """The next out-of-band pickle buffer (a numpy array's bytes)."""
         index = self.used
-        buf = (self._entries.get(index) or self._entry(index, f"pickle buffer {index}"))[0]
+        buf = (self.entries.get(index) or self.entry(index, None))[0]
         self.used += 1
         if buf.is_cuda:
             raise SerializationError(f"buffer {index} holds pickled bytes but is on {_device_name(buf)}")
         return buf.numpy()
 
-    def tensor(self, index: int, offset: int, dtype_name: str, shape: tuple[int, ...],
-               stride: tuple[int, ...], flags: int, cls: type | None) -> torch.Tensor:
-        """Rebuild one tensor as a view of buffer ``index`` (no copy if aligned)."""
-        number = self.ntensors
-        self.ntensors = number + 1
-        if index == self.used:
-            self.used = index + 1
-        elif not 0 <= index < self.used:
-            raise SerializationError(f"tensor {number} refers to buffer {index} out of order "
-                                     f"(next new buffer is {self.used}); corrupt message")
-        entry = self._entries.get(index)
-        if entry is None:
-            entry = self._entry(index, f"tensor {number}")
-        buf, storage, base, address, device = entry
-        proto = _PROTOS.get((dtype_name, device))
-        if proto is None:
-            proto = _make_proto(dtype_name, buf)
-        itemsize = proto.itemsize
+    def out_of_order(self, number: int, index: int) -> SerializationError:
+        return SerializationError(f"tensor {number} refers to buffer {index} out of order "
+                                 f"(next new buffer is {self.used}); corrupt message")
+
+    def place(self, number: int, index: int, dtype: torch.dtype, offset: int,
+               shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        """A ``dtype`` view of buffer ``index`` (already checked) at ``offset``."""
+        buf, bits, nbytes = self.entries[index]
+        itemsize = dtype.itemsize
         end = _extent(offset, shape, stride)
-        if end and (offset < 0 or end * itemsize > buf.numel()):
+        if end and (offset < 0 or end * itemsize > nbytes):
             raise SerializationError(
                 f"tensor {number} needs bytes [{offset * itemsize}, {end * itemsize}) "
-                f"but buffer {index} has {buf.numel()} bytes")
-        if address % itemsize:
-            storage, base = self._realign(index, buf, itemsize)
-        t = proto.new().set_(storage, base // itemsize + offset, shape, stride)
-        requires_grad = bool(flags & _REQUIRES_GRAD)
-        if flags & _PARAMETER:
-            return _Parameter(t, requires_grad=requires_grad)
-        if cls is not None:
-            if not (isinstance(cls, type) and issubclass(cls, _Tensor)):
-                raise SerializationError(f"tensor {number} has type {cls!r}, not a Tensor subclass")
-            t = t.as_subclass(cls)
-        return t.requires_grad_() if requires_grad else t
+                f"but buffer {index} has {nbytes} bytes")
+        base = cast(int, buf.storage_offset())
+        # Elements must be aligned both in memory and within the storage.
+        if (bits | base) % itemsize:
+            buf, base = self._realign(index, buf, itemsize), 0
+        device = buf.get_device()
+        proto = _PROTOS.get((dtype, device))
+        if proto is None:
+            proto = _PROTOS[(dtype, device)] = torch.empty(0, dtype=dtype, device=buf.device)
+        return proto.new().set_(buf.untyped_storage(), base // itemsize + offset, shape, stride)
 
-    def _entry(self, index: int, who: str) -> _Entry:
-        """Check buffer ``index`` and cache it with its storage (first use)."""
+    def entry(self, index: int, number: int | None) -> _Entry:
+        """Check buffer ``index`` and cache what views of it need (first use).
+
+        ``number``: the tensor that needs it, or None for a pickle buffer.
+        """
         buffers = self.buffers
         if index >= len(buffers):
+            who = f"pickle buffer {index}" if number is None else f"tensor {number}"
             raise SerializationError(f"{who} needs buffer {index} but the message has only "
                                      f"{len(buffers)} buffers")
         buf = buffers[index]
-        if not (isinstance(buf, _Tensor) and buf.dtype == torch.uint8
-                and buf.dim() == 1 and buf.is_contiguous()):
+        # stride() == (1,) is the cheaper test; the rest are 0- or 1-byte buffers.
+        if not (isinstance(buf, _Tensor) and buf.dtype is _UINT8
+                and (buf.stride() == (1,) or buf.dim() == 1 and buf.is_contiguous())):
             raise SerializationError(f"buffer {index} is not a 1-D contiguous uint8 tensor")
-        entry = self._entries[index] = (buf, buf.untyped_storage(), buf.storage_offset(),
-                                        buf.data_ptr(), buf.get_device())
+        if buf.stride() != (1,):  # one byte or none: views of it get stride 1
+            buf = buf.as_strided(buf.shape, (1,))
+        entry = self.entries[index] = (buf, buf.data_ptr(), buf.numel())
         return entry
 
-    def _realign(self, index: int, buf: torch.Tensor, itemsize: int) -> tuple[torch.UntypedStorage, int]:
+    def _realign(self, index: int, buf: torch.Tensor, itemsize: int) -> torch.Tensor:
         """Copy a buffer whose address does not suit ``itemsize``-byte elements.
 
         The copy is a fresh (aligned) allocation and replaces the buffer for
@@ -426,9 +578,8 @@ class _Loader:
         logger.debug("buffer %d is misaligned for %d-byte elements; copying %d bytes",
                      index, itemsize, buf.numel())
         copy = torch.empty_like(buf).copy_(buf)
-        storage = copy.untyped_storage()
-        self._entries[index] = (copy, storage, 0, copy.data_ptr(), copy.get_device())
-        return storage, 0
+        self.entries[index] = (copy, copy.data_ptr(), copy.numel())
+        return copy
 
     def finish(self) -> None:
         """Check that the pickle used every buffer the message carried."""
@@ -514,7 +665,7 @@ class Serializer:
             raise SerializationError(f"message has {len(buffers)} buffers; the limit is "
                                      f"{self.max_buffers}")
         loader = _Loader(buffers)
-        outer = getattr(_LOCAL, "loader", None)  # loads may nest via __setstate__
+        outer = _LOCAL.loader  # loads may nest via __setstate__
         _LOCAL.loader = loader
         try:
             obj = pickle.loads(payload, buffers=loader)

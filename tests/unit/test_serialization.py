@@ -258,6 +258,169 @@ def test_compacted_views_no_longer_share_but_whole_tensor_does():
     assert torch.equal(got_small, small)
 
 
+# Fast path: a plain tensor that is all of its storage travels without offset
+# (1-D stride-1 ones as _rebuild_vector); everything else takes the general
+# path.  Both must agree on buffers, sharing and layout.
+
+
+def _forms(pickled: Pickled) -> set[str]:
+    """Which rebuild functions a payload calls."""
+    return {name for name in ("_rebuild_vector", "_rebuild_tensor") if name.encode() in pickled.payload}
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_whole_vector_of_every_dtype_takes_the_fast_path(dtype):
+    t = _sample(dtype, (37,))
+    pickled = dumps(t)
+    assert _forms(pickled) == {"_rebuild_vector"}
+    (buf,) = pickled.buffers
+    assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+    assert buf.data_ptr() == t.data_ptr() and buf.numel() == t.nbytes
+    bufs = _wire(pickled)
+    got = loads(pickled.payload, bufs)
+    _assert_same(got, t)
+    assert got.data_ptr() == bufs[0].data_ptr()
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_whole_vector_from_misaligned_buffer(dtype):
+    t = _sample(dtype, (9,))
+    got = _roundtrip(t, offset=1)
+    _assert_same(got, t)
+    assert got.data_ptr() % t.itemsize == 0
+
+
+def test_vector_buffer_has_no_autograd_link_to_its_tensor():
+    t = torch.randn(8, requires_grad=True)
+    (buf,) = dumps(t).buffers
+    assert not buf.requires_grad and buf.grad_fn is None
+    assert buf.data_ptr() == t.data_ptr()
+
+
+def test_view_smaller_than_its_storage_below_threshold_sends_the_storage():
+    base = torch.arange(100.0)  # 400 bytes: far below the compaction threshold
+    view = base[:60]  # offset 0, stride 1, but not all of its storage
+    pickled = dumps(view)
+    assert _forms(pickled) == {"_rebuild_tensor"}
+    assert pickled.specs == [BufferSpec(400, "cpu")]
+    got = loads(pickled.payload, _wire(pickled))
+    _assert_same(got, view)
+    assert got.untyped_storage().nbytes() == 400
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor(2.5),  # 0-dim
+    lambda: torch.arange(12.0).reshape(3, 4),
+    lambda: torch.arange(12.0).reshape(3, 4).T,  # all of its storage, not contiguous
+    lambda: torch.arange(3.0)[:1].expand(3),  # stride 0, storage as large as its bytes
+    lambda: torch.arange(3.0)[2:].expand(3),  # the same at offset 2
+    lambda: torch.empty_strided((1,), (5,)).fill_(7.0),  # one element, odd stride
+    lambda: torch.arange(3.0).reshape(1, 3).T,  # size-1 dim with a non-default stride
+], ids=["0-dim", "2-d", "transposed", "expanded", "expanded-offset", "odd-stride-1",
+        "size-1-stride"])
+def test_whole_storage_non_vectors_keep_exact_layout(make):
+    t = make()
+    pickled = dumps(t)
+    assert _forms(pickled) == {"_rebuild_tensor"}
+    assert [s.nbytes for s in pickled.specs] == [t.untyped_storage().nbytes()]
+    bufs = _wire(pickled)
+    got = loads(pickled.payload, bufs)
+    _assert_same(got, t)
+    assert got.storage_offset() == t.storage_offset()
+    assert got.untyped_storage().data_ptr() == bufs[0].data_ptr()
+
+
+@pytest.mark.parametrize("nvectors", [0, 1, 8])
+def test_buffers_of_every_kind_are_zero_copy_bytes(nvectors):
+    # Buffers are made after the dump, under a guard from a few on: both ways.
+    vectors = [torch.full((5,), float(i)) for i in range(nvectors)]
+    matrix = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    arr = np.arange(1 << 14, dtype=np.float64)
+    obj = [*vectors, matrix, arr]
+    pickled = dumps(obj)
+    assert len(pickled.buffers) == nvectors + 2
+    for buf in pickled.buffers:
+        assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+    sources = [t.data_ptr() for t in vectors] + [matrix.data_ptr(), arr.ctypes.data]
+    assert [b.data_ptr() for b in pickled.buffers] == sources
+    got = loads(pickled.payload, _wire(pickled))
+    for g, want in zip(got[:-1], obj[:-1]):
+        _assert_same(g, want)
+    assert np.array_equal(got[-1], arr)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 2, 0)], ids=["vector-first", "vector-last"])
+def test_vector_and_views_of_it_share_one_buffer_in_either_order(order):
+    a = torch.arange(10.0)
+    parts = [a, a[2:], a.view(2, 5)]  # fast path, general path, whole-storage 2-D
+    obj = [parts[i] for i in order]
+    pickled = dumps(obj)
+    assert len(pickled.buffers) == 1
+    got = loads(pickled.payload, _wire(pickled))
+    for g, want in zip(got, obj):
+        _assert_same(g, want)
+        assert g.storage_offset() == want.storage_offset()
+    whole, tail, matrix = (got[order.index(i)] for i in range(3))
+    whole[3] = -1.0
+    assert tail[1].item() == -1.0 and matrix[0, 3].item() == -1.0
+
+
+def test_vector_buffer_larger_than_needed_is_used_in_place():
+    t = torch.arange(6, dtype=torch.int32)
+    pickled = dumps(t)
+    big = torch.zeros(64, dtype=torch.uint8)
+    big[:24] = pickled.buffers[0]
+    got = loads(pickled.payload, [big])
+    _assert_same(got, t)
+    assert got.data_ptr() == big.data_ptr()
+
+
+@pytest.mark.parametrize("storage_start, offset", [(4, 4), (4, 8)],
+                         ids=["aligned-address", "aligned-offset"])
+def test_vector_from_buffer_whose_storage_starts_misaligned(storage_start, offset):
+    # A storage that starts 4 bytes off an 8-byte boundary, and a buffer in it
+    # whose address or whose offset in the storage does not suit float64:
+    # either way the buffer is copied before float64 views it.
+    t = torch.arange(5, dtype=torch.float64)
+    pickled = dumps(t)
+    raw = torch.zeros(64, dtype=torch.uint8)
+    start = next(s for s in range(8) if (raw.data_ptr() + s) % 8 == storage_start)
+    storage = torch.frombuffer(memoryview(raw.numpy())[start:], dtype=torch.uint8)
+    buf = storage[offset:offset + 40]
+    assert (buf.data_ptr() % 8 == 0) != (buf.storage_offset() % 8 == 0)
+    buf.copy_(pickled.buffers[0])
+    got = loads(pickled.payload, [buf])
+    _assert_same(got, t)
+    assert got.data_ptr() % 8 == 0 and got.data_ptr() != buf.data_ptr()
+
+
+def test_neg_view_of_a_whole_real_tensor_is_materialized():
+    neg = torch._neg_view(torch.arange(4.0))
+    assert neg.is_neg() and neg.untyped_storage().nbytes() == neg.nbytes
+    got = _roundtrip(neg)
+    assert not got.is_neg()
+    assert torch.equal(got, -torch.arange(4.0))
+
+
+def test_received_vector_is_a_plain_leaf_even_when_loaded_without_grad():
+    t = torch.randn(5)
+    pickled = dumps(t)
+    with torch.no_grad():
+        got = loads(pickled.payload, _wire(pickled))
+    assert got.is_leaf and got._base is None and not got._is_view()
+    w = torch.ones(5, requires_grad=True)
+    got.mul_(w)  # in-place with grad: forbidden on views made under no_grad
+    got.sum().backward()
+    assert torch.equal(w.grad, t)
+
+
+def test_dispatch_for_tensor_wins_over_the_fast_path():
+    ser = Serializer(dispatch={torch.Tensor: lambda t: (torch.tensor, (t.tolist(),))})
+    pickled = ser.dumps([torch.arange(3.0)])
+    assert pickled.buffers == []
+    assert torch.equal(ser.loads(pickled.payload, [])[0], torch.arange(3.0))
+
+
 # Received tensors are views of the received buffers.
 
 
@@ -365,7 +528,10 @@ def test_conj_and_neg_views_are_materialized():
 
 def test_zero_tensor_is_materialized():
     z = torch._efficientzerotensor(3)
-    got = _roundtrip(z)
+    pickled = dumps(z)
+    (buf,) = pickled.buffers
+    assert not buf._is_zerotensor() and buf.data_ptr() != 0  # real bytes to send
+    got = loads(pickled.payload, _wire(pickled))
     assert torch.equal(got, torch.zeros(3))
 
 
@@ -565,8 +731,55 @@ def test_forged_metadata_is_rejected(args, message):
         loads(payload, bufs)
 
 
-def test_plain_unpickling_of_a_message_is_refused():
-    pickled = dumps(torch.ones(2))
+class _ForgedVector:
+    """Pickles as a direct call of the vector rebuild function."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __reduce__(self):
+        return (serialization._rebuild_vector, self.args)
+
+
+_FLOAT32 = serialization._DTYPE_CODES[torch.float32][0]
+
+
+@pytest.mark.parametrize("args, nbufs, message", [
+    ((0, "x", 4), 2, "^unknown tensor dtype code 'x' in message$"),
+    ((0, 1 << 20, 4), 2, "^unknown tensor dtype code 1048576 in message$"),
+    ((1, _FLOAT32, 4), 2, "^tensor 0 refers to buffer 1 out of order"),
+    ((0, _FLOAT32, 5), 2, r"^tensor 0 needs bytes \[0, 20\) but buffer 0 has 16 bytes$"),
+    ((0, _FLOAT32, -1), 2, "^tensor has negative shape"),
+    ((0, _FLOAT32, 4), 0, "^tensor 0 needs buffer 0 but the message has only 0 buffers$"),
+], ids=["code-type", "code-range", "order", "too-small", "negative", "no-buffer"])
+def test_forged_vector_metadata_is_rejected(args, nbufs, message):
+    payload = pickle.dumps([_ForgedVector(*args), 0], protocol=5)
+    bufs = [torch.zeros(16, dtype=torch.uint8) for _ in range(nbufs)]
+    with pytest.raises(SerializationError, match=message):
+        loads(payload, bufs)
+
+
+@pytest.mark.parametrize("buf", [torch.ones(4), torch.zeros(2, 8, dtype=torch.uint8),
+                                 torch.zeros(32, dtype=torch.uint8)[::2]],
+                         ids=["float", "2-d", "strided"])
+def test_vector_buffer_of_wrong_kind(buf):
+    pickled = dumps(torch.ones(4))
+    with pytest.raises(SerializationError, match="^buffer 0 is not a 1-D contiguous uint8 tensor$"):
+        loads(pickled.payload, [buf])
+
+
+def test_one_byte_buffer_with_any_stride_is_accepted():
+    t = torch.tensor([7], dtype=torch.uint8)
+    buf = torch.zeros(10, dtype=torch.uint8)[::5][:1]  # contiguous: one element
+    assert buf.stride() == (5,)
+    buf[0] = 7
+    got = loads(dumps(t).payload, [buf])
+    _assert_same(got, t)
+
+
+@pytest.mark.parametrize("t", [torch.ones(2), torch.ones(2, 2)], ids=["vector", "general"])
+def test_plain_unpickling_of_a_message_is_refused(t):
+    pickled = dumps(t)
     with pytest.raises(SerializationError, match="^a ucxrpc tensor can only be unpickled by Serializer.loads$"):
         pickle.loads(pickled.payload)
 
