@@ -29,6 +29,7 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -74,8 +75,9 @@ class Limits:
     inline_total: int = 4 << 20
 
 
-@dataclass(frozen=True)
-class BufferDesc:
+class BufferDesc(NamedTuple):
+    """One buffer of a message (a tuple: frames may carry thousands)."""
+
     nbytes: int
     inline_offset: int
     device: int  # -1 for host memory, else the CUDA device index
@@ -83,6 +85,11 @@ class BufferDesc:
     @property
     def inline(self) -> bool:
         return self.inline_offset != NOT_INLINE
+
+
+# The descriptor table read in one numpy call instead of a struct per buffer.
+_DESC_DTYPE = np.dtype([("nbytes", "<u8"), ("off", "<u8"), ("device", "<i2"), ("pad", "V6")])
+assert _DESC_DTYPE.itemsize == DESC.size
 
 
 @dataclass(frozen=True)
@@ -95,10 +102,6 @@ class Frame:
     total: int = 0   # frame plus out-of-band bytes; checked by the receiver
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
-
-
 def mac(key: bytes, head: bytes | memoryview, size: int) -> bytes:
     h = hashlib.blake2b(head, key=key, digest_size=MAC_LEN)
     h.update(size.to_bytes(8, "little"))
@@ -106,32 +109,33 @@ def mac(key: bytes, head: bytes | memoryview, size: int) -> bytes:
 
 
 def encode(kind: Kind, seq: int, payload: bytes | memoryview,
-           buffers: list[tuple[int, memoryview | None, int]],
-           key: bytes, limits: Limits) -> tuple[np.ndarray, list[int]]:
+           buffers: Sequence[tuple[int, memoryview | None, int]], key: bytes,
+           limits: Limits) -> tuple[np.ndarray, list[int]]:
     """Build a frame; returns it and the indices of buffers sent separately.
 
     ``buffers`` holds (nbytes, host bytes view or None, device) triples; a
-    host buffer (device -1) no larger
-    than ``limits.inline_threshold`` is copied inline while the inline total
-    stays under ``limits.inline_total``.
+    host buffer (device -1) no larger than ``limits.inline_threshold`` is
+    copied inline while the inline total stays under ``limits.inline_total``.
 
     Raises:
         FrameError: the message breaks a limit (named in the message).
     """
     if len(buffers) > limits.max_buffers:
         raise FrameError(f"message has {len(buffers)} buffers; the limit is {limits.max_buffers}")
-    head_len = PREFIX.size + DESC.size * len(buffers) + len(payload)
-    cursor = _align(head_len)
-    descs, separate, inline = [], [], []
+    nbuf = len(buffers)
+    head_len = PREFIX.size + DESC.size * nbuf + len(payload)
+    cursor = start = (head_len + ALIGN - 1) & ~(ALIGN - 1)
+    offs, separate, inline = [], [], []
     total = 0
+    small, budget = limits.inline_threshold, start + limits.inline_total
     for i, (n, view, device) in enumerate(buffers):
         total += n
-        if view is not None and device < 0 and n <= limits.inline_threshold and cursor + n - head_len <= limits.inline_total:
-            descs.append(DESC.pack(n, cursor, device))
+        if view is not None and device < 0 and n <= small and cursor + n <= budget:
+            offs.append(cursor)
             inline.append((cursor, view))
-            cursor = _align(cursor + n)
+            cursor = (cursor + n + ALIGN - 1) & ~(ALIGN - 1)
         else:
-            descs.append(DESC.pack(n, NOT_INLINE, device))
+            offs.append(NOT_INLINE)
             separate.append(i)
     size = (cursor if inline else head_len) + MAC_LEN
     if size > limits.max_frame_bytes:
@@ -141,11 +145,14 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
                          f"max_message_bytes={limits.max_message_bytes}")
     arr = np.empty(size, dtype=np.uint8)  # ucxx's Array is unsafe with bytearray
     out = arr.data
-    PREFIX.pack_into(out, 0, MAGIC, VERSION, kind, len(buffers), 0, len(payload), seq)
-    pos = PREFIX.size
-    for d in descs:
-        out[pos:pos + DESC.size] = d
-        pos += DESC.size
+    PREFIX.pack_into(out, 0, MAGIC, VERSION, kind, nbuf, 0, len(payload), seq)
+    if nbuf:
+        table = arr[PREFIX.size:PREFIX.size + DESC.size * nbuf].view(_DESC_DTYPE)
+        table["nbytes"] = [b[0] for b in buffers]
+        table["off"] = offs
+        table["device"] = [b[2] for b in buffers]
+        table["pad"] = b""
+    pos = PREFIX.size + DESC.size * nbuf
     out[pos:pos + len(payload)] = payload
     for off, view in inline:
         out[off:off + view.nbytes] = view
@@ -184,18 +191,21 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
         raise FrameError(f"truncated frame: header declares {head_len + MAC_LEN} bytes, got {n}")
     if key is not None and mac(key, data[:head_len], n) != bytes(data[n - MAC_LEN:]):
         raise FrameError("frame authentication failed (MAC mismatch)")
-    descs = []
-    total = n
-    for i in range(nbuf):
-        nbytes, off, device = DESC.unpack_from(data, PREFIX.size + DESC.size * i)
-        if off != NOT_INLINE and (off < head_len or off + nbytes > n - MAC_LEN):
-            raise FrameError(f"buffer {i} claims inline bytes [{off}, {off + nbytes}) "
-                             f"outside the {n}-byte frame")
-        if off == NOT_INLINE:
-            total += nbytes
-        descs.append(BufferDesc(nbytes, off, device))
+    table = np.frombuffer(data, dtype=_DESC_DTYPE, count=nbuf, offset=PREFIX.size)
+    sizes, offs = table["nbytes"], table["off"]
+    inline = offs != NOT_INLINE
+    # Python ints: a lying size near 2**64 must not wrap around in uint64.
+    bad = inline & ((offs < head_len) | (offs > n - MAC_LEN) | (sizes > n - MAC_LEN - offs))
+    if bad.any():
+        i = int(np.argmax(bad))
+        off, nbytes = int(offs[i]), int(sizes[i])
+        raise FrameError(f"buffer {i} claims inline bytes [{off}, {off + nbytes}) "
+                         f"outside the {n}-byte frame")
+    total = n + sum(sizes[~inline].tolist())
+    descs = tuple(map(BufferDesc._make, zip(sizes.tolist(), offs.tolist(),
+                                            table["device"].tolist())))
     payload = data[head_len - plen:head_len]
-    return Frame(kind, seq, payload, tuple(descs), raw, total)
+    return Frame(kind, seq, payload, descs, raw, total)
 
 
 def peek_seq(raw: np.ndarray) -> int | None:
