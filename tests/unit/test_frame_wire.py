@@ -63,6 +63,17 @@ def _set(a: np.ndarray, i: int, v: int) -> np.ndarray:
     return b
 
 
+@pytest.mark.parametrize("count", [1, 20])  # the per-struct and the numpy decoder
+def test_inline_offsets_outside_the_frame_are_refused(count):
+    frame, _ = encode(Kind.MESSAGE, 3, b"p", _bufs(*([8] * count)), b"", Limits())
+    off = 20 + 24 * (count - 1) + 8  # the last descriptor's inline_offset field
+    bad = frame.copy()
+    bad[off:off + 8] = np.frombuffer((10**6).to_bytes(8, "little"), np.uint8)
+    with pytest.raises(FrameError, match=f"buffer {count - 1} claims inline bytes"):
+        decode(bad, None, Limits())
+    assert len(decode(frame, None, Limits()).buffers) == count
+
+
 def test_unknown_kind_and_lying_sizes_without_mac():
     frame, _ = encode(Kind.MESSAGE, 3, b"hello", [], b"", Limits())
     with pytest.raises(FrameError, match="unknown frame kind 77"):
