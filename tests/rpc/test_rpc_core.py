@@ -315,3 +315,38 @@ def _tcp_only(rank: int, world_size: int, init_method: str) -> list:
 def test_transports_option_narrows_what_ucx_uses():
     res = run_workers(_tcp_only, 2, timeout=90, env={"UCX_NET_DEVICES": "lo"})
     assert res == [["tcp"], ["tcp"]]
+
+
+def _graceful(rank: int, world_size: int, init_method: str) -> object:
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    if rank == 1:
+        # rank 0 is already shutting down; graceful shutdown must still serve
+        # this call and let its reply arrive before tearing down.
+        fut = rpc.rpc_async("worker0", sleep_then, args=(1.0, "served"))
+        rpc.shutdown()
+        return fut.wait()
+    rpc.shutdown()
+    return None
+
+
+def test_graceful_shutdown_waits_for_in_flight_work():
+    assert run_workers(_graceful, 2, timeout=90) == [None, "served"]
+
+
+def _env_rank(rank: int, world_size: int, init_method: str, port: int) -> int:
+    import ucxrpc as rpc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    rpc.init_rpc(f"w{rank}", world_size=world_size)  # rank from RANK, as torchrun sets
+    me = rpc.get_worker_info().id
+    rpc.shutdown()
+    return me
+
+
+def test_rank_comes_from_torchrun_environment():
+    from tests.workers import free_port
+
+    assert run_workers(_env_rank, 2, args=(free_port(),), timeout=90) == [0, 1]
