@@ -34,6 +34,7 @@ RANKS: dict[str, int] = {
     "ucxrpc._kernels": 0,  # CuPy kernels and their CPU fallback: a leaf
     "ucxrpc.wire": 1,
     "ucxrpc.serialization": 1,
+    "ucxrpc._tensor_codec": 1,  # tensor wire forms and the receiving side of serialization
     "ucxrpc.devices": 1,
     "ucxrpc.options": 1,  # UcxRpcBackendOptions: a value object agent and api read
     "ucxrpc.agent": 2,

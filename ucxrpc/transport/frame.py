@@ -215,9 +215,9 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
         raise FrameError(f"buffer {i} claims inline bytes [{off}, {off + nbytes}) "
                          f"outside the {n}-byte frame")
     total = n + sum(sizes[~inline].tolist())
-    descs = tuple(map(BufferDesc._make, zip(sizes.tolist(), offs.tolist(),
-                                            table["device"].tolist())))
-    return Frame(kind, seq, payload, descs, raw, total)
+    table_descs = tuple(map(BufferDesc._make, zip(sizes.tolist(), offs.tolist(),
+                                                  table["device"].tolist())))
+    return Frame(kind, seq, payload, table_descs, raw, total)
 
 
 def peek_seq(raw: np.ndarray) -> int | None:

@@ -1,0 +1,266 @@
+"""Tensor wire forms shared by both sides, and the receiving side.
+
+Split from :mod:`ucxrpc.serialization` (which pickles): the dtype tables that
+are part of the wire format, and the rebuild functions a pickle stream
+names, with :class:`_Loader`, which checks every tensor against the buffers
+the message actually carried before viewing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+
+from .errors import SerializationError
+
+logger = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_UINT8 = torch.uint8
+
+# Empty tensors to ``set_`` received storages onto, per (dtype, device).
+_PROTOS: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+
+def _device_name(t: torch.Tensor) -> str:
+    # str(t.device) is several times slower and this runs once per buffer.
+    return f"cuda:{t.get_device()}" if t.is_cuda else "cpu"
+
+# ---------------------------------------------------------------------------
+# dtype names: tensors carry their dtype as a short string.  The same string
+# object is reused for every tensor of a dtype, so pickle's memo sends it once
+# per message; a torch.dtype object would cost a global lookup on load.
+
+
+_DTYPE_TO_NAME: dict[torch.dtype, str] = {}
+_NAME_TO_DTYPE: dict[str, torch.dtype] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_TO_NAME.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        _DTYPE_TO_NAME[dtype] = name
+    return name
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = _NAME_TO_DTYPE.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise SerializationError(f"unknown tensor dtype {name!r} in message")
+        _NAME_TO_DTYPE[name] = dtype
+    return dtype
+
+
+# dtype numbers for _rebuild_vector.  The table is part of the wire format:
+# append only (a name this torch lacks keeps its slot).  A code is the number
+# shifted left by two, or'ed with the flags below.
+_CODED_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16",
+                 "int8", "uint8", "bool", "complex64", "complex128", "complex32",
+                 "uint16", "uint32", "uint64")
+_REQUIRES_GRAD, _PARAMETER = 1, 2  # flags of _rebuild_tensor and of codes
+
+# dtype -> (code without flags, itemsize); code -> (dtype, itemsize, flags)
+_DTYPE_CODES: dict[torch.dtype, tuple[int, int]] = {
+    dt: (number << 2, dt.itemsize) for number, dt in
+    enumerate(getattr(torch, name, None) for name in _CODED_DTYPES) if isinstance(dt, torch.dtype)}
+_CODE_SPECS: dict[int, tuple[torch.dtype, int, int]] = {
+    code | flags: (dt, itemsize, flags) for dt, (code, itemsize) in _DTYPE_CODES.items()
+    for flags in range(4)}
+_COMPLEX_CODES = frozenset(code for dt, (code, _) in _DTYPE_CODES.items() if dt.is_complex)
+
+
+# ---------------------------------------------------------------------------
+# Receiving side.
+
+
+class _LoadState(threading.local):
+    loader: _Loader | None = None  # the _Loader of the loads running here
+
+
+_LOCAL = _LoadState()
+
+_NOT_IN_LOADS = "a ucxrpc tensor can only be unpickled by Serializer.loads"
+
+
+def _rebuild_vector(index: int, code: int, numel: int) -> torch.Tensor:
+    """Pickle's rebuild call for a 1-D tensor that is all of its buffer.
+
+    The hot path of every load, so it is written out here rather than as a
+    _Loader method (one Python call less per tensor): mostly one view op.
+    """
+    loader = _LOCAL.loader
+    if loader is None:
+        raise SerializationError(_NOT_IN_LOADS)
+    number = loader.ntensors
+    loader.ntensors = number + 1
+    if index == loader.used:  # a new buffer (each earlier one has its entry)
+        loader.used = index + 1
+        buffers = loader.buffers
+        buf = buffers[index] if index < len(buffers) else None
+        # The checks of _Loader.entry, in their cheapest form.
+        if not (isinstance(buf, _Tensor) and buf.dtype is _UINT8 and buf.stride() == (1,)):
+            buf, bits, nbytes = loader.entry(index, number)  # or raises
+        else:
+            bits, nbytes = buf.data_ptr(), buf.numel()
+            loader.entries[index] = (buf, bits, nbytes)
+    elif 0 <= index < loader.used:
+        buf, bits, nbytes = loader.entries[index]
+    else:
+        raise loader.out_of_order(number, index)
+    spec = _CODE_SPECS.get(code)
+    if spec is None:
+        raise SerializationError(f"unknown tensor dtype code {code!r} in message")
+    dtype, itemsize, flags = spec
+    if numel * itemsize == nbytes and not bits % itemsize:
+        try:
+            # view(dtype) is a non-differentiable view: a leaf with no _base.
+            t = buf.view(dtype)
+        except RuntimeError:  # its storage starts misaligned (buffer over odd memory)
+            t = loader.place(number, index, dtype, 0, (numel,), (1,))
+    else:  # a buffer of another size, or misaligned: checked, maybe copied
+        t = loader.place(number, index, dtype, 0, (numel,), (1,))
+    return _finish(t, flags, None, number) if flags else t
+
+
+def _rebuild_tensor(index: int, offset: int, dtype: str, shape: tuple[int, ...],
+                    stride: tuple[int, ...], flags: int, cls: type | None = None) -> torch.Tensor:
+    """Pickle's rebuild call for any other out-of-band tensor (no copy if aligned)."""
+    loader = _LOCAL.loader
+    if loader is None:
+        raise SerializationError(_NOT_IN_LOADS)
+    number = loader.ntensors
+    loader.ntensors = number + 1
+    if index == loader.used:
+        loader.used = index + 1
+        loader.entry(index, number)
+    elif not 0 <= index < loader.used:
+        raise loader.out_of_order(number, index)
+    t = loader.place(number, index, _dtype_from_name(dtype), offset, shape, stride)
+    return _finish(t, flags, cls, number) if flags or cls is not None else t
+
+
+def _extent(offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """One past the last storage element a view touches; 0 if it has none."""
+    if len(shape) != len(stride):
+        raise SerializationError(f"tensor shape {shape} and stride {stride} differ in length")
+    end = offset + 1
+    for size, step in zip(shape, stride):
+        if size == 0:
+            return 0
+        if size < 0 or step < 0:
+            raise SerializationError(f"tensor has negative shape {shape} or stride {stride}")
+        end += (size - 1) * step
+    return end
+
+
+def _finish(t: torch.Tensor, flags: int, cls: type | None, number: int) -> torch.Tensor:
+    """Apply the autograd flags and the tensor type to a rebuilt tensor."""
+    requires_grad = bool(flags & _REQUIRES_GRAD)
+    if flags & _PARAMETER:
+        return _Parameter(t, requires_grad=requires_grad)
+    if cls is not None:
+        if not (isinstance(cls, type) and issubclass(cls, _Tensor)):
+            raise SerializationError(f"tensor {number} has type {cls!r}, not a Tensor subclass")
+        t = t.as_subclass(cls)
+    return t.requires_grad_() if requires_grad else t
+
+
+# (buffer, its address, its length in bytes)
+_Entry = tuple[torch.Tensor, int, int]
+
+
+class _Loader:
+    """Per-``loads`` state: hands buffers to tensors and to pickle.
+
+    Also the iterator pickle draws its out-of-band buffers from.
+    """
+
+    __slots__ = ("buffers", "used", "ntensors", "entries")
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.used = 0  # buffers introduced so far, in stream order
+        self.ntensors = 0
+        self.entries: dict[int, _Entry] = {}
+
+    def __iter__(self) -> _Loader:
+        return self
+
+    def __next__(self) -> Any:
+        """The next out-of-band pickle buffer (a numpy array's bytes)."""
+        index = self.used
+        buf = (self.entries.get(index) or self.entry(index, None))[0]
+        self.used += 1
+        if buf.is_cuda:
+            raise SerializationError(f"buffer {index} holds pickled bytes but is on {_device_name(buf)}")
+        return buf.numpy()
+
+    def out_of_order(self, number: int, index: int) -> SerializationError:
+        return SerializationError(f"tensor {number} refers to buffer {index} out of order "
+                                 f"(next new buffer is {self.used}); corrupt message")
+
+    def place(self, number: int, index: int, dtype: torch.dtype, offset: int,
+               shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        """A ``dtype`` view of buffer ``index`` (already checked) at ``offset``."""
+        buf, bits, nbytes = self.entries[index]
+        itemsize = dtype.itemsize
+        end = _extent(offset, shape, stride)
+        if end and (offset < 0 or end * itemsize > nbytes):
+            raise SerializationError(
+                f"tensor {number} needs bytes [{offset * itemsize}, {end * itemsize}) "
+                f"but buffer {index} has {nbytes} bytes")
+        base = cast(int, buf.storage_offset())
+        # Elements must be aligned both in memory and within the storage.
+        if (bits | base) % itemsize:
+            buf, base = self._realign(index, buf, itemsize), 0
+        device = buf.get_device()
+        proto = _PROTOS.get((dtype, device))
+        if proto is None:
+            proto = _PROTOS[(dtype, device)] = torch.empty(0, dtype=dtype, device=buf.device)
+        return proto.new().set_(buf.untyped_storage(), base // itemsize + offset, shape, stride)
+
+    def entry(self, index: int, number: int | None) -> _Entry:
+        """Check buffer ``index`` and cache what views of it need (first use).
+
+        ``number``: the tensor that needs it, or None for a pickle buffer.
+        """
+        buffers = self.buffers
+        if index >= len(buffers):
+            who = f"pickle buffer {index}" if number is None else f"tensor {number}"
+            raise SerializationError(f"{who} needs buffer {index} but the message has only "
+                                     f"{len(buffers)} buffers")
+        buf = buffers[index]
+        # stride() == (1,) is the cheaper test; the rest are 0- or 1-byte buffers.
+        if not (isinstance(buf, _Tensor) and buf.dtype is _UINT8
+                and (buf.stride() == (1,) or buf.dim() == 1 and buf.is_contiguous())):
+            raise SerializationError(f"buffer {index} is not a 1-D contiguous uint8 tensor")
+        if buf.stride() != (1,):  # one byte or none: views of it get stride 1
+            buf = buf.as_strided(buf.shape, (1,))
+        entry = self.entries[index] = (buf, buf.data_ptr(), buf.numel())
+        return entry
+
+    def _realign(self, index: int, buf: torch.Tensor, itemsize: int) -> torch.Tensor:
+        """Copy a buffer whose address does not suit ``itemsize``-byte elements.
+
+        The copy is a fresh (aligned) allocation and replaces the buffer for
+        the rest of this message, so later views share it.
+        """
+        logger.debug("buffer %d is misaligned for %d-byte elements; copying %d bytes",
+                     index, itemsize, buf.numel())
+        copy = torch.empty_like(buf).copy_(buf)
+        self.entries[index] = (copy, copy.data_ptr(), copy.numel())
+        return copy
+
+    def finish(self) -> None:
+        """Check that the pickle used every buffer the message carried."""
+        if self.used != len(self.buffers):
+            raise SerializationError(f"message has {len(self.buffers)} buffers but its pickle "
+                                     f"uses {self.used}")
