@@ -350,3 +350,33 @@ def test_rank_comes_from_torchrun_environment():
     from tests.workers import free_port
 
     assert run_workers(_env_rank, 2, args=(free_port(),), timeout=90) == [0, 1]
+
+
+def _hammer(rank: int, world_size: int, init_method: str) -> list:
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    errors: list = []
+
+    def caller(tid: int) -> None:
+        try:
+            for i in range(100):
+                to = (rank + 1 + i % (world_size - 1)) % world_size
+                t = torch.full((1 + (i * 7919) % 300000,), float(tid))
+                assert torch.equal(rpc.rpc_sync(to, echo, args=(t,)), t)
+        except Exception as exc:  # surfaced below with the others
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rpc.shutdown()
+    return errors
+
+
+def test_many_threads_call_every_peer_at_once():
+    # Sends go to UCX straight from the calling threads while the progress
+    # thread polls; mixed sizes cover inline, eager and rendezvous paths.
+    assert run_workers(_hammer, 3, timeout=100) == [[], [], []]
