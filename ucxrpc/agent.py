@@ -217,7 +217,8 @@ class RpcAgent:
             if to.id == self.info.id:
                 self._loopback(payload, pickled.buffers)
             else:
-                self.transport.send(to.id, payload, pickled.buffers)
+                self.transport.send(to.id, payload, pickled.buffers,
+                                    wire.hint(wire.MsgKind.REQUEST, msg_id))
         except BaseException:
             self._pop(msg_id)
             raise
@@ -240,7 +241,7 @@ class RpcAgent:
         if peer == self.info.id:
             self._loopback(payload, buffers)
         else:
-            self.transport.send(peer, payload, buffers)
+            self.transport.send(peer, payload, buffers, wire.hint(kind, msg_id))
 
     def _arm(self, msg_id: int, timeout: float) -> None:
         # One FIFO per timeout value keeps deadlines sorted for free: a deque
@@ -314,14 +315,19 @@ class RpcAgent:
                 self.counters["remote_errors"] += 1
                 call.future.set_exception(rebuild_exception(body))
 
-    def _on_frame_error(self, peer: int, payload: memoryview, exc: BaseException) -> None:
-        msg_id = wire.peek_msg_id(payload)
+    def _on_frame_error(self, peer: int, hint: int, exc: BaseException) -> None:
+        """A message from ``peer`` broke one of our limits: answer or fail it."""
+        kind, msg_id = wire.parse_hint(hint)
         logger.warning("%s: message %s from %s rejected: %s", self.info.name, msg_id,
                        self._name(peer), exc)
-        if msg_id is not None:
+        if kind == wire.MsgKind.REQUEST:
             with self._serving_lock:
                 self._serving += 1
-            self._reply_error(peer, msg_id, FrameError(f"message rejected by {self.info.name}: {exc}"))
+            self._reply_error(peer, msg_id, FrameError(
+                f"message rejected by {self.info.name}: {exc}"))
+        elif kind in (wire.MsgKind.RESPONSE, wire.MsgKind.ERROR):
+            self._fail(msg_id, FrameError(f"the reply from {self._name(peer)} was rejected "
+                                          f"by {self.info.name}: {exc}"))
 
     def _on_broken(self, peer: int, exc: BaseException) -> None:
         self._broken[peer] = exc

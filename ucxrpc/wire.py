@@ -60,8 +60,15 @@ def decode(payload: memoryview) -> tuple[Header, memoryview]:
     return Header(k, msg_id, flags), payload[HEAD_SIZE:]
 
 
-def peek_msg_id(payload: memoryview) -> int | None:
-    """The message id of a payload too broken to decode fully, if readable."""
-    if payload.nbytes < HEAD_SIZE:
-        return None
-    return int(_HEAD.unpack_from(payload, 0)[4])
+def hint(kind: MsgKind, msg_id: int) -> int:
+    """The transport's per-frame hint for a message: its kind and id.
+
+    It rides in the frame's tag, so a receiver that cannot take a frame (too
+    large) can still answer the request or fail the call it belongs to.
+    """
+    return (msg_id << 3) | kind
+
+
+def parse_hint(value: int) -> tuple[int, int]:
+    """(kind number, msg_id) from :func:`hint`; 0 as kind means none."""
+    return value & 7, value >> 3

@@ -34,6 +34,10 @@ def slow_echo(x, seconds):
     return x
 
 
+def big_bytes(n):
+    return b"y" * n
+
+
 def die_after(seconds):
     time.sleep(seconds)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -190,11 +194,15 @@ def _bad_messages(rank, world_size, init_method):
     from ucxrpc.agent import _Call
 
     limit = (1 << 20) if rank == 1 else (64 << 20)
-    _init(rank, world_size, init_method, max_message_bytes=limit)
+    frame_limit = (64 << 10) if rank == 1 else (1 << 30)
+    _init(rank, world_size, init_method, max_message_bytes=limit, max_frame_bytes=frame_limit)
     if rank == 0:
         # the receiver's limit is smaller than ours: it rejects with an error
         with pytest.raises(RuntimeError, match="exceeds max_message_bytes=1048576"):
             rpc.rpc_sync("worker1", echo, args=(torch.ones(1 << 20),))
+        # a frame (here: a 200 KB pickle) over the receiver's frame limit
+        with pytest.raises(RuntimeError, match="exceeds max_frame_bytes=65536 of the receiver"):
+            rpc.rpc_sync("worker1", echo, args=(b"x" * 200_000,))
         # our own limit is enforced before anything is sent
         with pytest.raises(RuntimeError, match="exceeds max_message_bytes"):
             rpc.rpc_sync("worker1", echo, args=(torch.ones(32 << 20),))
@@ -209,6 +217,11 @@ def _bad_messages(rank, world_size, init_method):
         assert rpc.rpc_sync("worker1", add, args=(1, 2)) == 3
         t = torch.arange(1000.0)
         assert torch.equal(rpc.rpc_sync("worker1", echo, args=(t,)), t)
+    else:
+        # a reply over our own frame limit fails the call it answers, at once
+        with pytest.raises(RuntimeError, match="reply from worker0 was rejected by worker1"):
+            rpc.rpc_sync("worker0", big_bytes, args=(200_000,))
+        assert rpc.rpc_sync("worker0", add, args=(2, 3)) == 5
     rpc.shutdown()
 
 

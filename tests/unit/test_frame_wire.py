@@ -104,7 +104,7 @@ def test_wire_header():
     payload = wire.encode(wire.MsgKind.RESPONSE, 99, b"body")
     hdr, body = wire.decode(memoryview(payload))
     assert (hdr.kind, hdr.msg_id, bytes(body)) == (wire.MsgKind.RESPONSE, 99, b"body")
-    assert wire.peek_msg_id(memoryview(payload)) == 99
+    assert wire.parse_hint(wire.hint(wire.MsgKind.REQUEST, 2**40 + 5)) == (1, 2**40 + 5)
     with pytest.raises(FrameError, match="truncated message"):
         wire.decode(memoryview(payload[:5]))
     with pytest.raises(FrameError, match="unknown message kind 42"):

@@ -4,8 +4,10 @@ Tags (64 bits) say what a tag message is and whom it claims to come from::
 
     63-62 kind (0 handshake frame, 1 message frame, 2 data buffer)
     61-46 sender worker id
-    45-16 message sequence number (data buffers only)
-    15-0  buffer index (data buffers only)
+    45-0  message frames: the sender's opaque *hint* (the agent's message
+          id and kind), readable even when a frame is too large to receive
+    45-16 data buffers: message sequence number
+    15-0  data buffers: buffer index
 
 Frames are found with ``tag_probe`` and received into memory of exactly
 their size; a frame then says how big each data buffer is and on which
@@ -50,6 +52,7 @@ ID_SHIFT = 46
 ID_MASK = 0xFFFF
 SEQ_MASK = (1 << 30) - 1
 MAX_WORKER_ID = ID_MASK
+HINT_MASK = (1 << ID_SHIFT) - 1
 
 
 def data_tag(sender: int, seq: int, index: int) -> int:
@@ -57,7 +60,7 @@ def data_tag(sender: int, seq: int, index: int) -> int:
 
 
 OnMessage = Callable[[int, memoryview, list[torch.Tensor]], None]
-OnFrameError = Callable[[int, memoryview, BaseException], None]
+OnFrameError = Callable[[int, int, BaseException], None]
 OnBroken = Callable[[int, BaseException], None]
 Allocator = Callable[[int, int], torch.Tensor]
 
@@ -83,7 +86,7 @@ class Pipe:
         self.out_key = b""
         self.out_seq = 0
         self.out_nonce = b""
-        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind]] = []
+        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind, int]] = []
         self.in_nonces: tuple[bytes, bytes] | None = None
         self.in_key: bytes | None = None
         self.in_seq = 0
@@ -100,12 +103,13 @@ class Pipe:
 class _Incoming:
     """A message whose frame arrived and whose data buffers are in flight."""
 
-    __slots__ = ("pipe", "frame", "buffers", "waiting", "error")
+    __slots__ = ("pipe", "frame", "buffers", "hint", "waiting", "error")
 
-    def __init__(self, pipe: Pipe, frame: Frame, buffers: list[Any]) -> None:
+    def __init__(self, pipe: Pipe, frame: Frame, buffers: list[Any], hint: int) -> None:
         self.pipe = pipe
         self.frame = frame
         self.buffers = buffers
+        self.hint = hint
         self.waiting = 0
         self.error: BaseException | None = None
 
@@ -120,8 +124,9 @@ class Transport:
         my_id: this worker's id (< 65536), carried in every tag.
         secret: the job secret every peer must prove knowledge of.
         on_message: ``(peer_id, payload, buffers)`` for each complete message.
-        on_frame_error: ``(peer_id, payload, error)`` for an authenticated
-            message that broke a limit; lets the caller answer it.
+        on_frame_error: ``(peer_id, hint, error)`` for a message from an
+            authenticated peer that broke a limit; ``hint`` is what the sender
+            passed to :meth:`send`, so the caller can answer that message.
         on_broken: ``(peer_id, error)`` once when a pipe fails.
         peer_timeout: seconds of silence (with a PING unanswered) after which
             a pipe in use is declared broken.
@@ -148,12 +153,13 @@ class Transport:
         self._ping_interval = min(1.0, peer_timeout / 3)
         self._worker = Worker(transports)
         self.address = self._worker.address
-        self._frame_tag = self._worker.tag((FRAME << KIND_SHIFT) | (my_id << ID_SHIFT))
+        self._frame_base = (FRAME << KIND_SHIFT) | (my_id << ID_SHIFT)
+        self._frame_tag = self._worker.tag(self._frame_base)
         self._pipes: dict[int, Pipe] = {}
         self._tasks: deque[Callable[[], None]] = deque()
         self._inflight: deque[tuple[Request, Any]] = deque()
         self._watch: list[tuple[Request, Any]] = []
-        self._frames: list[tuple[Request, np.ndarray, int]] = []
+        self._frames: list[tuple[Request, np.ndarray, int, int]] = []
         self._sleeping = False
         self._closing = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -177,7 +183,8 @@ class Transport:
     def peer_ids(self) -> list[int]:
         return list(self._pipes)
 
-    def send(self, peer_id: int, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> None:
+    def send(self, peer_id: int, payload: bytes | memoryview, buffers: list[torch.Tensor],
+             hint: int = 0) -> None:
         """Queue a message; returns once UCX holds it (not once delivered).
 
         Raises:
@@ -187,17 +194,17 @@ class Transport:
         pipe = self._pipes.get(peer_id)
         if pipe is None:
             raise BrokenError(f"no pipe to worker id {peer_id}")
-        self._send_or_queue(pipe, payload, buffers, Kind.MESSAGE)
+        self._send_or_queue(pipe, payload, buffers, Kind.MESSAGE, hint & HINT_MASK)
 
     def _send_or_queue(self, pipe: Pipe, payload: bytes | memoryview,
-                       buffers: list[torch.Tensor], kind: Kind) -> None:
+                       buffers: list[torch.Tensor], kind: Kind, hint: int = 0) -> None:
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:
-                self._send_locked(pipe, payload, buffers, kind)
+                self._send_locked(pipe, payload, buffers, kind, hint)
                 return
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
                 raise self._pipe_error(pipe)
-            pipe.backlog.append((payload, buffers, kind))
+            pipe.backlog.append((payload, buffers, kind, hint))
             if pipe.out_state is OutState.NEW:
                 pipe.out_state = OutState.HELLO_SENT
                 self._call_soon(lambda: self._start_handshake(pipe))
@@ -246,7 +253,8 @@ class Transport:
     # ------------------------------------------------------------- sending
 
     def _send_locked(self, pipe: Pipe, payload: bytes | memoryview,
-                     buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE) -> None:
+                     buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE,
+                     hint: int = 0) -> None:
         views: list[tuple[int, memoryview | None, int]] = []
         for b in buffers:
             if b.device.type == "cpu":
@@ -258,7 +266,8 @@ class Transport:
         frame, separate = encode(kind, seq, payload, views, pipe.out_key, self.limits)
         pipe.last_sent = time.monotonic()
         assert pipe.ep is not None
-        reqs = [pipe.ep.tag_send(frame, self._frame_tag)]
+        tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
+        reqs = [pipe.ep.tag_send(frame, tag)]
         for i in separate:
             reqs.append(pipe.ep.tag_send(buffers[i], data_tag(self.my_id, seq, i)))
         pipe.sent += 1
@@ -299,33 +308,50 @@ class Transport:
         busy = False
         while (probe := self._worker.probe(0, 1 << 63)) is not None:
             busy = True
-            sender = (probe.sender_tag >> ID_SHIFT) & ID_MASK
-            limit = self.limits.max_frame_bytes + 64
-            size = probe.length if probe.length <= limit else 64
-            buf = np.empty(size, dtype=np.uint8)
-            self._frames.append((self._worker.recv_probed(buf, probe), buf, probe.sender_tag))
-            if probe.length > limit:
-                self.frame_errors += 1
-                logger.warning("dropped a %d-byte frame from worker id %d: exceeds "
-                               "max_frame_bytes=%d", probe.length, sender,
-                               self.limits.max_frame_bytes)
+            oversize = probe.length if probe.length > self.limits.max_frame_bytes else 0
+            # An oversize frame is received into one byte: UCX truncates and
+            # drops it, so it costs no memory here.
+            buf = np.empty(1 if oversize else probe.length, dtype=np.uint8)
+            req = self._worker.recv_probed(buf, probe)
+            self._frames.append((req, buf, probe.sender_tag, oversize))
         if self._frames:
             # A large frame (rendezvous) completes after a small one sent
             # behind it; frames are delivered in the order each sender sent
             # them, so a sender's frames wait behind its incomplete ones.
             still = []
             waiting: set[int] = set()
-            for req, buf, tag in self._frames:
+            for entry in self._frames:
+                req, buf, tag, oversize = entry
                 sender = (tag >> ID_SHIFT) & ID_MASK
                 if sender in waiting or not req.done:
                     waiting.add(sender)
-                    still.append((req, buf, tag))
+                    still.append(entry)
                     continue
                 busy = True
-                if req.error() is None:
+                if oversize:
+                    self._on_oversize(tag, oversize)
+                elif req.error() is None:
                     self._on_frame(tag, buf)
             self._frames = still
         return busy
+
+    def _on_oversize(self, tag: int, length: int) -> None:
+        """Tell the sender of a frame over ``max_frame_bytes`` why it failed.
+
+        UCX drops the truncated bytes (a large frame arrives by rendezvous), so
+        all that is known is the tag: its hint lets the caller answer or fail
+        the one message concerned.  Only pipes past their handshake are told.
+        """
+        sender = (tag >> ID_SHIFT) & ID_MASK
+        self.frame_errors += 1
+        logger.warning("dropped a %d-byte frame from worker id %d: exceeds max_frame_bytes=%d",
+                       length, sender, self.limits.max_frame_bytes)
+        pipe = self._pipes.get(sender)
+        if pipe is None or pipe.in_key is None or tag >> KIND_SHIFT != FRAME:
+            return
+        self._on_frame_error(sender, tag & HINT_MASK, FrameError(
+            f"frame of {length} bytes exceeds max_frame_bytes={self.limits.max_frame_bytes} "
+            "of the receiver"))
 
     def _on_frame(self, tag: int, buf: np.ndarray) -> None:
         sender = (tag >> ID_SHIFT) & ID_MASK
@@ -343,7 +369,7 @@ class Transport:
                 logger.warning("refused an unauthenticated frame claiming to be from %s "
                                "(seq %s)", pipe.name, peek_seq(buf))
             else:
-                self._on_message_frame(pipe, buf)
+                self._on_message_frame(pipe, buf, tag & HINT_MASK)
         except AuthenticationError as exc:
             self.refused += 1
             logger.warning("%s", exc)
@@ -372,9 +398,9 @@ class Transport:
                 pipe.out_key = auth.session_key(self._secret, y, x, nx, ny)
                 pipe.out_state = OutState.OPEN
                 backlog, pipe.backlog = pipe.backlog, []
-                for payload, buffers, kind in backlog:
+                for payload, buffers, kind, hint in backlog:
                     try:
-                        self._send_locked(pipe, payload, buffers, kind)
+                        self._send_locked(pipe, payload, buffers, kind, hint)
                     except FrameError as exc:
                         logger.error("message to %s not sent: %s", pipe.name, exc)
             logger.debug("pipe to %s open", pipe.name)
@@ -388,7 +414,7 @@ class Transport:
             pipe.in_seq = 0
             logger.debug("pipe from %s authenticated", pipe.name)
 
-    def _on_message_frame(self, pipe: Pipe, buf: np.ndarray) -> None:
+    def _on_message_frame(self, pipe: Pipe, buf: np.ndarray, hint: int) -> None:
         assert pipe.in_key is not None
         frame = decode(buf, pipe.in_key, self.limits)
         if frame.seq <= pipe.in_seq:
@@ -408,12 +434,12 @@ class Transport:
             self._drain(pipe, frame)
             self.frame_errors += 1
             pipe.received += 1
-            self._on_frame_error(pipe.peer_id, frame.payload, FrameError(
+            self._on_frame_error(pipe.peer_id, hint, FrameError(
                 f"message of {frame.total} bytes exceeds max_message_bytes="
                 f"{self.limits.max_message_bytes}"))
             return
         bufs: list[Any] = []
-        msg = _Incoming(pipe, frame, bufs)
+        msg = _Incoming(pipe, frame, bufs, hint)
         for i, d in enumerate(frame.buffers):
             if d.inline:
                 bufs.append(torch.from_numpy(buf[d.inline_offset:d.inline_offset + d.nbytes]))
@@ -443,7 +469,7 @@ class Transport:
         msg.pipe.received += 1
         try:
             if msg.error is not None:
-                self._on_frame_error(msg.pipe.peer_id, msg.frame.payload, msg.error)
+                self._on_frame_error(msg.pipe.peer_id, msg.hint, msg.error)
             else:
                 self._on_message(msg.pipe.peer_id, msg.frame.payload, msg.buffers)
         except Exception:
