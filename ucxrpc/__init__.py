@@ -13,6 +13,7 @@ from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout,
 from .errors import (AuthenticationError, BrokenError, ClosedError, FrameError, RemoteError,
                      RpcError, RpcTimeoutError, SerializationError)
 from .options import UcxRpcBackendOptions
+from .rref import RRef, remote
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "BrokenError",
     "ClosedError",
     "FrameError",
+    "RRef",
     "RemoteError",
     "RpcError",
     "RpcTimeoutError",
@@ -34,6 +36,7 @@ __all__ = [
     "get_worker_info",
     "init_rpc",
     "is_initialized",
+    "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",

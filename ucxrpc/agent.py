@@ -132,6 +132,13 @@ class RpcAgent:
         self.workers: dict[int, WorkerInfo] = {}
         self._names: dict[str, WorkerInfo] = {}
         self._timer = threading.Thread(target=self._expire, name="ucxrpc-timeouts", daemon=True)
+        # Extension points for the layers above (RRefs, autograd), which the
+        # agent must not import: per-agent state, and hooks it calls.
+        self.extensions: dict[str, Any] = {}
+        self.before_shutdown: list[Callable[[float], None]] = []
+        self.on_peer_failure: list[Callable[[int], None]] = []
+        self.debug_sources: list[Callable[[], dict[str, Any]]] = []
+        self._dest = threading.local()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -156,6 +163,11 @@ class RpcAgent:
             return
         try:
             if graceful:
+                for hook in list(self.before_shutdown):
+                    try:
+                        hook(timeout)
+                    except Exception:
+                        logger.exception("%s: shutdown hook failed", self.info)
                 self._drain(timeout)
                 try:
                     rendezvous.barrier(self.store, "shutdown", self.info.id, self.world_size,
@@ -203,7 +215,7 @@ class RpcAgent:
         """
         if self._closed:
             raise ClosedError("RPC agent is shut down")
-        pickled = self.serializer.dumps((func, args, kwargs))
+        pickled = self._dumps_for(to.id, (func, args, kwargs))
         fut: torch.futures.Future = torch.futures.Future()
         msg_id = next(self._ids)
         self.counters["calls_sent"] += 1
@@ -329,6 +341,21 @@ class RpcAgent:
             self._fail(msg_id, FrameError(f"the reply from {self._name(peer)} was rejected "
                                           f"by {self.info.name}: {exc}"))
 
+    def _dumps_for(self, dest: int, obj: Any) -> Any:
+        """Serialize ``obj`` for worker ``dest`` (see :meth:`pickling_destination`)."""
+        outer = getattr(self._dest, "id", None)
+        self._dest.id = dest
+        try:
+            return self.serializer.dumps(obj)
+        finally:
+            self._dest.id = outer
+
+    def pickling_destination(self) -> int | None:
+        """The worker the message being pickled on this thread goes to, or
+        None outside an RPC; objects such as RRefs pickle differently per
+        destination and refuse to pickle outside RPC."""
+        return getattr(self._dest, "id", None)
+
     def _on_broken(self, peer: int, exc: BaseException) -> None:
         self._broken[peer] = exc
         self.counters["peer_failures"] += 1
@@ -337,6 +364,11 @@ class RpcAgent:
         err = self._peer_error(peer)
         for msg_id in ids:
             self._fail(msg_id, err)
+        for hook in list(self.on_peer_failure):
+            try:
+                hook(peer)
+            except Exception:
+                logger.exception("%s: peer-failure hook failed", self.info)
 
     def _peer_error(self, peer: int) -> BaseException:
         cause = self._broken.get(peer)
@@ -370,7 +402,7 @@ class RpcAgent:
         # arrive at once and should find their pooled buffers free again.
         del args, kwargs, body, buffers
         if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-            if not isinstance(result, torch.futures.Future):
+            if not isinstance(result, torch._C.Future):
                 self._reply_error(peer, msg_id, TypeError(
                     f"@async_execution function {getattr(func, '__name__', func)} returned "
                     f"{type(result).__name__}, not a torch.futures.Future"))
@@ -389,7 +421,7 @@ class RpcAgent:
 
     def _reply(self, peer: int, msg_id: int, result: Any, func: Any) -> None:
         try:
-            pickled = self.serializer.dumps(result)
+            pickled = self._dumps_for(peer, result)
         except Exception as exc:
             name = getattr(func, "__qualname__", "the function")
             self._reply_error(peer, msg_id, SerializationError(
@@ -439,4 +471,6 @@ class RpcAgent:
         out.update({"outstanding_calls": len(self._calls), "pending_requests": self._pool.pending(),
                     "broken_peers": sorted(self._broken)})
         out.update(self.transport.stats())
+        for source in list(self.debug_sources):
+            out.update(source())
         return out

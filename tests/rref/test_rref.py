@@ -1,0 +1,236 @@
+"""remote(), RRef and reference counting across real worker processes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+import weakref
+
+import pytest
+import torch
+
+from tests.workers import run_workers, spawn_worker, stop_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _init(rank, world_size, init_method, **kw):
+    import ucxrpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method, **kw))
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.value = start
+
+    def add(self, n):
+        self.value += n
+        return self.value
+
+    def get(self):
+        return self.value
+
+
+class Tracked:
+    """A value whose death the owner can watch."""
+
+
+_watch: dict = {}
+_kept: dict = {}
+
+
+def make_tracked(key):
+    obj = Tracked()
+    _watch[key] = weakref.ref(obj)
+    return obj
+
+
+def tracked_alive(key):
+    gc.collect()
+    ref = _watch.get(key)
+    return ref is not None and ref() is not None
+
+
+def keep(key, rref):
+    _kept[key] = rref
+    return rref.owner_name()
+
+
+def drop(key):
+    _kept.pop(key, None)
+    gc.collect()
+
+
+def fetch_kept(key):
+    return _kept[key].to_here()
+
+
+def double(t):
+    return t * 2
+
+
+def fail(msg):
+    raise ValueError(msg)
+
+
+def sleepy(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def make_rref_here(value):
+    import ucxrpc as rpc
+
+    return rpc.RRef(value)
+
+
+def debug_counts():
+    import ucxrpc as rpc
+
+    gc.collect()
+    info = rpc._get_debug_info()
+    return {k: info.get(k, 0) for k in ("num_owner_rrefs", "num_forks", "num_pending_users")}
+
+
+def _wait_until(pred, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def _api(rank, world_size, init_method):
+    import ucxrpc as rpc
+    from ucxrpc import RRef
+
+    _init(rank, world_size, init_method)
+    if rank == 0:
+        annotated: RRef[torch.Tensor] | None = None  # RRef is subscriptable
+        assert annotated is None
+        r = rpc.remote("worker1", double, args=(torch.ones(3),))
+        assert torch.equal(r.to_here(), torch.full((3,), 2.0))
+        assert r.owner() == rpc.get_worker_info("worker1") and r.owner_name() == "worker1"
+        assert not r.is_owner() and r.confirmed_by_owner()
+        with pytest.raises(RuntimeError, match="must be called on the owner"):
+            r.local_value()
+        # a local owner RRef hands back the very object
+        obj = Counter(5)
+        local = RRef(obj)
+        assert local.is_owner() and local.local_value() is obj and local.to_here() is obj
+        # proxies on a user-defined class: sync, async and remote
+        c = rpc.remote("worker1", Counter, args=(10,))
+        assert c.rpc_sync().add(1) == 11
+        assert c.rpc_async().add(2).wait() == 13
+        assert c.remote().get().to_here() == 13
+        # an RRef passed to a third worker (a fork) and used there
+        assert rpc.rpc_sync("worker2", keep, args=("c", c)) == "worker1"
+        assert rpc.rpc_sync("worker2", fetch_kept, args=("c",)).value == 13
+        # an RRef returned from a call, owned by the callee
+        back = rpc.rpc_sync("worker2", make_rref_here, args=(7,))
+        assert back.owner_name() == "worker2" and back.to_here() == 7
+        # the creation's errors surface on use, with their type
+        bad = rpc.remote("worker1", fail, args=("broken value",))
+        with pytest.raises(ValueError, match="broken value"):
+            bad.to_here()
+        # to_here timeout
+        slow = rpc.remote("worker1", sleepy, args=(3,))
+        with pytest.raises(RuntimeError, match="RPC ran for more than set timeout"):
+            slow.to_here(timeout=0.5)
+        # pickling an RRef outside RPC is refused
+        import pickle
+        with pytest.raises(RuntimeError, match="only be pickled inside an RPC"):
+            pickle.dumps(c)
+        rpc.rpc_sync("worker2", drop, args=("c",))
+    rpc.shutdown()
+
+
+def test_rref_api_and_proxies():
+    run_workers(_api, 3, timeout=100)
+
+
+def _refcount(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    if rank == 1:
+        # worker1 creates a value on worker0 and forks it to worker2
+        r = rpc.remote("worker0", make_tracked, args=("v",))
+        r.to_here()
+        assert rpc.rpc_sync("worker2", keep, args=("v", r)) == "worker0"
+        assert rpc.rpc_sync("worker0", tracked_alive, args=("v",))
+        del r  # the parent goes; worker2's fork still keeps the value
+        gc.collect()
+        time.sleep(0.3)
+        assert rpc.rpc_sync("worker0", tracked_alive, args=("v",))
+        rpc.rpc_sync("worker2", drop, args=("v",))  # the last user goes
+        assert _wait_until(lambda: not rpc.rpc_sync("worker0", tracked_alive, args=("v",)))
+        # a few thousand RRefs created and dropped concurrently
+        refs = [rpc.remote("worker0", Counter, args=(i,)) for i in range(2000)]
+        futs = [rpc.rpc_async("worker2", keep, args=(f"k{i}", r)) for i, r in enumerate(refs[:200])]
+        torch.futures.wait_all(futs)
+        del refs, futs
+        for i in range(200):
+            rpc.rpc_sync("worker2", drop, args=(f"k{i}",))
+        gc.collect()
+        assert _wait_until(lambda: rpc.rpc_sync("worker0", debug_counts)["num_owner_rrefs"] == 0), \
+            rpc.rpc_sync("worker0", debug_counts)
+        assert rpc.rpc_sync("worker0", debug_counts) == {
+            "num_owner_rrefs": 0, "num_forks": 0, "num_pending_users": 0}
+    rpc.shutdown()
+
+
+def test_owner_frees_the_value_after_every_user_drops_it():
+    run_workers(_refcount, 3, timeout=110)
+
+
+def _doomed_owner(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    time.sleep(60)  # killed before this ends
+    rpc.shutdown()
+
+
+def die_after(seconds):
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _survivor(rank, world_size, init_method, full_world):
+    import ucxrpc as rpc
+
+    _init(rank, full_world, init_method)
+    out = None
+    if rank == 0:
+        dead = rpc.remote("worker2", Counter, args=(1,))
+        alive = rpc.remote("worker1", Counter, args=(2,))
+        assert dead.to_here().value == 1
+        rpc.rpc_async("worker2", die_after, args=(0.2,))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker2"):
+            while True:  # succeeds until the owner is gone, then names it
+                dead.to_here()
+                time.sleep(0.1)
+        out = time.monotonic() - t0
+        assert alive.to_here().value == 2
+        assert alive.rpc_sync().add(1) == 3
+    rpc.shutdown()
+    return out
+
+
+def test_rref_whose_owner_died_fails_naming_it():
+    from tests.workers import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    victim = spawn_worker(_doomed_owner, 2, 3, init)
+    try:
+        res = run_workers(_survivor, 2, args=(3,), init_method=init, timeout=100)
+    finally:
+        stop_worker(victim)
+    assert res[0] < 15  # seconds: detection, not the 60 s RPC timeout
