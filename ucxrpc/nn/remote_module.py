@@ -1,0 +1,136 @@
+"""``RemoteModule``: an ``nn.Module`` instantiated and run on another worker.
+
+As torch's ``torch.distributed.nn.RemoteModule``: forward runs on the owner;
+the caller keeps an RRef to the module and RRefs to its parameters (for
+``DistributedOptimizer``).  Methods that would need the module's state here
+(``parameters()``, ``to()``, ``state_dict()``, ...) raise instead.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import api
+from ..agent import WorkerInfo
+from ..rref import RRef, remote
+
+_UNSUPPORTED = (
+    "register_buffer", "register_parameter", "add_module", "register_module", "apply", "cuda",
+    "ipu", "xpu", "cpu", "type", "float", "double", "half", "bfloat16", "to",
+    "register_backward_hook", "register_full_backward_hook", "register_forward_pre_hook",
+    "register_forward_hook", "state_dict", "load_state_dict", "parameters",
+    "named_parameters", "buffers", "named_buffers", "children", "named_children", "modules",
+    "named_modules", "requires_grad_", "zero_grad", "share_memory", "extra_repr",
+)
+
+_DEVICE_RE = re.compile(r"^(?P<worker>[^/]+)(/(?P<device>.+))?$")
+
+
+def parse_remote_device(remote_device: str) -> tuple[str | int, torch.device]:
+    """``"worker1/cuda:0"`` or ``"rank:1/cpu"`` -> (worker name or rank, device).
+
+    Raises:
+        ValueError: a malformed string, or an unknown device.
+    """
+    m = _DEVICE_RE.match(remote_device) if isinstance(remote_device, str) else None
+    if m is None:
+        raise ValueError(f"remote_device must look like 'worker/device' or 'rank:N/device', "
+                         f"got {remote_device!r}")
+    worker, device = m.group("worker"), m.group("device") or "cpu"
+    target: str | int = worker
+    if worker.startswith("rank:"):
+        try:
+            target = int(worker[len("rank:"):])
+        except ValueError:
+            raise ValueError(f"bad rank in remote_device {remote_device!r}") from None
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"bad device in remote_device {remote_device!r}: {exc}") from None
+    return target, dev
+
+
+def _instantiate(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 device: str) -> nn.Module:
+    module = module_cls(*args, **kwargs)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{module_cls} built a {type(module).__name__}, not an nn.Module")
+    return module.to(device)
+
+
+def _check_created(module_rref: RRef[nn.Module]) -> None:
+    module_rref.local_value()  # waits for construction; raises its error
+
+
+def _forward(module_rref: RRef[nn.Module], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+    return module_rref.local_value()(*args, **kwargs)
+
+
+def _parameter_rrefs(module_rref: RRef[nn.Module], recurse: bool) -> list[RRef[Any]]:
+    return [RRef(p) for p in module_rref.local_value().parameters(recurse)]
+
+
+def _set_training(module_rref: RRef[nn.Module], mode: bool) -> None:
+    module_rref.local_value().train(mode)
+
+
+class RemoteModule(nn.Module):
+    """Instantiate ``module_cls(*args, **kwargs)`` on ``remote_device``.
+
+    Blocks until the module exists on its owner (construction errors raise
+    here, with their own type).
+    """
+
+    def __init__(self, remote_device: str, module_cls: type[nn.Module],
+                 args: tuple[Any, ...] | None = None,
+                 kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        target, device = parse_remote_device(remote_device)
+        agent = api._current()
+        self.on: WorkerInfo = agent.resolve(target)
+        self.device = str(device)
+        self.module_rref: RRef[nn.Module] = remote(
+            self.on, _instantiate, (module_cls, tuple(args or ()), dict(kwargs or {}),
+                                    self.device))
+        api.rpc_sync(self.on, _check_created, (self.module_rref,))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's forward on its owner and return the result here."""
+        return api.rpc_sync(self.on, _forward, (self.module_rref, args, kwargs))
+
+    def forward_async(self, *args: Any, **kwargs: Any) -> torch.futures.Future:
+        return api.rpc_async(self.on, _forward, (self.module_rref, args, kwargs))
+
+    def remote_parameters(self, recurse: bool = True) -> list[RRef[Any]]:
+        """RRefs to the module's parameters (for ``DistributedOptimizer``)."""
+        return api.rpc_sync(self.on, _parameter_rrefs, (self.module_rref, recurse))  # type: ignore[no-any-return]
+
+    def get_module_rref(self) -> RRef[nn.Module]:
+        return self.module_rref
+
+    def train(self, mode: bool = True) -> RemoteModule:
+        api.rpc_sync(self.on, _set_training, (self.module_rref, mode))
+        self.training = mode
+        return self
+
+    def eval(self) -> RemoteModule:
+        return self.train(False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise RuntimeError("a RemoteModule cannot be pickled; send its module_rref instead")
+
+
+def _refuse(name: str) -> Any:
+    def method(self: RemoteModule, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(f"Method ``{name}`` not supported for RemoteModule")
+    method.__name__ = name
+    return method
+
+
+for _name in _UNSUPPORTED:
+    setattr(RemoteModule, _name, _refuse(_name))
