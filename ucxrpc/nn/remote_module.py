@@ -108,7 +108,7 @@ class RemoteModule(nn.Module):
 
     def remote_parameters(self, recurse: bool = True) -> list[RRef[Any]]:
         """RRefs to the module's parameters (for ``DistributedOptimizer``)."""
-        return api.rpc_sync(self.on, _parameter_rrefs, (self.module_rref, recurse))  # type: ignore[no-any-return]
+        return api.rpc_sync(self.on, _parameter_rrefs, (self.module_rref, recurse))
 
     def get_module_rref(self) -> RRef[nn.Module]:
         return self.module_rref
