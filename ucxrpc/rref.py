@@ -59,9 +59,12 @@ class _Registry:
         # garbage collector may run them on a thread that already holds it.
         self.lock = threading.RLock()
         self.owned: dict[RRefId, _Owned] = {}
+        # Forks deleted before their registration ran: requests run on a
+        # thread pool, so a deletion can overtake the message creating it.
+        self.tombstones: set[tuple[RRefId, ForkId]] = set()
         self.users = 0          # live user RRefs on this worker
         self.pending_users = 0  # of which not yet confirmed by their owner
-        self.deletions: queue.SimpleQueue[tuple[int, RRefId, ForkId] | None] = queue.SimpleQueue()
+        self.deletions: queue.SimpleQueue[tuple[int, RRefId, ForkId]] = queue.SimpleQueue()
         self.janitor = threading.Thread(target=self._send_deletions, daemon=True,
                                         name=f"ucxrpc-rref-{self.me}")
         self.janitor.start()
@@ -98,14 +101,18 @@ class _Registry:
     def add_fork(self, rref_id: RRefId, fork_id: ForkId, holder: int) -> None:
         e = self.entry(rref_id)
         with self.lock:
-            e.forks[fork_id] = holder
+            if (rref_id, fork_id) in self.tombstones:
+                self.tombstones.discard((rref_id, fork_id))
+            else:
+                e.forks[fork_id] = holder
+        self._maybe_free(rref_id)
 
     def del_forks(self, items: list[tuple[RRefId, ForkId]]) -> None:
         for rref_id, fork_id in items:
             with self.lock:
                 e = self.owned.get(rref_id)
-                if e is not None:
-                    e.forks.pop(fork_id, None)
+                if e is None or e.forks.pop(fork_id, None) is None:
+                    self.tombstones.add((rref_id, fork_id))
             self._maybe_free(rref_id)
 
     def _maybe_free(self, rref_id: RRefId) -> None:
@@ -135,17 +142,21 @@ class _Registry:
         self.deletions.put((owner, rref_id, fork_id))
 
     def _send_deletions(self) -> None:
-        while True:
-            item = self.deletions.get()
-            if item is None:
-                return
+        # Runs until the agent closes: a worker in its shutdown barrier still
+        # serves calls, and RRefs those calls drop must still reach owners.
+        while not self.agent._closed:
+            try:
+                item = self.deletions.get(timeout=0.5)
+            except queue.Empty:
+                continue
             batch: dict[int, list[tuple[RRefId, ForkId]]] = {}
-            while item is not None:
-                batch.setdefault(item[0], []).append((item[1], item[2]))
+            pending: tuple[int, RRefId, ForkId] | None = item
+            while pending is not None:
+                batch.setdefault(pending[0], []).append((pending[1], pending[2]))
                 try:
-                    item = self.deletions.get_nowait()
+                    pending = self.deletions.get_nowait()
                 except queue.Empty:
-                    item = None
+                    pending = None
             self._send_batch(batch)
 
     def _send_batch(self, batch: dict[int, list[tuple[RRefId, ForkId]]]) -> list[Any]:
@@ -172,14 +183,12 @@ class _Registry:
                 item = self.deletions.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
-                batch.setdefault(item[0], []).append((item[1], item[2]))
+            batch.setdefault(item[0], []).append((item[1], item[2]))
         for fut in self._send_batch(batch):
             try:
                 fut.wait()
             except Exception:  # owner died meanwhile
                 pass
-        self.deletions.put(None)
 
     def debug_info(self) -> dict[str, int]:
         with self.lock:

@@ -65,6 +65,17 @@ def drop(key):
     gc.collect()
 
 
+def relay(to, key, rref):
+    """Pass an RRef on to a third worker: a fork of a fork."""
+    import ucxrpc as rpc
+
+    return rpc.rpc_sync(to, keep, args=(key, rref))
+
+
+def relay_kept(to, key, kept_key):
+    return relay(to, key, _kept[kept_key])
+
+
 def fetch_kept(key):
     return _kept[key].to_here()
 
@@ -94,6 +105,13 @@ def debug_counts():
     gc.collect()
     info = rpc._get_debug_info()
     return {k: info.get(k, 0) for k in ("num_owner_rrefs", "num_forks", "num_pending_users")}
+
+
+def fork_holders():
+    from ucxrpc.rref import _registry
+
+    reg = _registry()
+    return {str(rid): dict(e.forks) for rid, e in reg.owned.items()}
 
 
 def _wait_until(pred, timeout=10.0):
@@ -168,8 +186,15 @@ def _refcount(rank, world_size, init_method):
         gc.collect()
         time.sleep(0.3)
         assert rpc.rpc_sync("worker0", tracked_alive, args=("v",))
-        rpc.rpc_sync("worker2", drop, args=("v",))  # the last user goes
-        assert _wait_until(lambda: not rpc.rpc_sync("worker0", tracked_alive, args=("v",)))
+        # a chain worker1 -> worker2 -> worker1: a fork of a fork, registered too
+        rpc.rpc_sync("worker2", relay_kept, args=("worker1", "v2", "v"))
+        assert isinstance(_kept["v2"].to_here(), Tracked)
+        rpc.rpc_sync("worker2", drop, args=("v",))
+        time.sleep(0.3)
+        assert rpc.rpc_sync("worker0", tracked_alive, args=("v",))  # the chain's end holds it
+        drop("v2")  # the last user goes
+        assert _wait_until(lambda: not rpc.rpc_sync("worker0", tracked_alive, args=("v",))), \
+            rpc.rpc_sync("worker0", fork_holders)
         # a few thousand RRefs created and dropped concurrently
         refs = [rpc.remote("worker0", Counter, args=(i,)) for i in range(2000)]
         futs = [rpc.rpc_async("worker2", keep, args=(f"k{i}", r)) for i, r in enumerate(refs[:200])]
