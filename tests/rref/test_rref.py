@@ -65,6 +65,11 @@ def drop(key):
     gc.collect()
 
 
+def keep_nested(key, box):
+    _kept[key] = box
+    return [r.to_here().get() for r in box["refs"]]
+
+
 def relay(to, key, rref):
     """Pass an RRef on to a third worker: a fork of a fork."""
     import ucxrpc as rpc
@@ -149,6 +154,10 @@ def _api(rank, world_size, init_method):
         # an RRef passed to a third worker (a fork) and used there
         assert rpc.rpc_sync("worker2", keep, args=("c", c)) == "worker1"
         assert rpc.rpc_sync("worker2", fetch_kept, args=("c",)).value == 13
+        # RRefs nested in containers travel as forks too
+        c2 = rpc.remote("worker1", Counter, args=(20,))
+        assert rpc.rpc_sync("worker2", keep_nested, args=("box", {"refs": [c, c2]})) == [13, 20]
+        rpc.rpc_sync("worker2", drop, args=("box",))
         # an RRef returned from a call, owned by the callee
         back = rpc.rpc_sync("worker2", make_rref_here, args=(7,))
         assert back.owner_name() == "worker2" and back.to_here() == 7
