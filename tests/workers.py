@@ -51,6 +51,7 @@ __all__ = [
     "WorkerTimeout",
     "child_pids",
     "free_port",
+    "run_with_victim",
     "run_workers",
     "spawn_worker",
     "stop_worker",
@@ -262,6 +263,27 @@ def spawn_worker(
     )
     proc.start()
     return proc
+
+
+def run_with_victim(victim: Callable[..., object], target: Callable[..., object],
+                    world_size: int, *, args: tuple[Any, ...] = (),
+                    timeout: float = 60.0) -> list[object]:
+    """Run a job whose last rank is a process the test may kill.
+
+    Ranks ``0 .. world_size - 2`` run ``target(rank, world_size - 1,
+    init_method, *args)`` through :func:`run_workers` (so ``args`` usually
+    carries the full world size); rank ``world_size - 1`` runs
+    ``victim(rank, world_size, init_method)`` as a :func:`spawn_worker`
+    process on the same rendezvous, stopped in ``finally``.  Returns the
+    other ranks' results.
+    """
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    proc = spawn_worker(victim, world_size - 1, world_size, init_method)
+    try:
+        return run_workers(target, world_size - 1, args=args, init_method=init_method,
+                           timeout=timeout)
+    finally:
+        stop_worker(proc)
 
 
 def stop_worker(proc: BaseProcess, timeout: float = _TERMINATE_WAIT_S) -> None:

@@ -57,7 +57,6 @@ class WorkerInfo:
 class _Call:
     future: torch.futures.Future
     peer: int
-    timeout: float
 
 
 def timeout_error(timeout: float) -> RpcTimeoutError:
@@ -222,7 +221,7 @@ class RpcAgent:
         if to.id in self._broken:
             raise self._peer_error(to.id)
         with self._lock:
-            self._calls[msg_id] = _Call(fut, to.id, timeout)
+            self._calls[msg_id] = _Call(fut, to.id)
             self._by_peer.setdefault(to.id, set()).add(msg_id)
         payload = wire.encode(wire.MsgKind.REQUEST, msg_id, pickled.payload)
         try:

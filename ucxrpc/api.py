@@ -79,8 +79,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
 
     ``graceful`` waits for this worker's outstanding calls, then for every
     live worker to reach shutdown (dead peers are not waited for), then tears
-    down.  ``timeout`` bounds those waits (0: the RPC timeout).  Idempotent
-    once shut down only in the sense that a second call raises as torch does.
+    down.  ``timeout`` bounds those waits (0: the RPC timeout).  Resources
+    are always released; a second call raises "RPC has not been
+    initialized", as torch's does.
     """
     global _agent
     with _lifecycle:

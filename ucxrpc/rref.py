@@ -382,7 +382,9 @@ class _Proxy:
             if self._mode == "remote":
                 return remote(owner, _invoke_method, fargs, timeout=self._timeout)
             fut = api.rpc_async(owner, _proxy_call, fargs, timeout=self._timeout)
-            return fut.wait() if self._mode == "sync" else fut
+            # agent.wait: a proxy call inside an RPC handler must not pin a
+            # pool thread (see _pool.WorkerPool.blocking).
+            return api._current().wait(fut) if self._mode == "sync" else fut
         return call
 
 

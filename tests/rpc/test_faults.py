@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.workers import run_workers, spawn_worker, stop_worker
+from tests.workers import run_with_victim, run_workers, spawn_worker, stop_worker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,14 +78,7 @@ def _survivor(rank, world_size, init_method, full_world):
 
 
 def test_peer_killed_mid_call_fails_fast_and_others_keep_working():
-    from tests.workers import free_port
-
-    init = f"tcp://127.0.0.1:{free_port()}"
-    victim = spawn_worker(_victim, 2, 3, init)
-    try:
-        res = run_workers(_survivor, 2, args=(3,), init_method=init, timeout=100)
-    finally:
-        stop_worker(victim)
+    res = run_with_victim(_victim, _survivor, 3, args=(3,), timeout=100)
     # rpc_timeout is 60 s: failing in seconds proves detection, not a timeout
     assert res[0]["detect_s"] < 15, res[0]
     assert "unreachable" in res[0]["error"]
@@ -209,7 +202,7 @@ def _bad_messages(rank, world_size, init_method):
         # an authenticated message whose body is not a valid pickle
         agent = api._agent
         fut = torch.futures.Future()
-        agent._calls[10**9] = _Call(fut, 1, 10.0)
+        agent._calls[10**9] = _Call(fut, 1)
         agent.transport.send(1, wire.encode(wire.MsgKind.REQUEST, 10**9, b"\x80\x05garbage"), [])
         with pytest.raises(RuntimeError, match="cannot decode a request"):
             fut.wait()

@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from tests.workers import run_workers, spawn_worker, stop_worker
+from tests.workers import run_with_victim, run_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -259,12 +259,5 @@ def _survivor(rank, world_size, init_method, full_world):
 
 
 def test_rref_whose_owner_died_fails_naming_it():
-    from tests.workers import free_port
-
-    init = f"tcp://127.0.0.1:{free_port()}"
-    victim = spawn_worker(_doomed_owner, 2, 3, init)
-    try:
-        res = run_workers(_survivor, 2, args=(3,), init_method=init, timeout=100)
-    finally:
-        stop_worker(victim)
+    res = run_with_victim(_doomed_owner, _survivor, 3, args=(3,), timeout=100)
     assert res[0] < 15  # seconds: detection, not the 60 s RPC timeout

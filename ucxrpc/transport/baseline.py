@@ -65,15 +65,17 @@ class BaselineConfig:
             after this long with ``TimeoutError``.
     """
 
+    # No defaults: the bench's WorkloadConfig owns them and passes every
+    # field, so the RPC and raw runs cannot drift apart.
     sizes: tuple[int, ...]
-    latency_iters: int = 2000
-    latency_warmup: int = 200
-    target_s: float = 0.3
-    min_iters: int = 3
-    max_iters: int = 100_000
-    warmup_iters: int = 2
-    transports: tuple[str, ...] | None = None
-    timeout_s: float = 60.0
+    latency_iters: int
+    latency_warmup: int
+    target_s: float
+    min_iters: int
+    max_iters: int
+    warmup_iters: int
+    transports: tuple[str, ...] | None
+    timeout_s: float
 
 
 def _prepare_environment(transports: tuple[str, ...] | None) -> None:
