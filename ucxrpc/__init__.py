@@ -6,7 +6,7 @@ changes; all of that happens in :func:`init_rpc`.
 
 from __future__ import annotations
 
-from . import functions
+from . import autograd, functions, optim
 from .agent import WorkerInfo
 from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout,
                   get_worker_info, init_rpc, is_initialized, rpc_async, rpc_sync, shutdown)
@@ -30,12 +30,14 @@ __all__ = [
     "SerializationError",
     "UcxRpcBackendOptions",
     "WorkerInfo",
+    "autograd",
     "functions",
     "get_pipe_info",
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
     "is_initialized",
+    "optim",
     "remote",
     "rpc_async",
     "rpc_sync",

@@ -165,12 +165,45 @@ def _finish(t: torch.Tensor, flags: int, cls: type | None, number: int) -> torch
     """Apply the autograd flags and the tensor type to a rebuilt tensor."""
     requires_grad = bool(flags & _REQUIRES_GRAD)
     if flags & _PARAMETER:
-        return _Parameter(t, requires_grad=requires_grad)
-    if cls is not None:
+        t = _Parameter(t, requires_grad=requires_grad)
+    elif cls is not None:
         if not (isinstance(cls, type) and issubclass(cls, _Tensor)):
             raise SerializationError(f"tensor {number} has type {cls!r}, not a Tensor subclass")
         t = t.as_subclass(cls)
-    return t.requires_grad_() if requires_grad else t
+    if requires_grad:
+        t.requires_grad_()
+        capture = _LOCAL.loader.capture if _LOCAL.loader is not None else None
+        if capture is not None:
+            capture.append(t)
+    return t
+
+
+class GradCapture:
+    """Lists the tensors requiring grad that a message carries after it.
+
+    Put one in a message ahead of the objects of interest: after ``dumps``
+    its ``tensors`` are those pickled after it (each once), and the copy
+    ``loads`` rebuilds lists their counterparts in the same order.  This is
+    how distributed autograd pairs what one worker sent with what the other
+    received, whatever objects the tensors sat in.
+    """
+
+    __slots__ = ("tensors",)
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a GradCapture can only be pickled by a ucxrpc Serializer")
+
+
+def _rebuild_capture() -> GradCapture:
+    loader = _LOCAL.loader
+    if loader is None:
+        raise SerializationError(_NOT_IN_LOADS)
+    capture = GradCapture()
+    loader.capture = capture.tensors
+    return capture
 
 
 # (buffer, its address, its length in bytes)
@@ -183,13 +216,14 @@ class _Loader:
     Also the iterator pickle draws its out-of-band buffers from.
     """
 
-    __slots__ = ("buffers", "used", "ntensors", "entries")
+    __slots__ = ("buffers", "used", "ntensors", "entries", "capture")
 
     def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
         self.buffers = buffers
         self.used = 0  # buffers introduced so far, in stream order
         self.ntensors = 0
         self.entries: dict[int, _Entry] = {}
+        self.capture: list[torch.Tensor] | None = None  # see GradCapture
 
     def __iter__(self) -> _Loader:
         return self

@@ -137,6 +137,12 @@ class RpcAgent:
         self.before_shutdown: list[Callable[[float], None]] = []
         self.on_peer_failure: list[Callable[[int], None]] = []
         self.debug_sources: list[Callable[[], dict[str, Any]]] = []
+        # Rewrites an outgoing call: (to, func, args, kwargs) -> None to send
+        # it as is, or (func, args, kwargs, finish) where finish(future)
+        # returns the future to hand the caller.  Distributed autograd wraps
+        # calls made inside a context this way.
+        self.wrap_call: Callable[[WorkerInfo, Any, tuple[Any, ...], dict[str, Any]],
+                                 Any] | None = None
         self._dest = threading.local()
 
     # ------------------------------------------------------------ lifecycle
@@ -214,6 +220,11 @@ class RpcAgent:
         """
         if self._closed:
             raise ClosedError("RPC agent is shut down")
+        finish = None
+        if self.wrap_call is not None:
+            wrapped = self.wrap_call(to, func, args, kwargs)
+            if wrapped is not None:
+                func, args, kwargs, finish = wrapped
         pickled = self._dumps_for(to.id, (func, args, kwargs))
         fut: torch.futures.Future = torch.futures.Future()
         msg_id = next(self._ids)
@@ -235,7 +246,7 @@ class RpcAgent:
             raise
         if timeout > 0:
             self._arm(msg_id, timeout)
-        return fut
+        return fut if finish is None else finish(fut)
 
     def _loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
         # A call to oneself gets copies, as a remote callee would.
@@ -317,7 +328,7 @@ class RpcAgent:
                 value = self.serializer.loads(body, buffers)
             except Exception as exc:
                 call.future.set_exception(SerializationError(
-                    f"cannot decode the response from {self._name(peer)}: {exc}"))
+                    f"cannot decode the response from {self.name_of(peer)}: {exc}"))
                 return
             call.future.set_result(value)
         elif hdr.kind is wire.MsgKind.ERROR:
@@ -330,14 +341,14 @@ class RpcAgent:
         """A message from ``peer`` broke one of our limits: answer or fail it."""
         kind, msg_id = wire.parse_hint(hint)
         logger.warning("%s: message %s from %s rejected: %s", self.info.name, msg_id,
-                       self._name(peer), exc)
+                       self.name_of(peer), exc)
         if kind == wire.MsgKind.REQUEST:
             with self._serving_lock:
                 self._serving += 1
             self._reply_error(peer, msg_id, FrameError(
                 f"message rejected by {self.info.name}: {exc}"))
         elif kind in (wire.MsgKind.RESPONSE, wire.MsgKind.ERROR):
-            self._fail(msg_id, FrameError(f"the reply from {self._name(peer)} was rejected "
+            self._fail(msg_id, FrameError(f"the reply from {self.name_of(peer)} was rejected "
                                           f"by {self.info.name}: {exc}"))
 
     def _dumps_for(self, dest: int, obj: Any) -> Any:
@@ -373,14 +384,15 @@ class RpcAgent:
         cause = self._broken.get(peer)
         err: RpcError
         if isinstance(cause, AuthenticationError):
-            err = AuthenticationError(f"pipe to worker {self._name(peer)} (id {peer}) "
+            err = AuthenticationError(f"pipe to worker {self.name_of(peer)} (id {peer}) "
                                       f"refused: {cause}")
         else:
-            err = BrokenError(f"worker {self._name(peer)} (id {peer}) is unreachable: {cause}")
+            err = BrokenError(f"worker {self.name_of(peer)} (id {peer}) is unreachable: {cause}")
         err.__cause__ = cause
         return err
 
-    def _name(self, peer: int) -> str:
+    def name_of(self, peer: int) -> str:
+        """The name of worker ``peer``, or "id N" for one we do not know."""
         wi = self.workers.get(peer)
         return wi.name if wi is not None else f"id {peer}"
 
@@ -390,7 +402,7 @@ class RpcAgent:
             func, args, kwargs = cast(tuple[Any, Any, Any], self.serializer.loads(body, buffers))
         except Exception as exc:
             self._reply_error(peer, msg_id, SerializationError(
-                f"{self.info.name} cannot decode a request from {self._name(peer)}: {exc}"))
+                f"{self.info.name} cannot decode a request from {self.name_of(peer)}: {exc}"))
             return
         try:
             result = func(*(args or ()), **(kwargs or {}))
@@ -433,14 +445,14 @@ class RpcAgent:
             self._reply_error(peer, msg_id, exc)
             return
         except RpcError as exc:
-            logger.warning("%s: reply to %s lost: %s", self.info.name, self._name(peer), exc)
+            logger.warning("%s: reply to %s lost: %s", self.info.name, self.name_of(peer), exc)
         self._answered()
 
     def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
         try:
             self._send(peer, wire.MsgKind.ERROR, msg_id, describe_exception(exc, self.info), [])
         except RpcError as err:
-            logger.warning("%s: error reply to %s lost: %s", self.info.name, self._name(peer), err)
+            logger.warning("%s: error reply to %s lost: %s", self.info.name, self.name_of(peer), err)
         self._answered()
 
     # ---------------------------------------------------------------- info

@@ -24,3 +24,11 @@ def async_execution(fn: F) -> F:
 
     wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+def plain(fn: F) -> F:
+    """Mark one of ucxrpc's own RPC functions (RRef bookkeeping, autograd
+    messages) as carrying no autograd history: distributed autograd sends it
+    as it is, even inside a context."""
+    fn._ucxrpc_plain = True  # type: ignore[attr-defined]
+    return fn

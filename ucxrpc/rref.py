@@ -15,6 +15,7 @@ dead worker fail on use with an error naming it.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
 import queue
@@ -27,7 +28,7 @@ import torch
 from . import api
 from .agent import RpcAgent, WorkerInfo
 from .errors import RRefError
-from .functions import async_execution
+from .functions import async_execution, plain
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,11 @@ RRefId = tuple[int, int]   # (creating worker, number)
 ForkId = tuple[int, int]   # (worker that made the fork, number)
 _ids = itertools.count(1)
 _create_lock = threading.Lock()
+
+
+# Set by ucxrpc.autograd (a layer above) when imported:
+# dist_backward(context_id, roots, retain_graph).
+dist_backward: Callable[[int, list[Any], bool], None] | None = None
 
 
 class _Owned:
@@ -334,6 +340,20 @@ class RRef(Generic[T]):
         agent.wait(self._confirmed)
         return agent.wait(fut)
 
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from the value, a scalar tensor, on its owner.
+
+        With a distributed autograd context id, the distributed backward pass
+        of that context (the owner must have taken part in it); with -1, local
+        autograd on the owner, accumulating into ``.grad`` there.
+        """
+        if self.is_owner():
+            _owner_backward(self, dist_autograd_ctx_id, retain_graph)
+        else:
+            agent = self._registry.agent
+            agent.wait(api.rpc_async(self.owner(), _owner_backward,
+                                     (self, dist_autograd_ctx_id, retain_graph)))
+
     def rpc_sync(self, timeout: float = -1.0) -> Any:
         return _Proxy(self, "sync", timeout)
 
@@ -395,7 +415,10 @@ def _owner_create(rref_id: RRefId, fork_id: ForkId, holder: int, func: Any,
     reg = _registry()
     e = reg.entry(rref_id)
     reg.add_fork(rref_id, fork_id, holder)
-    reg.agent._pool.submit(_run_into, e.value, func, args, kwargs)
+    # With the caller's context variables: a distributed autograd context
+    # keeps recording the function's own calls.
+    ctx = contextvars.copy_context()
+    reg.agent._pool.submit(ctx.run, _run_into, e.value, func, args, kwargs)
 
 
 def _run_into(target: torch.futures.Future, func: Any, args: tuple[Any, ...],
@@ -424,10 +447,27 @@ def _owner_fetch(rref_id: RRefId) -> torch.futures.Future:
     return _registry().entry(rref_id).value
 
 
+@plain
 def _owner_add_fork(rref_id: RRefId, fork_id: ForkId, holder: int) -> None:
     _registry().add_fork(rref_id, fork_id, holder)
 
 
+@plain
+def _owner_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    reg = _registry()
+    value = reg.agent.wait(reg.entry(rref._rref_id).value)
+    if not isinstance(value, torch.Tensor):
+        raise RRefError(f"RRef.backward needs an RRef of a tensor; {rref} holds a "
+                        f"{type(value).__name__}")
+    if context_id == -1:
+        torch.autograd.backward(value, retain_graph=retain_graph)
+        return
+    if dist_backward is None:  # autograd never imported here: no context can exist
+        raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+    dist_backward(context_id, [value], retain_graph)
+
+
+@plain
 def _owner_del_forks(items: list[tuple[RRefId, ForkId]]) -> None:
     _registry().del_forks(items)
 
@@ -462,7 +502,8 @@ def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     if dest.id == reg.me:
         rref = reg.handle(rref_id)
-        agent._pool.submit(_run_into, reg.entry(rref_id).value, func, args, kwargs)
+        agent._pool.submit(contextvars.copy_context().run, _run_into, reg.entry(rref_id).value,
+                           func, args, kwargs)
         return rref
     rref = RRef._make(dest.id, rref_id, rref_id, confirmed=False)
     fut = agent.call(dest, _owner_create, (rref_id, rref_id, reg.me, func, args, kwargs), {},

@@ -53,12 +53,12 @@ from typing import Any
 import torch
 
 from ._tensor_codec import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER,
-                            _REQUIRES_GRAD, _Loader, _device_name, _dtype_name,
-                            _rebuild_tensor, _rebuild_vector)
+                            _REQUIRES_GRAD, GradCapture, _Loader, _device_name, _dtype_name,
+                            _rebuild_capture, _rebuild_tensor, _rebuild_vector)
 from .errors import SerializationError
 
 
-__all__ = ["BufferSpec", "Pickled", "Serializer", "dumps", "loads"]
+__all__ = ["BufferSpec", "GradCapture", "Pickled", "Serializer", "dumps", "loads"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +212,7 @@ class _MessagePickler(pickle.Pickler):
         super().__init__(self, protocol=PROTOCOL, buffer_callback=self._buffer_callback)
         self.buffers: list[Any] = []  # see _as_bytes
         self._storage_index: dict[tuple[int, int, int], int] = {}
+        self._capture: list[torch.Tensor] | None = None  # see GradCapture
         self.busy = False
 
     def write(self, data: bytes) -> Any:
@@ -232,6 +233,7 @@ class _MessagePickler(pickle.Pickler):
             self._chunks = []
             self.buffers = []
             self._storage_index = {}
+            self._capture = None
         return payload, buffers
 
     def _reduce_extended(self, obj: Any) -> Any:
@@ -248,7 +250,12 @@ class _MessagePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is not _Tensor and cls is not _Parameter:
-            return self._reduce_tensor(obj) if isinstance(obj, _Tensor) else NotImplemented
+            if isinstance(obj, _Tensor):
+                return self._reduce_tensor(obj)
+            if cls is GradCapture:
+                self._capture = obj.tensors
+                return (_rebuild_capture, ())
+            return NotImplemented
         # Fast path, inline: a plain tensor that is all of its storage (most
         # tensors an RPC carries).  Its buffer is its own bytes: no offset, no
         # compaction to weigh.  Each attribute read costs ~0.05 us, a quarter
@@ -282,12 +289,17 @@ class _MessagePickler(pickle.Pickler):
             index = self._storage_index[key] = len(self.buffers)
             # Its bytes, made by _as_bytes after the dump.
             self.buffers.append(t if vector else (storage, device))
-        flags = _REQUIRES_GRAD if t.requires_grad else 0
+        flags = self._grad_flag(t) if t.requires_grad else 0
         if cls is _Parameter:
             flags |= _PARAMETER
         if vector:
             return (_rebuild_vector, (index, code | flags, nbytes // itemsize))
         return (_rebuild_tensor, (index, 0, _dtype_name(dtype), tuple(t.shape), t.stride(), flags))
+
+    def _grad_flag(self, t: torch.Tensor) -> int:
+        if self._capture is not None:
+            self._capture.append(t)
+        return _REQUIRES_GRAD
 
     def _buffer_callback(self, buffer: pickle.PickleBuffer) -> bool:
         # Returning False sends the buffer out of band; it takes the next
@@ -311,7 +323,7 @@ class _MessagePickler(pickle.Pickler):
         if index < 0:  # compacted: a fresh copy of just the view
             data = data.detach().clone()
             index = self._add_buffer(data.untyped_storage(), data.get_device())
-        flags = _REQUIRES_GRAD if t.requires_grad else 0
+        flags = self._grad_flag(t) if t.requires_grad else 0
         if cls is _Parameter:
             flags |= _PARAMETER
         args: tuple[Any, ...] = (index, data.storage_offset(), _dtype_name(data.dtype),

@@ -76,7 +76,8 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_all_names_exist():
-    assert sorted(serialization.__all__) == ["BufferSpec", "Pickled", "Serializer", "dumps", "loads"]
+    assert sorted(serialization.__all__) == ["BufferSpec", "GradCapture", "Pickled", "Serializer",
+                                             "dumps", "loads"]
     for name in serialization.__all__:
         assert hasattr(serialization, name)
 
@@ -898,3 +899,32 @@ def test_cuda_tensors_roundtrip_on_device():
     _assert_same(got["t"], base.T)
     assert _shares_storage(got["a"], got["row"])
     _assert_same(got["cpu"], cpu)
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_grad_capture_pairs_sent_and_received_tensors():
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(4, 4).t().requires_grad_()  # the general (strided) path
+    p = torch.nn.Parameter(torch.randn(2))
+    before = torch.randn(2, requires_grad=True)
+    capture = serialization.GradCapture()
+    msg = (before, capture, [b, a, torch.ones(2)], {"again": a, "obj": _Holder(p)})
+    pickled = dumps(msg)
+    # Only what follows the capture, each tensor once, in stream order.
+    assert [id(t) for t in capture.tensors] == [id(b), id(a), id(p)]
+    got = loads(pickled.payload, _wire(pickled))
+    received = got[1].tensors
+    assert [id(t) for t in received] == [id(got[2][0]), id(got[2][1]), id(got[3]["obj"].t)]
+    assert got[3]["again"] is got[2][1]
+    assert all(t.requires_grad and t.is_leaf for t in received)
+    assert isinstance(received[2], torch.nn.Parameter)
+    for sent, back in zip(capture.tensors, received):
+        assert torch.equal(sent.detach(), back.detach())
+    # Without a capture nothing is recorded, and a capture cannot leave a message.
+    assert _roundtrip([a])[0].requires_grad
+    with pytest.raises(TypeError, match="GradCapture"):
+        pickle.dumps(serialization.GradCapture())

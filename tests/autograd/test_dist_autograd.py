@@ -1,0 +1,373 @@
+"""Distributed autograd across real worker processes, checked against the same
+model computed in one process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.workers import run_workers
+from ucxrpc.functions import async_execution
+
+pytestmark = pytest.mark.timeout(120)
+
+TOL = dict(rtol=1e-9, atol=1e-12)  # float64 throughout: the same ops, the same results
+
+
+def _init(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method))
+
+
+def seeded(seed, *shape, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(*shape, generator=g, dtype=torch.float64).requires_grad_(grad)
+
+
+def local_grads(fn, *leaves):
+    """Gradients of ``fn(*copies)`` with respect to fresh copies of ``leaves``."""
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    fn(*copies).backward()
+    return [c.grad for c in copies]
+
+
+def close(a, b):
+    return a is not None and b is not None and torch.allclose(a, b, **TOL)
+
+
+# -- functions the callees run ---------------------------------------------------
+
+_PARAMS: dict[str, torch.Tensor] = {}
+
+
+def param(name, seed, *shape):
+    """A parameter of this worker, made once, the same on every run."""
+    if name not in _PARAMS:
+        _PARAMS[name] = seeded(seed, *shape)
+    return _PARAMS[name]
+
+
+def add(a, b):
+    return a + b
+
+
+def linear_here(x):
+    return x @ param("w1", 11, 3, 3) + param("b1", 12, 3)
+
+
+def param_grads(context_id, names):
+    import ucxrpc.autograd as dist_autograd
+
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads.get(_PARAMS[n]) for n in names]
+
+
+def exp_of(x):
+    return x.exp()
+
+
+def call_back(x):
+    """worker1 -> worker0 and on: the callee's own call is recorded too."""
+    import ucxrpc as rpc
+
+    return rpc.rpc_sync("worker0", torch.mul, (x, 3.0)).sin()
+
+
+def sum_sq(x):
+    return (x * x).sum()
+
+
+def own_loss():
+    return (param("w1", 11, 3, 3) ** 2).sum()
+
+
+def own_grad(name):
+    g = _PARAMS[name].grad
+    return None if g is None else g.clone()
+
+
+@async_execution
+def async_double(x):
+    fut = torch.futures.Future()
+    fut.set_result(x * 2.0)
+    return fut
+
+
+def num_contexts():
+    import ucxrpc.autograd as dist_autograd
+
+    return dist_autograd._get_debug_info()["num_autograd_contexts"]
+
+
+def _wait_contexts_zero(rpc, workers, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        counts = [rpc.rpc_sync(w, num_contexts) for w in workers]
+        if not any(counts):
+            return counts
+        time.sleep(0.05)
+    return counts
+
+
+# -- 2 workers: the cases, one after the other -------------------------------------
+
+def _two_workers(rank, world_size, init_method):
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    if rank == 0:
+        w1 = "worker1"
+        # torch's design-doc example; t2 does not require grad
+        t1, t2, t4 = seeded(1, 3, 3), seeded(2, 3, 3, grad=False), seeded(4, 3, 3)
+        with dist_autograd.context() as ctx:
+            t3 = rpc.rpc_sync(w1, add, (t1, t2))
+            loss = (t3 * t4).sum()
+            dist_autograd.backward(ctx, [loss])
+            grads = dist_autograd.get_gradients(ctx)
+            assert set(map(id, grads)) == {id(t1), id(t4)}
+            ref = local_grads(lambda a, b: ((a + t2) * b).sum(), t1, t4)
+            assert close(grads[t1], ref[0]) and close(grads[t4], ref[1])
+            assert t1.grad is None and t4.grad is None  # never .grad
+        assert ctx >> 48 == 0
+
+        # the callee's own parameters, an input that does not require grad
+        x = seeded(5, 4, 3, grad=False)
+        with dist_autograd.context() as ctx:
+            out = rpc.rpc_sync(w1, linear_here, (x,))
+            dist_autograd.backward(ctx, [out.tanh().sum()])
+            remote = rpc.rpc_sync(w1, param_grads, (ctx, ["w1", "b1"]))
+            assert dist_autograd.get_gradients(ctx) == {}
+        ref = local_grads(lambda w, b: (x @ w + b).tanh().sum(), seeded(11, 3, 3), seeded(12, 3))
+        assert close(remote[0], ref[0]) and close(remote[1], ref[1])
+
+        # an output used twice
+        x = seeded(6, 5)
+        with dist_autograd.context() as ctx:
+            y = rpc.rpc_sync(w1, exp_of, (x,))
+            dist_autograd.backward(ctx, [(y * y).sum() + y.mean()])
+            g = dist_autograd.get_gradients(ctx)[x]
+        assert close(g, local_grads(lambda a: (a.exp() ** 2).sum() + a.exp().mean(), x)[0])
+
+        # an intermediate sent twice: its local graph is shared by two sends
+        w = seeded(7, 5)
+        with dist_autograd.context() as ctx:
+            h = (w * x).exp()
+            y1 = rpc.rpc_sync(w1, torch.sin, (h,))
+            y2 = rpc.rpc_async(w1, torch.cos, (h,)).wait()
+            dist_autograd.backward(ctx, [(y1 * y2).sum()])
+            gw, gx = (dist_autograd.get_gradients(ctx)[t] for t in (w, x))
+        ref = local_grads(lambda a, b: ((a * b).exp().sin() * (a * b).exp().cos()).sum(), w, x)
+        assert close(gw, ref[0]) and close(gx, ref[1])
+
+        # retain_graph: a second backward accumulates
+        with dist_autograd.context() as ctx:
+            loss = rpc.rpc_sync(w1, exp_of, (x * w,)).sum()
+            dist_autograd.backward(ctx, [loss], retain_graph=True)
+            dist_autograd.backward(ctx, [loss], retain_graph=True)
+            g = dist_autograd.get_gradients(ctx)[w]
+        assert close(g, 2 * local_grads(lambda a: (x * a).exp().sum(), w)[0])
+
+        # a chain back to the caller (worker0 -> worker1 -> worker0), and a self call
+        with dist_autograd.context() as ctx:
+            loss = rpc.rpc_sync(w1, call_back, (x * w,)).sum() + \
+                rpc.rpc_sync("worker0", torch.mul, (w, w)).sum()
+            dist_autograd.backward(ctx, [loss])
+            g = dist_autograd.get_gradients(ctx)[w]
+        assert close(g, local_grads(lambda a: (x * a * 3.0).sin().sum() + (a * a).sum(), w)[0])
+
+        # @async_execution callee
+        with dist_autograd.context() as ctx:
+            y = rpc.rpc_sync(w1, async_double, (w,))
+            dist_autograd.backward(ctx, [y.sum()])
+            assert close(dist_autograd.get_gradients(ctx)[w], torch.full_like(w, 2.0))
+
+        # remote(), to_here() and RRef.backward, in a context and without
+        with dist_autograd.context() as ctx:
+            r = rpc.remote(w1, call_back, (w,))
+            dist_autograd.backward(ctx, [r.to_here().sum()])
+            g = dist_autograd.get_gradients(ctx)[w]
+            assert close(g, local_grads(lambda a: (a * 3.0).sin().sum(), w)[0])
+            loss_rref = rpc.remote(w1, sum_sq, (w,))
+            loss_rref.backward(ctx)
+            assert close(dist_autograd.get_gradients(ctx)[w], g + 2 * w.detach())
+        rpc.remote(w1, own_loss).backward()  # local autograd on the owner: its .grad
+        assert close(rpc.rpc_sync(w1, own_grad, ("w1",)), 2 * seeded(11, 3, 3).detach())
+
+        # misuse: torch's messages
+        with pytest.raises(RuntimeError, match="Could not find autograd context with id: 424242"):
+            dist_autograd.get_gradients(424242)
+        with dist_autograd.context() as ctx:
+            with pytest.raises(RuntimeError, match="Already have an autograd context id"):
+                with dist_autograd.context():
+                    pass
+            y = rpc.rpc_sync(w1, exp_of, (w,))
+            with pytest.raises(RuntimeError, match="all roots need to be scalar"):
+                dist_autograd.backward(ctx, [y])
+        with pytest.raises(RuntimeError, match="Could not find autograd context"):
+            dist_autograd.backward(ctx, [y.sum()])
+        assert _wait_contexts_zero(rpc, ["worker0", "worker1"]) == [0, 0]
+    rpc.shutdown()
+
+
+def test_two_workers_gradients_match_local():
+    run_workers(_two_workers, 2, timeout=100)
+
+
+# -- 3 workers: a chain A -> B -> C -> A -------------------------------------------
+
+def hop1(x):
+    import ucxrpc as rpc
+
+    return rpc.rpc_sync("worker2", hop2, (x * param("p1", 21, 4),)) + x
+
+
+def hop2(y):
+    import ucxrpc as rpc
+
+    return rpc.rpc_sync("worker0", hop3, (y.sin() * param("p2", 22, 4),))
+
+
+def hop3(z):
+    return z * param("p0", 20, 4)
+
+
+def _chain(rank, world_size, init_method):
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    if rank == 0:
+        x, p0 = seeded(1, 4), param("p0", 20, 4)
+        with dist_autograd.context() as ctx:
+            out = rpc.rpc_sync("worker1", hop1, (x,))
+            dist_autograd.backward(ctx, [(out * out).sum()])
+            g = dist_autograd.get_gradients(ctx)
+            gx, gp0 = g[x], g[p0]
+            gp1 = rpc.rpc_sync("worker1", param_grads, (ctx, ["p1"]))[0]
+            gp2 = rpc.rpc_sync("worker2", param_grads, (ctx, ["p2"]))[0]
+            assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in range(3)] == [1, 1, 1]
+
+        def model(a, q0, q1, q2):
+            o = (a * q1).sin() * q2 * q0 + a
+            return (o * o).sum()
+        ref = local_grads(model, x, p0, seeded(21, 4), seeded(22, 4))
+        for got, want in zip((gx, gp0, gp1, gp2), ref):
+            assert close(got, want)
+        # worker0 never called worker2, yet the release reached it
+        assert _wait_contexts_zero(rpc, ["worker0", "worker1", "worker2"]) == [0, 0, 0]
+    rpc.shutdown()
+
+
+def test_nested_chain_three_workers():
+    run_workers(_chain, 3, timeout=100)
+
+
+# -- errors during backward ----------------------------------------------------------
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("boom in backward")
+
+
+def boom(x):
+    return Boom.apply(x)
+
+
+def _errors(rank, world_size, init_method):
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    if rank == 0:
+        w = seeded(1, 3)
+        with dist_autograd.context() as ctx:
+            a = rpc.rpc_sync("worker1", boom, (w,))
+            b = rpc.rpc_sync("worker2", exp_of, (w,))
+            with pytest.raises(RuntimeError, match=r"(?s)worker1.*boom in backward") as info:
+                dist_autograd.backward(ctx, [(a * b).sum()])
+            assert isinstance(info.value, rpc.RpcError)
+            # the others dropped the context at once; this one keeps it to the block's end
+            assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in (1, 2)] == [0, 0]
+            assert num_contexts() == 1
+        assert num_contexts() == 0
+        # the agents keep serving, and a new context works
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [rpc.rpc_sync("worker2", exp_of, (w,)).sum()])
+            assert close(dist_autograd.get_gradients(ctx)[w], w.detach().exp())
+    rpc.shutdown()
+
+
+def test_error_during_backward_names_the_worker():
+    run_workers(_errors, 3, timeout=100)
+
+
+# -- concurrent contexts from two trainers -------------------------------------------
+
+_DONE = threading.Semaphore(0)
+
+
+def ps_forward(x):
+    return (param("ps", 30, 8) * x).sum()
+
+
+def ps_grad(context_id):
+    return param_grads(context_id, ["ps"])[0]
+
+
+def ps_param_rref():
+    import ucxrpc as rpc
+
+    return rpc.RRef(param("ps", 30, 8))
+
+
+def trainer_done():
+    _DONE.release()
+
+
+def ps_value():
+    return _PARAMS["ps"].detach().clone()
+
+
+def _trainers(rank, world_size, init_method):
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+    from ucxrpc.optim import DistributedOptimizer
+
+    _init(rank, world_size, init_method)
+    steps, lr = 8, 0.1
+    if rank == 0:
+        p0 = param("ps", 30, 8).detach().clone()
+        for _ in range(2):
+            assert _DONE.acquire(timeout=60)
+        # loss = (w * x).sum(): the gradient is x whatever w is, so the
+        # result does not depend on how the trainers' steps interleave
+        xs = [seeded(100 * r + i, 8, grad=False) for r in (1, 2) for i in range(steps)]
+        assert close(_PARAMS["ps"].detach(), p0 - lr * sum(xs))
+    else:
+        w = rpc.rpc_sync("worker0", ps_param_rref)
+        opt = DistributedOptimizer(torch.optim.SGD, [w], lr=lr)
+        for i in range(steps):
+            x = seeded(100 * rank + i, 8, grad=False)
+            with dist_autograd.context() as ctx:
+                loss = rpc.rpc_sync("worker0", ps_forward, (x,))
+                dist_autograd.backward(ctx, [loss])
+                # the other trainer's context is running too: each sees only its own
+                assert close(rpc.rpc_sync("worker0", ps_grad, (ctx,)), x)
+                opt.step(ctx)
+        rpc.rpc_sync("worker0", trainer_done)
+    rpc.shutdown()
+
+
+def test_concurrent_contexts_from_two_trainers():
+    run_workers(_trainers, 3, timeout=100)

@@ -1,0 +1,184 @@
+"""Distributed autograd contexts and the per-worker table that holds them.
+
+A context is one forward and backward pass of a distributed model.  It lives
+on every worker the pass touched, under the same id, and records there:
+
+* sends: tensors requiring grad that this worker sent (arguments or return
+  values), by a send id unique on this worker.  The gradients for them come
+  back from the receiver during backward.
+* recvs: tensors requiring grad that this worker received, each with the
+  sender and its send id.  The receiver makes them fresh leaves; during
+  backward their gradients go back to the sender instead of into the context.
+* gradients of this worker's other leaves, accumulated over backward passes.
+* the workers it exchanged messages with, to release the context there too.
+
+Pure bookkeeping: nothing here sends a message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DistAutogradError
+from ..serialization import GradCapture
+
+# The context of the running thread: the ``with context()`` block, or the
+# context of the request a handler serves.  A ContextVar rather than a
+# thread-local so that work handed to the pool with copy_context() (remote())
+# keeps recording into it.
+CURRENT: ContextVar[int | None] = ContextVar("ucxrpc_autograd_context", default=None)
+
+# Context id layout, as torch: the creating worker's id above the counter.
+_COUNTER_BITS = 48
+_MAX_WORKER_ID = (1 << 16) - 1
+
+# Released ids remembered so that a message arriving late for one does not
+# bring the context back (it would never be released again).
+_TOMBSTONES = 4096
+
+
+def unknown_context(context_id: int) -> DistAutogradError:
+    return DistAutogradError(f"Could not find autograd context with id: {context_id}")
+
+
+@dataclass(slots=True)
+class Send:
+    dest: int
+    capture: GradCapture  # filled by the serializer as the message is pickled
+
+
+@dataclass(slots=True)
+class Recv:
+    source: int
+    send_id: int
+    tensors: list[torch.Tensor]
+
+
+class DistAutogradContext:
+    """One context on one worker.  Thread-safe."""
+
+    def __init__(self, context_id: int) -> None:
+        self.id = context_id
+        self._lock = threading.Lock()
+        self.sends: dict[int, Send] = {}
+        self._recv_of: dict[int, tuple[Recv, int]] = {}  # id(tensor) -> (recv, position)
+        self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(leaf) -> (leaf, grad)
+        self.known: set[int] = set()
+        self.backward_passes = 0
+
+    def _context_id(self) -> int:  # torch's name
+        return self.id
+
+    def add_send(self, send_id: int, dest: int, capture: GradCapture) -> None:
+        with self._lock:
+            self.sends[send_id] = Send(dest, capture)
+            self.known.add(dest)
+
+    def add_recv(self, source: int, send_id: int, tensors: list[torch.Tensor]) -> None:
+        recv = Recv(source, send_id, tensors)
+        with self._lock:
+            self.known.add(source)
+            for i, t in enumerate(tensors):
+                self._recv_of[id(t)] = (recv, i)
+
+    def touch(self, worker: int) -> None:
+        with self._lock:
+            self.known.add(worker)
+
+    def recv_slot(self, t: torch.Tensor) -> tuple[Recv, int] | None:
+        """Where ``t`` came from, if it is a tensor this worker received."""
+        slot = self._recv_of.get(id(t))
+        # The id of a dead tensor may be reused: the recv keeps its tensors
+        # alive, so identity settles it.
+        if slot is not None and slot[0].tensors[slot[1]] is t:
+            return slot
+        return None
+
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        if not grad.is_contiguous() or grad._base is not None:
+            # Expanded or view gradients (of a sum, say) would alias other
+            # memory; optimizers may update a gradient in place.
+            grad = grad.clone(memory_format=torch.contiguous_format)
+        with self._lock:
+            old = self._grads.get(id(leaf))
+            self._grads[id(leaf)] = (leaf, grad if old is None else old[1] + grad)
+
+    def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            return {leaf: grad for leaf, grad in self._grads.values()}
+
+    def peers(self, me: int) -> set[int]:
+        with self._lock:
+            return self.known - {me}
+
+    def __repr__(self) -> str:
+        return (f"DistAutogradContext(id={self.id}, sends={len(self.sends)}, "
+                f"recvs={len(self._recv_of)}, known={sorted(self.known)})")
+
+
+class ContextTable:
+    """This worker's contexts by id."""
+
+    def __init__(self, worker_id: int) -> None:
+        if not 0 <= worker_id <= _MAX_WORKER_ID:
+            raise DistAutogradError(f"worker id {worker_id} does not fit in a context id's "
+                                    f"16 worker bits")
+        self.me = worker_id
+        self._contexts: dict[int, DistAutogradContext] = {}
+        self._lock = threading.Lock()
+        self._counter = itertools.count()
+        self._send_ids = itertools.count(1)
+        self._released: deque[int] = deque(maxlen=_TOMBSTONES)
+        self._released_set: set[int] = set()
+        self.backward_passes = 0  # running now, on this worker
+
+    def new(self) -> DistAutogradContext:
+        n = next(self._counter)
+        if n >= 1 << _COUNTER_BITS:
+            raise DistAutogradError("this worker has used up its autograd context ids")
+        ctx = DistAutogradContext((self.me << _COUNTER_BITS) | n)
+        with self._lock:
+            self._contexts[ctx.id] = ctx
+        return ctx
+
+    def get(self, context_id: int) -> DistAutogradContext:
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise unknown_context(context_id)
+        return ctx
+
+    def find(self, context_id: int) -> DistAutogradContext | None:
+        return self._contexts.get(context_id)
+
+    def join(self, context_id: int) -> DistAutogradContext | None:
+        """The context a message from another worker belongs to, made on
+        first contact; None if it was released here already."""
+        ctx = self._contexts.get(context_id)
+        if ctx is not None:
+            return ctx
+        with self._lock:
+            if context_id in self._released_set:
+                return None
+            return self._contexts.setdefault(context_id, DistAutogradContext(context_id))
+
+    def pop(self, context_id: int) -> DistAutogradContext | None:
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+            if ctx is not None:
+                if len(self._released) == self._released.maxlen:
+                    self._released_set.discard(self._released[0])
+                self._released.append(context_id)
+                self._released_set.add(context_id)
+        return ctx
+
+    def next_send_id(self) -> int:
+        return next(self._send_ids)
+
+    def __len__(self) -> int:
+        return len(self._contexts)

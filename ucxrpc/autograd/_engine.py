@@ -1,0 +1,275 @@
+"""The distributed backward pass (torch's FAST mode) and context release.
+
+Backward starts on the worker that calls :func:`backward`: a local pass from
+the roots computes the gradients of every leaf the roots depend on.  Leaves
+that are tensors this worker received get their gradients sent back to their
+sender (:func:`_propagate`), which runs a local pass from the tensors it sent,
+and so on.  A worker answers a propagation only once its own pass and every
+propagation it started have finished, so when the initiator's propagations
+are all answered the whole distributed graph is done.
+
+Each send runs its own local pass as soon as its gradients arrive.  Passes
+started by a propagation keep their graph (``retain_graph``) until the context
+is released: two sends may share part of a worker's graph, and nothing says
+which of them comes last.
+
+Failures travel as values (:class:`Failure`), not exceptions, so the
+initiator can name the worker where it happened however deep in the chain.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .. import api
+from ..agent import RpcAgent
+from ..errors import DistAutogradError, RpcError
+from ..functions import async_execution, plain
+from ._context import ContextTable, DistAutogradContext, Recv
+from ._recording import table
+
+logger = logging.getLogger(__name__)
+
+_Future = torch.futures.Future
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Where and how a backward pass failed."""
+
+    worker: str
+    error: str
+    traceback: str = ""
+
+    def describe(self, context_id: int) -> str:
+        text = (f"Error on worker {self.worker} during the distributed backward pass of "
+                f"autograd context {context_id}: {self.error}")
+        return f"{text}\n{self.traceback}" if self.traceback else text
+
+
+def _here(agent: RpcAgent, exc: BaseException) -> Failure:
+    return Failure(agent.info.name, f"{type(exc).__name__}: {exc}",
+                   "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+
+# -- the local pass -------------------------------------------------------------
+
+def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves requiring grad that ``outputs`` depend on, each once."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[Any] = set()
+    stack: list[Any] = []
+    for t in outputs:
+        if t.grad_fn is None:
+            found[id(t)] = t
+        else:
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            found[id(variable)] = variable
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return list(found.values())
+
+
+def _local_pass(agent: RpcAgent, ctx: DistAutogradContext, outputs: Sequence[torch.Tensor],
+                grad_outputs: Sequence[torch.Tensor | None],
+                retain_graph: bool) -> list[tuple[int, _Future]]:
+    """Back-propagate through this worker's graph; returns the propagations
+    it started, as (peer, future) pairs."""
+    pairs = {id(t): (t, g) for t, g in zip(outputs, grad_outputs)
+             if g is not None and t.requires_grad}
+    if not pairs:
+        return []
+    outs = [t for t, _ in pairs.values()]
+    gouts = [g for _, g in pairs.values()]
+    leaves = _leaves(outs)
+    grads = torch.autograd.grad(outs, leaves, gouts, retain_graph=retain_graph,
+                                allow_unused=True)
+    outgoing: dict[int, tuple[Recv, list[torch.Tensor | None]]] = {}
+    for leaf, grad in zip(leaves, grads):
+        if grad is None:
+            continue
+        slot = ctx.recv_slot(leaf)
+        if slot is None:
+            ctx.accumulate(leaf, grad)
+            continue
+        recv, position = slot
+        entry = outgoing.get(id(recv))
+        if entry is None:
+            entry = outgoing[id(recv)] = (recv, [None] * len(recv.tensors))
+        entry[1][position] = grad
+    return [(recv.source, _send_grads(agent, ctx.id, recv, gs)) for recv, gs in outgoing.values()]
+
+
+def _send_grads(agent: RpcAgent, context_id: int, recv: Recv,
+                grads: list[torch.Tensor | None]) -> _Future:
+    try:
+        return agent.call(agent.workers[recv.source], _propagate,
+                          (context_id, recv.send_id, grads), {}, agent.options.rpc_timeout)
+    except Exception as exc:  # a broken pipe, a closed agent: fail this branch only
+        fut: _Future = _Future()
+        fut.set_exception(exc)
+        return fut
+
+
+def _gather(agent: RpcAgent, calls: list[tuple[int, _Future]]) -> _Future:
+    """A future of the first Failure among ``calls``, or None once all succeeded."""
+    out: _Future = _Future()
+    if not calls:
+        out.set_result(None)
+        return out
+    lock = threading.Lock()
+    state: dict[str, Any] = {"left": len(calls), "failure": None}
+
+    def done(peer: int, f: _Future) -> None:
+        try:
+            result = f.value()
+        except Exception as exc:
+            result = Failure(agent.name_of(peer), f"{type(exc).__name__}: {exc}")
+        with lock:
+            if isinstance(result, Failure) and state["failure"] is None:
+                state["failure"] = result
+            state["left"] -= 1
+            last = state["left"] == 0
+        if last:
+            out.set_result(state["failure"])
+
+    for peer, f in calls:
+        f.add_done_callback(functools.partial(done, peer))
+    return out
+
+
+@plain
+@async_execution
+def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None]) -> _Future:
+    """Run on the worker that made send ``send_id``: gradients for what it sent."""
+    agent = api._current()
+    tbl = table(agent)
+    try:
+        ctx = tbl.get(context_id)
+        send = ctx.sends.get(send_id)
+        if send is None:
+            raise DistAutogradError(f"autograd context {context_id} has no send {send_id}")
+        sent = send.capture.tensors
+        if len(grads) != len(sent):
+            raise DistAutogradError(f"{len(grads)} gradients for send {send_id} of context "
+                                    f"{context_id}, which sent {len(sent)} tensors")
+        calls = _local_pass(agent, ctx, sent, grads, retain_graph=True)
+    except Exception as exc:
+        out: _Future = _Future()
+        out.set_result(_here(agent, exc))
+        return out
+    return _gather(agent, calls)
+
+
+# -- backward -------------------------------------------------------------------
+
+def _check_roots(roots: Sequence[Any]) -> list[torch.Tensor]:
+    out = []
+    for i, root in enumerate(roots):
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(f"root {i} is a {type(root).__name__}, not a tensor")
+        if root.numel() != 1:
+            raise RuntimeError(f"Found root {i} of shape {tuple(root.shape)}, which is not a "
+                               f"scalar, all roots need to be scalar")
+        if not root.requires_grad:
+            raise RuntimeError(f"element {i} of tensors does not require grad and does not "
+                               f"have a grad_fn")
+        out.append(root)
+    if not out:
+        raise RuntimeError("backward needs at least one root")
+    return out
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the backward pass of ``context_id`` from ``roots`` across every
+    worker the forward pass touched; returns when all of it is done.
+
+    Gradients accumulate in the context on each worker (see
+    :func:`get_gradients`), never in ``.grad``.  On failure anywhere the
+    context is released on every other worker and a DistAutogradError names
+    the worker where it failed; this worker's context stays until its
+    ``with`` block ends.
+    """
+    agent = api._current()
+    tbl = table(agent)
+    ctx = tbl.get(context_id)
+    roots = _check_roots(list(roots))
+    tbl.backward_passes += 1
+    try:
+        try:
+            calls = _local_pass(agent, ctx, roots, [torch.ones_like(r) for r in roots],
+                                retain_graph)
+        except Exception as exc:
+            failure: Failure | None = _here(agent, exc)
+        else:
+            failure = agent.wait(_gather(agent, calls))
+    finally:
+        tbl.backward_passes -= 1
+    if failure is not None:
+        release_peers(agent, tbl, ctx, exclude=None)
+        raise DistAutogradError(failure.describe(context_id))
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """This worker's gradients in ``context_id``: leaf tensor -> gradient."""
+    return table().get(context_id).gradients()
+
+
+# -- release --------------------------------------------------------------------
+
+def release_peers(agent: RpcAgent, tbl: ContextTable, ctx: DistAutogradContext,
+                  exclude: int | None) -> _Future:
+    """Release ``ctx`` on the workers it touched (they pass it on)."""
+    calls = []
+    for peer in sorted(ctx.peers(tbl.me)):
+        if peer == exclude or peer not in agent.workers:
+            continue
+        try:
+            calls.append((peer, agent.call(agent.workers[peer], _release, (ctx.id, tbl.me), {},
+                                           agent.options.rpc_timeout)))
+        except RpcError as exc:  # a dead peer has nothing left to release
+            logger.debug("%s: cannot release context %d on %s: %s", agent.info.name,
+                         ctx.id, agent.name_of(peer), exc)
+    return _gather(agent, calls)
+
+
+@plain
+@async_execution
+def _release(context_id: int, requester: int) -> _Future:
+    agent = api._current()
+    tbl = table(agent)
+    ctx = tbl.pop(context_id)
+    if ctx is None:
+        done: _Future = _Future()
+        done.set_result(None)
+        return done
+    return release_peers(agent, tbl, ctx, exclude=requester)
+
+
+def release(context_id: int) -> None:
+    """Drop ``context_id`` here and on every worker it touched; waits for them."""
+    agent = api._current()
+    tbl = table(agent)
+    ctx = tbl.pop(context_id)
+    if ctx is None:
+        return
+    failure = agent.wait(release_peers(agent, tbl, ctx, exclude=None))
+    if failure is not None:
+        logger.warning("%s: autograd context %d may linger on %s: %s", agent.info.name,
+                       context_id, failure.worker, failure.error)

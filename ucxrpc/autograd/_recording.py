@@ -1,0 +1,171 @@
+"""Recording the forward pass: send/recv pairs on every RPC made in a context.
+
+A call made inside a context (``rpc_sync``, ``rpc_async``, ``remote``, RRef
+proxies and ``to_here``, RemoteModule: everything that goes through
+``RpcAgent.call``) is rewritten by :func:`_wrap_call` into a call of
+:func:`_run` (or :func:`_run_async`) on the callee, with the context id, the
+sender's id and send id, and a :class:`GradCapture` ahead of the user's
+function and arguments.  The capture pairs the tensors requiring grad that
+left the sender with those the callee rebuilt, in order, whatever objects
+they sat in.  The callee runs the function inside the context (so its own
+calls are recorded too) and answers with a :class:`_Reply`, which records the
+returned tensors the same way in the other direction.
+
+Functions marked with :func:`ucxrpc.functions.plain` (the autograd and RRef
+machinery's own messages) are sent as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from .. import api
+from ..agent import RpcAgent, WorkerInfo
+from ..functions import async_execution
+from ..serialization import GradCapture
+from ._context import CURRENT, ContextTable, DistAutogradContext
+
+_create_lock = threading.Lock()
+
+
+def table(agent: RpcAgent | None = None) -> ContextTable:
+    """This worker's contexts; the first use hooks autograd into the agent."""
+    agent = agent or api._current()
+    tbl = agent.extensions.get("autograd")
+    if tbl is None:
+        with _create_lock:
+            tbl = agent.extensions.get("autograd")
+            if tbl is None:
+                tbl = ContextTable(agent.info.id)
+                agent.wrap_call = functools.partial(_wrap_call, tbl)
+                agent.debug_sources.append(functools.partial(_debug_info, tbl))
+                agent.extensions["autograd"] = tbl
+    return tbl
+
+
+def _debug_info(tbl: ContextTable) -> dict[str, int]:
+    return {"num_autograd_contexts": len(tbl),
+            "num_current_backward_passes": tbl.backward_passes}
+
+
+# -- sender -------------------------------------------------------------------
+
+def _wrap_call(tbl: ContextTable, to: WorkerInfo, func: Any, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+    context_id = CURRENT.get()
+    if context_id is None or getattr(func, "_ucxrpc_plain", False):
+        return None
+    ctx = tbl.find(context_id)
+    if ctx is None:  # released while a thread of the with block still runs
+        return None
+    capture = GradCapture()
+    send_id = tbl.next_send_id()
+    ctx.add_send(send_id, to.id, capture)
+    is_async = getattr(func, "_wrapped_async_rpc_function", None) is not None
+    runner = _run_async if is_async else _run
+    # The capture goes before the function: a bound method's module
+    # parameters are recorded too.
+    wrapped_args = (context_id, tbl.me, send_id, capture, func, args, kwargs)
+    return runner, wrapped_args, {}, functools.partial(_unwrap_reply, tbl, to.id)
+
+
+def _unwrap_reply(tbl: ContextTable, peer: int, fut: torch.futures.Future) -> torch.futures.Future:
+    # Not fut.then(): a callback's exception would come out as a RuntimeError,
+    # and callers rely on the remote exception's own type.
+    out: torch.futures.Future = torch.futures.Future()
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            reply = f.value()
+            if reply.capture.tensors:
+                ctx = tbl.find(reply.context_id)
+                if ctx is not None:
+                    ctx.add_recv(peer, reply.send_id, reply.capture.tensors)
+        except Exception as exc:
+            out.set_exception(exc)
+            return
+        out.set_result(reply.value)
+
+    fut.add_done_callback(done)
+    return out
+
+
+# -- callee -------------------------------------------------------------------
+
+class _Reply:
+    """A return value and the record of its tensors requiring grad."""
+
+    __slots__ = ("context_id", "send_id", "capture", "value")
+
+    def __init__(self, context_id: int, send_id: int, capture: GradCapture, value: Any) -> None:
+        self.context_id = context_id
+        self.send_id = send_id
+        self.capture = capture
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The capture ahead of the value, so that it sees the value's tensors.
+        return (_Reply, (self.context_id, self.send_id, self.capture, self.value))
+
+
+def _enter(context_id: int, sender: int, send_id: int,
+           capture: GradCapture) -> DistAutogradContext | None:
+    ctx = table().join(context_id)
+    if ctx is not None:
+        if capture.tensors:
+            ctx.add_recv(sender, send_id, capture.tensors)
+        else:
+            ctx.touch(sender)
+    return ctx
+
+
+def _reply(ctx: DistAutogradContext | None, context_id: int, dest: int, value: Any) -> _Reply:
+    capture = GradCapture()
+    tbl = table()
+    send_id = tbl.next_send_id()
+    if ctx is not None:
+        ctx.add_send(send_id, dest, capture)
+    return _Reply(context_id, send_id, capture, value)
+
+
+def _run(context_id: int, sender: int, send_id: int, capture: GradCapture, func: Any,
+         args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Reply:
+    ctx = _enter(context_id, sender, send_id, capture)
+    token = CURRENT.set(context_id if ctx is not None else None)
+    try:
+        value = func(*args, **kwargs)
+    finally:
+        CURRENT.reset(token)
+    return _reply(ctx, context_id, sender, value)
+
+
+@async_execution
+def _run_async(context_id: int, sender: int, send_id: int, capture: GradCapture, func: Any,
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future:
+    ctx = _enter(context_id, sender, send_id, capture)
+    token = CURRENT.set(context_id if ctx is not None else None)
+    try:
+        inner = func(*args, **kwargs)
+    finally:
+        CURRENT.reset(token)
+    out: torch.futures.Future = torch.futures.Future()
+    if not isinstance(inner, torch._C.Future):
+        out.set_exception(TypeError(
+            f"@async_execution function {getattr(func, '__name__', func)} returned "
+            f"{type(inner).__name__}, not a torch.futures.Future"))
+        return out
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            value = f.value()
+        except Exception as exc:
+            out.set_exception(exc)
+            return
+        out.set_result(_reply(ctx, context_id, sender, value))
+
+    inner.add_done_callback(done)
+    return out
