@@ -476,7 +476,19 @@ def _owner_del_forks(items: list[tuple[RRefId, ForkId]]) -> None:
 def _proxy_call(rref: RRef[Any], name: str, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> torch.futures.Future:
     value = _registry().entry(rref._rref_id).value
-    return value.then(lambda f: getattr(f.value(), name)(*args, **kwargs))
+    out: torch.futures.Future = torch.futures.Future()
+    # The method may run later, on the thread that sets the value: with this
+    # call's context variables (a distributed autograd context) all the same.
+    ctx = contextvars.copy_context()
+
+    def run(f: torch.futures.Future) -> None:
+        try:
+            out.set_result(ctx.run(getattr(f.value(), name), *args, **kwargs))
+        except Exception as exc:  # set_exception keeps its type; then() would not
+            out.set_exception(exc)
+
+    value.add_done_callback(run)
+    return out
 
 
 def _invoke_method(rref: RRef[Any], name: str, args: tuple[Any, ...],

@@ -237,6 +237,15 @@ def hop3(z):
     return z * param("p0", 20, 4)
 
 
+def scale_by_p1(x):
+    return x * param("p1", 21, 4)
+
+
+def fetch_exp(rref):
+    """worker2 fetches an activation that lives on worker1 (pipeline style)."""
+    return rref.to_here().exp()
+
+
 def _chain(rank, world_size, init_method):
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
@@ -261,6 +270,16 @@ def _chain(rank, world_size, init_method):
             assert close(got, want)
         # worker0 never called worker2, yet the release reached it
         assert _wait_contexts_zero(rpc, ["worker0", "worker1", "worker2"]) == [0, 0, 0]
+
+        # an RRef to an activation on worker1, fetched by worker2 through a proxy
+        with dist_autograd.context() as ctx:
+            hidden = rpc.remote("worker1", scale_by_p1, (x,))
+            out = rpc.rpc_sync("worker2", fetch_exp, (hidden,))
+            dist_autograd.backward(ctx, [out.sum()])
+            gx = dist_autograd.get_gradients(ctx)[x]
+            gp1 = rpc.rpc_sync("worker1", param_grads, (ctx, ["p1"]))[0]
+        ref = local_grads(lambda a, q1: (a * q1).exp().sum(), x, seeded(21, 4))
+        assert close(gx, ref[0]) and close(gp1, ref[1])
     rpc.shutdown()
 
 
