@@ -263,7 +263,12 @@ def _release(context_id: int, requester: int) -> _Future:
 
 
 def release(context_id: int) -> None:
-    """Drop ``context_id`` here and on every worker it touched; waits for them."""
+    """Drop ``context_id`` here and on every worker it touched; waits for them.
+
+    A no-op once RPC is shut down: the contexts went with the agent.
+    """
+    if not api.is_initialized():
+        return
     agent = api._current()
     tbl = table(agent)
     ctx = tbl.pop(context_id)
