@@ -31,8 +31,9 @@ class context:  # noqa: N801  (torch's name)
     """``with context() as context_id:`` -- a new context for this thread.
 
     Its id holds this worker's id in the high 16 bits.  Leaving the block
-    releases the context here and on every worker it touched, and waits for
-    them.  Contexts do not nest on a thread.
+    releases the context here at once and sends the release to every worker
+    it touched (as torch, without waiting for them; graceful shutdown does).
+    Contexts do not nest on a thread.
     """
 
     def __init__(self) -> None:

@@ -202,7 +202,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
 
     Gradients accumulate in the context on each worker (see
     :func:`get_gradients`), never in ``.grad``.  On failure anywhere the
-    context is released on every other worker and a DistAutogradError names
+    context is released on every other worker (waited for) and a
+    DistAutogradError names
     the worker where it failed; this worker's context stays until its
     ``with`` block ends.
     """
@@ -222,7 +223,9 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     finally:
         tbl.backward_passes -= 1
     if failure is not None:
-        release_peers(agent, tbl, ctx, exclude=None)
+        # Waited for: nothing of the failed pass is left on the others when
+        # the error reaches the caller.
+        _log_lingering(agent, context_id, agent.wait(release_peers(agent, tbl, ctx, exclude=None)))
         raise DistAutogradError(failure.describe(context_id))
 
 
@@ -263,18 +266,24 @@ def _release(context_id: int, requester: int) -> _Future:
 
 
 def release(context_id: int) -> None:
-    """Drop ``context_id`` here and on every worker it touched; waits for them.
+    """Drop ``context_id`` here and, without waiting, on every worker it touched.
 
-    A no-op once RPC is shut down: the contexts went with the agent.
+    Not waited for, as in torch: a training loop's next step overlaps the
+    round trip (graceful shutdown still waits for it).  A no-op once RPC is
+    shut down: the contexts went with the agent.
     """
     if not api.is_initialized():
         return
     agent = api._current()
     tbl = table(agent)
     ctx = tbl.pop(context_id)
-    if ctx is None:
+    if ctx is None or not ctx.peers(tbl.me):
         return
-    failure = agent.wait(release_peers(agent, tbl, ctx, exclude=None))
+    done = release_peers(agent, tbl, ctx, exclude=None)
+    done.add_done_callback(lambda f: _log_lingering(agent, context_id, f.value()))
+
+
+def _log_lingering(agent: RpcAgent, context_id: int, failure: Failure | None) -> None:
     if failure is not None:
         logger.warning("%s: autograd context %d may linger on %s: %s", agent.info.name,
                        context_id, failure.worker, failure.error)
