@@ -33,11 +33,16 @@ class WorkerPool:
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self._blocked = 0
+        self._active = 0  # tasks submitted and not finished
         self._closed = False
+        # Called when no pool thread is left running Python code (all idle or
+        # waiting on the network): the transport may spin again.
+        self.on_quiet: Callable[[], None] | None = None
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         self._queue.put((fn, args))
         with self._lock:
+            self._active += 1
             if self._idle == 0:
                 self._maybe_spawn()
 
@@ -68,6 +73,20 @@ class WorkerPool:
             del item, fn, args
             with self._lock:
                 self._idle += 1
+                self._active -= 1
+                quiet = self._active == self._blocked
+            if quiet:
+                self._quiet()
+
+    def computing(self) -> bool:
+        """Whether Python code is running or about to run on a pool thread
+        (counted from submit: the thread taking a task needs the GIL too)."""
+        return self._active > self._blocked
+
+    def _quiet(self) -> None:
+        hook = self.on_quiet
+        if hook is not None:
+            hook()
 
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
@@ -79,6 +98,9 @@ class WorkerPool:
             self._blocked += 1
             if self._idle == 0 and not self._queue.empty():
                 self._maybe_spawn()
+            quiet = self._active == self._blocked
+        if quiet:
+            self._quiet()
         try:
             yield
         finally:

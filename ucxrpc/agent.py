@@ -116,6 +116,7 @@ class RpcAgent:
         self._closed = False
         self._broken: dict[int, BaseException] = {}
         self._serving = 0  # requests received and not yet answered
+        self._last_was_request = False
         self._serving_lock = threading.Lock()
         self.counters = {"calls_sent": 0, "calls_served": 0, "timeouts": 0,
                          "remote_errors": 0, "peer_failures": 0}
@@ -127,7 +128,9 @@ class RpcAgent:
                                    on_frame_error=self._on_frame_error,
                                    on_broken=self._on_broken, limits=limits,
                                    transports=options.transports,
+                                   spin_while=self._spin_while,
                                    peer_timeout=options.peer_timeout)
+        self._pool.on_quiet = self.transport.wake
         self.workers: dict[int, WorkerInfo] = {}
         self._names: dict[str, WorkerInfo] = {}
         self._timer = threading.Thread(target=self._expire, name="ucxrpc-timeouts", daemon=True)
@@ -241,12 +244,25 @@ class RpcAgent:
             else:
                 self.transport.send(to.id, payload, pickled.buffers,
                                     wire.hint(wire.MsgKind.REQUEST, msg_id))
+                self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:
             self._pop(msg_id)
             raise
         if timeout > 0:
             self._arm(msg_id, timeout)
         return fut if finish is None else finish(fut)
+
+    def _spin_while(self) -> bool:
+        """Whether the progress thread may keep polling while idle.
+
+        Polling holds the GIL between UCX calls: a thread running Python code
+        (a user function, or the caller's own work between calls) gets it
+        back only at the interpreter's 5 ms switch interval, so a callee's
+        few-microsecond function took milliseconds.  So poll only while no
+        pool thread runs code and a message is likely soon: a reply to a call
+        in flight, or the next request of a peer that is calling us.
+        """
+        return not self._pool.computing() and (bool(self._calls) or self._last_was_request)
 
     def _loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
         # A call to oneself gets copies, as a remote callee would.
@@ -316,6 +332,7 @@ class RpcAgent:
 
     def _on_message(self, peer: int, payload: memoryview, buffers: list[torch.Tensor]) -> None:
         hdr, body = wire.decode(payload)
+        self._last_was_request = hdr.kind is wire.MsgKind.REQUEST
         if hdr.kind is wire.MsgKind.REQUEST:
             with self._serving_lock:
                 self._serving += 1

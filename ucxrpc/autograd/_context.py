@@ -101,10 +101,8 @@ class DistAutogradContext:
         return None
 
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
-        if not grad.is_contiguous() or grad._base is not None:
-            # Expanded or view gradients (of a sum, say) would alias other
-            # memory; optimizers may update a gradient in place.
-            grad = grad.clone(memory_format=torch.contiguous_format)
+        """Add ``grad`` to ``leaf``'s gradient; the first one is kept as it is
+        (the caller hands over a tensor nothing else uses)."""
         with self._lock:
             old = self._grads.get(id(leaf))
             self._grads[id(leaf)] = (leaf, grad if old is None else old[1] + grad)

@@ -101,12 +101,13 @@ def _local_pass(agent: RpcAgent, ctx: DistAutogradContext, outputs: Sequence[tor
     grads = torch.autograd.grad(outs, leaves, gouts, retain_graph=retain_graph,
                                 allow_unused=True)
     outgoing: dict[int, tuple[Recv, list[torch.Tensor | None]]] = {}
+    storages: set[int] = set()
     for leaf, grad in zip(leaves, grads):
         if grad is None:
             continue
         slot = ctx.recv_slot(leaf)
         if slot is None:
-            ctx.accumulate(leaf, grad)
+            ctx.accumulate(leaf, _owned(grad, storages))
             continue
         recv, position = slot
         entry = outgoing.get(id(recv))
@@ -114,6 +115,21 @@ def _local_pass(agent: RpcAgent, ctx: DistAutogradContext, outputs: Sequence[tor
             entry = outgoing[id(recv)] = (recv, [None] * len(recv.tensors))
         entry[1][position] = grad
     return [(recv.source, _send_grads(agent, ctx.id, recv, gs)) for recv, gs in outgoing.values()]
+
+
+def _owned(grad: torch.Tensor, storages: set[int]) -> torch.Tensor:
+    """``grad``, or a copy where keeping it would share memory.
+
+    As torch's AccumulateGrad: a gradient an optimizer may update in place
+    must be dense and not alias another leaf's (the gradients of ``a + b``
+    are one tensor).  Most are neither, and are kept without a copy.
+    """
+    ptr = grad.untyped_storage().data_ptr()
+    if grad.is_contiguous() and ptr not in storages:
+        if ptr:
+            storages.add(ptr)
+        return grad
+    return grad.clone(memory_format=torch.contiguous_format)
 
 
 def _send_grads(agent: RpcAgent, context_id: int, recv: Recv,

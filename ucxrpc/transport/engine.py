@@ -128,6 +128,11 @@ class Transport:
             authenticated peer that broke a limit; ``hint`` is what the sender
             passed to :meth:`send`, so the caller can answer that message.
         on_broken: ``(peer_id, error)`` once when a pipe fails.
+        spin_s: how long the progress thread polls after the last event
+            before it sleeps in epoll.
+        spin_while: polling holds the GIL between UCX calls, which starves
+            a thread running Python code: idle polling stops as soon as this
+            returns False (call :meth:`wake` when it may turn True again).
         peer_timeout: seconds of silence (with a PING unanswered) after which
             a pipe in use is declared broken.
     """
@@ -136,6 +141,7 @@ class Transport:
                  on_frame_error: OnFrameError, on_broken: OnBroken,
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
                  allocator: Allocator | None = None, spin_s: float = 0.01,
+                 spin_while: Callable[[], bool] | None = None,
                  peer_timeout: float = 5.0) -> None:
         if not 0 <= my_id <= MAX_WORKER_ID:
             raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
@@ -148,6 +154,7 @@ class Transport:
         self.pool = HostPool()
         self._alloc = allocator or self._default_alloc
         self._spin_s = spin_s
+        self._spin_while = spin_while
         self._peer_timeout = peer_timeout
         self._data_spins = 8
         self._ping_interval = min(1.0, peer_timeout / 3)
@@ -562,7 +569,8 @@ class Transport:
             if busy or self._watch or self._frames:
                 idle_since = now
                 continue
-            if now - idle_since < self._spin_s:
+            if now - idle_since < self._spin_s and (self._spin_while is None
+                                                     or self._spin_while()):
                 # Idle spinning still takes the GIL between UCX calls; yielding
                 # lets a thread just handed a result take it (p99 3.7 ms ->
                 # 0.3 ms on 2 cores, benchmarks/RESULTS.md).
@@ -585,6 +593,11 @@ class Transport:
                 os.eventfd_read(self._wake_fd)
             except BlockingIOError:
                 pass
+
+    def wake(self) -> None:
+        """Make the progress thread poll again now if it sleeps (cheap when
+        it does not): for a caller about to wait for a reply."""
+        self._wake()
 
     def _wake(self) -> None:
         if self._sleeping:
