@@ -74,8 +74,9 @@ def _build(width, layers):
 
 def _child(impl, rank, port, case, warmup, steps, out):
     import torch
+    # No set_num_threads(1): torch's RPC threads ignore it (its stage then
+    # computes on every core while ucxrpc's would keep to one).
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     rpc, dist_autograd, DistributedOptimizer, Options = _modules(impl)
     _, batch, width, layers = case
     _build(width, layers)

@@ -18,7 +18,9 @@ proceed side by side.
 Progress strategy (measured, see benchmarks/RESULTS.md): one thread polls
 ``worker.progress()`` while there is work or for ``spin_s`` after the last
 event (yielding the CPU between idle polls), then arms the worker and sleeps
-in epoll, so an idle agent uses no CPU.  Sleeping right away instead costs
+in epoll, so an idle agent uses no CPU.  Idle polling also stops whenever the
+owner's ``spin_while`` says so: it holds the GIL between UCX calls, which
+starves any other thread running Python code.  Sleeping right away instead costs
 ~180 µs per wake-up on this kind of machine (p50 363 µs vs 81 µs).  Senders call UCX directly from their own thread (no hand-off on the
 send path) and wake the loop only when a send is left in flight.
 """
