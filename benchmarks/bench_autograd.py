@@ -15,7 +15,7 @@ and the ratio ucxrpc / torch (below 1: ucxrpc is faster).  Raw ucxx has no
 autograd, so there is no ceiling column here: see bench_rpc.py for the
 transport.
 
-    python benchmarks/bench_autograd.py              # about a minute
+    python benchmarks/bench_autograd.py              # about 4 minutes
     python benchmarks/bench_autograd.py --quick      # a smoke run
 """
 
@@ -88,16 +88,22 @@ def _child(impl, rank, port, case, warmup, steps, out):
             opt = DistributedOptimizer(torch.optim.SGD,
                                        rpc.rpc_sync("worker1", _stage_params, (impl,)), lr=1e-4)
             x = torch.randn(batch, width)
-            times = []
-            for i in range(warmup + steps):
+
+            def step():
                 t0 = time.perf_counter()
                 with dist_autograd.context() as ctx:
                     loss = rpc.rpc_sync("worker1", _forward, (x,)).sum()
                     dist_autograd.backward(ctx, [loss])
                     opt.step(ctx)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            out.put(statistics.median(times))
+                return time.perf_counter() - t0
+
+            # By time as well as by count: the first hundred or so small steps
+            # run slower (allocator and interpreter warming up) in both.
+            for budget_s, count, keep in ((warmup[0], warmup[1], False), (steps[0], steps[1], True)):
+                times, end = [], time.perf_counter() + budget_s
+                while len(times) < count or (time.perf_counter() < end and len(times) < 2000):
+                    times.append(step())
+            out.put((statistics.median(times), len(times)))
     finally:
         rpc.shutdown()
 
@@ -133,18 +139,20 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    warmup, steps = (5, 20) if args.quick else (20, 100)
+    # (seconds at least, steps at least)
+    warmup, steps = ((0.2, 5), (0.5, 20)) if args.quick else ((2.0, 20), (4.0, 30))
     repeat = 1 if args.quick else args.repeat
-    print(f"median step time (ms) over {steps} steps after {warmup} warm-up, median of "
-          f"{repeat} interleaved runs")
+    print(f"median step time (ms) over at least {steps[0]:g} s and {steps[1]} steps, after "
+          f"{warmup[0]:g} s and {warmup[1]} steps of warm-up; median of {repeat} interleaved "
+          f"runs")
     print(f"{'case':<48} {'ucxrpc':>8} {'torch':>8} {'ucxrpc/torch':>13}")
     for case in CASES:
         got = {"ucxrpc": [], "torch": []}
         for _ in range(repeat):
             for impl in got:
-                t = _run(impl, case, warmup, steps, timeout=300)
-                if t is not None:
-                    got[impl].append(t * 1e3)
+                r = _run(impl, case, warmup, steps, timeout=300)
+                if r is not None:
+                    got[impl].append(r[0] * 1e3)
         med = {k: statistics.median(v) if v else float("nan") for k, v in got.items()}
         print(f"{case[0]:<48} {med['ucxrpc']:>8.2f} {med['torch']:>8.2f} "
               f"{med['ucxrpc'] / med['torch']:>13.2f}", flush=True)
