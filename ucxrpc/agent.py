@@ -20,7 +20,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from . import rendezvous, wire
+from . import devices, rendezvous, wire
 from ._pool import WorkerPool
 from .errors import (AuthenticationError, BrokenError, ClosedError, FrameError, RemoteError, RpcError,
                      RpcTimeoutError, SerializationError)
@@ -132,6 +132,11 @@ class RpcAgent:
                                    peer_timeout=options.peer_timeout)
         self._pool.on_quiet = self.transport.wake
         self.workers: dict[int, WorkerInfo] = {}
+        # Set at join: where this worker's tensors land on each peer, by peer
+        # id (requests), the reverse (replies), and the devices it uses.
+        self.device_maps: dict[int, devices.DeviceMap] = {}
+        self.reverse_device_maps: dict[int, devices.DeviceMap] = {}
+        self.devices: list[torch.device] = []
         self._names: dict[str, WorkerInfo] = {}
         self._timer = threading.Thread(target=self._expire, name="ucxrpc-timeouts", daemon=True)
         # Extension points for the layers above (RRefs, autograd), which the
@@ -152,8 +157,14 @@ class RpcAgent:
 
     def join(self, timeout: float) -> None:
         """Publish our address, learn everyone's, then start serving."""
-        rendezvous.publish(self.store, self.info.id, self.info.name, self.transport.address)
+        maps = self.options.maps()
+        rendezvous.publish(self.store, self.info.id, self.info.name, self.transport.address,
+                           device_count=torch.cuda.device_count(),
+                           devices=tuple(str(d) for d in self.options.device_list()),
+                           device_maps={to: {str(k): str(v) for k, v in m.items()}
+                                        for to, m in maps.items()})
         members = rendezvous.collect(self.store, self.world_size)
+        self._check_device_maps(members)
         for m in members.values():
             wi = WorkerInfo(m.name, m.rank)
             self.workers[m.rank] = wi
@@ -164,6 +175,25 @@ class RpcAgent:
         self._timer.start()
         rendezvous.barrier(self.store, "init", self.info.id, self.world_size, timeout)
         logger.info("%s joined a job of %d workers", self.info, self.world_size)
+
+    def _check_device_maps(self, members: dict[int, rendezvous.Member]) -> None:
+        """torch's job-wide device-map checks, on everyone's published maps
+        (every worker raises the same error); then this worker's maps by peer
+        id: for requests it sends, and the reverse for replies."""
+        names = [m.name for m in members.values()]
+        all_maps = {m.name: {to: devices.to_device_map(mp) for to, mp in m.device_maps.items()}
+                    for m in members.values()}
+        reverse = devices.reverse_maps(self.info.name, all_maps)
+        # As given (maybe empty): torch checks indices where none were given.
+        all_devices = {m.name: [devices.to_device(d) for d in m.devices]
+                       for m in members.values()}
+        devices.validate(names, {m.name: m.device_count for m in members.values()},
+                         all_maps, all_devices)
+        ids = {m.name: m.rank for m in members.values()}
+        mine = all_maps[self.info.name]
+        self.device_maps = {ids[to]: mp for to, mp in mine.items()}
+        self.reverse_device_maps = {ids[src]: mp for src, mp in reverse.items()}
+        self.devices = all_devices[self.info.name] or devices.default_devices(mine, reverse)
 
     def shutdown(self, graceful: bool, timeout: float) -> None:
         """Stop serving; graceful waits for everyone's in-flight work first."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from .devices import DeviceMap, check_devices, merge_device_map, to_device_map
+
 DEFAULT_RPC_TIMEOUT = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
-
-
-def _device_key(d: Any) -> str:
-    return str(d) if not isinstance(d, int) else f"cuda:{d}"
 
 
 @dataclass(kw_only=True)
@@ -24,8 +24,12 @@ class UcxRpcBackendOptions:
         rpc_timeout: default timeout in seconds for RPCs; 0 means none.
         init_method: c10d rendezvous URL: ``env://``, ``tcp://host:port`` or
             ``file:///path``.
-        device_maps: ``{worker name: {local device: remote device}}``.
-        devices: local devices this worker uses (default: the map's).
+        device_maps: ``{worker name: {local device: remote device}}`` for
+            tensors sent to that worker (replies come back through the
+            reverse); devices as ``torch.device``, strings or CUDA indices.
+            Read back normalized to ``torch.device``.
+        devices: local CUDA devices this worker uses (default: those its
+            maps and the maps targeting it name).
         transports: UCX transports allowed (``["tcp"]``, ``["sm", "cma"]``,
             ...); ``None`` lets UCX choose (``UCX_TLS`` is honoured).
         max_buffers / max_frame_bytes / max_message_bytes: bounds every
@@ -37,14 +41,14 @@ class UcxRpcBackendOptions:
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT
     init_method: str = DEFAULT_INIT_METHOD
-    device_maps: dict[str, dict[Any, Any]] | None = None
+    device_maps: dict[str, Any] | None = None
     devices: list[Any] | None = None
     transports: list[str] | None = None
     max_buffers: int = 65535
     max_frame_bytes: int = 1 << 30
     max_message_bytes: int = 1 << 40
     peer_timeout: float = 5.0
-    _maps: dict[str, dict[str, str]] = field(default_factory=dict, repr=False)
+    _maps: dict[str, DeviceMap] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
@@ -58,16 +62,33 @@ class UcxRpcBackendOptions:
             raise ValueError(f"max_buffers must be in [1, 65535], got {self.max_buffers}")
         if isinstance(self.transports, str):
             self.transports = [t.strip() for t in self.transports.split(",") if t.strip()]
-        for to, m in (self.device_maps or {}).items():
+        maps, self.device_maps = self.device_maps, {}
+        for to, m in (maps or {}).items():
             self.set_device_map(to, m)
+        if self.devices is not None:
+            self.set_devices(self.devices)
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
-        """Map local devices to ``to``'s devices for tensors sent there."""
-        norm = {_device_key(k): _device_key(v) for k, v in device_map.items()}
-        if len(set(norm.values())) != len(norm):
-            raise ValueError(f"device map to {to} is not one-to-one: {device_map}")
-        self._maps.setdefault(to, {}).update(norm)
+        """Map local devices to ``to``'s devices for tensors sent there; adds
+        to what an earlier call set (a source may not change its target).
+
+        Raises:
+            ValueError: not one-to-one, as torch words it.
+        """
+        self._maps[to] = merge_device_map(self._maps.get(to), to, to_device_map(device_map))
         self.device_maps = {k: dict(v) for k, v in self._maps.items()}
 
     def set_devices(self, devices: list[Any]) -> None:
-        self.devices = list(devices)
+        """The local CUDA devices this worker uses.
+
+        Raises:
+            ValueError: a device that is not CUDA.
+        """
+        self.devices = check_devices(devices)
+
+    def maps(self) -> dict[str, DeviceMap]:
+        """The device maps, normalized (copies)."""
+        return {k: dict(v) for k, v in self._maps.items()}
+
+    def device_list(self) -> list[torch.device]:
+        return list(self.devices or [])

@@ -14,7 +14,7 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -37,21 +37,33 @@ def check_name(name: str) -> None:
 
 @dataclass(frozen=True)
 class Member:
+    """What a worker publishes at init: who and where it is, and its devices
+    (device counts, ``devices`` and maps, as strings) so that every worker can
+    check everyone's device maps."""
+
     rank: int
     name: str
     address: bytes
     host: str
     pid: int
+    device_count: int = 0
+    devices: tuple[str, ...] = ()
+    device_maps: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),
-                           "host": self.host, "pid": self.pid})
+                           "host": self.host, "pid": self.pid,
+                           "device_count": self.device_count, "devices": list(self.devices),
+                           "device_maps": self.device_maps})
 
     @staticmethod
     def from_json(raw: bytes) -> "Member":
         d = json.loads(raw)
+        maps = {str(to): {str(k): str(v) for k, v in m.items()}
+                for to, m in dict(d.get("device_maps", {})).items()}
         return Member(int(d["rank"]), str(d["name"]), bytes.fromhex(d["address"]),
-                      str(d["host"]), int(d["pid"]))
+                      str(d["host"]), int(d["pid"]), int(d.get("device_count", 0)),
+                      tuple(str(x) for x in d.get("devices", ())), maps)
 
 
 def open_store(init_method: str, rank: int, world_size: int,
@@ -77,8 +89,11 @@ def job_secret(store: Any, rank: int) -> bytes:
         raise AuthenticationError("the job secret in the store is malformed") from exc
 
 
-def publish(store: Any, rank: int, name: str, address: bytes) -> Member:
-    me = Member(rank, name, address, socket.gethostname(), os.getpid())
+def publish(store: Any, rank: int, name: str, address: bytes, device_count: int = 0,
+            devices: tuple[str, ...] = (),
+            device_maps: dict[str, dict[str, str]] | None = None) -> Member:
+    me = Member(rank, name, address, socket.gethostname(), os.getpid(), device_count,
+                devices, dict(device_maps or {}))
     store.set(f"{PREFIX}member/{rank}", me.to_json())
     return me
 

@@ -144,5 +144,5 @@ def test_options_validation():
         UcxRpcBackendOptions(16)  # keyword-only
     opts = UcxRpcBackendOptions(transports="tcp, sm")
     assert opts.transports == ["tcp", "sm"]
-    with pytest.raises(ValueError, match="not one-to-one"):
+    with pytest.raises(ValueError, match="only supports 1-to-1 mapping"):
         opts.set_device_map("w1", {0: 1, 1: 1})

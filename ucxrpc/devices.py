@@ -1,0 +1,143 @@
+"""Device maps: torch's validation rules, reverse maps and ``devices``.
+
+A device map says, for tensors a worker sends to one peer, which of the
+peer's devices each of its own devices lands on (``{"cuda:0": "cuda:1"}``);
+replies travel the reverse map.  The rules are torch's
+(``TensorPipeRpcBackendOptions`` and ``backend_registry._validate_device_maps``),
+with its messages, so programs and tests written for torch keep working:
+
+* per map: one-to-one (no two sources on one target);
+* ``set_device_map`` twice for one peer: a source may not change target;
+* ``set_devices``: CUDA devices only;
+* across the job, checked on every worker at init with everyone's maps,
+  devices and device counts: target names exist, no duplicated devices,
+  indices within each worker's device count, sources within the worker's
+  ``devices`` and targets within the peer's where those are given.
+
+Pure functions over ``torch.device`` values: nothing here touches a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["DeviceMap", "check_devices", "default_devices", "reverse_maps", "to_device",
+           "to_device_map", "validate"]
+
+DeviceMap = dict[torch.device, torch.device]
+
+
+def to_device(d: Any) -> torch.device:
+    """``torch.device(d)``, with a bare int meaning that CUDA device (as torch)."""
+    if isinstance(d, int) and not isinstance(d, bool):
+        return torch.device("cuda", d)
+    return torch.device(d)
+
+
+def to_device_map(device_map: Mapping[Any, Any]) -> DeviceMap:
+    """Normalize one map; raises ValueError unless it is one-to-one."""
+    full: DeviceMap = {}
+    reverse: DeviceMap = {}
+    for k, v in device_map.items():
+        src, dst = to_device(k), to_device(v)
+        if dst in reverse:
+            raise ValueError("`device_map` only supports 1-to-1 mapping, trying to map "
+                             f"{src} and {reverse[dst]} to {dst}")
+        full[src] = dst
+        reverse[dst] = src
+    return full
+
+
+def merge_device_map(current: DeviceMap | None, to: str, update: DeviceMap) -> DeviceMap:
+    """``current`` (the map to ``to`` so far) with ``update`` added."""
+    merged = dict(current or {})
+    for src, dst in update.items():
+        if src in merged and merged[src] != dst:
+            raise ValueError("`set_device_map` only supports 1-to-1 mapping, trying to map "
+                             f"{src} to {dst} and {merged[src]} (for worker {to})")
+        merged[src] = dst
+    to_device_map(merged)  # still one-to-one as a whole
+    return merged
+
+
+def check_devices(devices: Iterable[Any]) -> list[torch.device]:
+    """``set_devices``'s argument: CUDA devices only."""
+    out = []
+    for d in devices:
+        device = to_device(d)
+        if device.type != "cuda":
+            raise ValueError("`set_devices` expect a list of CUDA devices, but got device "
+                             f"type {device.type}.")
+        out.append(device)
+    return out
+
+
+def _valid_indices(devices: Iterable[torch.device], device_count: int) -> bool:
+    return all(d.type == "cpu" or (d.type == "cuda" and d.index is not None
+                                   and 0 <= d.index < device_count) for d in devices)
+
+
+def validate(names: list[str], device_counts: Mapping[str, int],
+             device_maps: Mapping[str, Mapping[str, DeviceMap]],
+             devices: Mapping[str, list[torch.device]]) -> None:
+    """torch's job-wide checks; every worker runs them on the same inputs, so
+    all of them raise the same ValueError, naming the worker at fault."""
+    known = set(names)
+    for node in names:
+        devs = devices[node]
+        if len(set(devs)) != len(devs):
+            raise ValueError(f"Node {node} has duplicated devices\ndevices = {devs}")
+        if not _valid_indices(devs, device_counts[node]):
+            raise ValueError(f"Node {node} has devices with invalid indices\n"
+                             f"devices = {devs}\ndevice count = {device_counts[node]}")
+    for source in names:
+        maps = device_maps[source]
+        if not set(maps).issubset(known):
+            raise ValueError(f"Node {source} has invalid target node names in its device "
+                             f"maps\ndevice maps = {maps}\nnode names = {sorted(known)}")
+        for target, map_ in maps.items():
+            if len(set(map_.values())) != len(map_):
+                raise ValueError(f"Node {source} has duplicated target devices in its device "
+                                 f"map for {target}\ndevice map = {map_}")
+            if devices[source]:
+                if not set(map_).issubset(devices[source]):
+                    raise ValueError(f"Node {source} has unexpected source devices in its device "
+                                     f"map for {target}\ndevice map = {map_}\n"
+                                     f"devices = {devices[source]}")
+            elif not _valid_indices(map_, device_counts[source]):
+                raise ValueError(f"Node {source} has source devices with invalid indices in its "
+                                 f"device map for {target}\ndevice map = {map_}\n"
+                                 f"device count = {device_counts[source]}")
+            if devices[target]:
+                if not set(map_.values()).issubset(devices[target]):
+                    raise ValueError(f"Node {source} has unexpected target devices in its device "
+                                     f"map for {target}\ndevice map = {map_}\n"
+                                     f"devices = {devices[target]}")
+            elif not _valid_indices(map_.values(), device_counts[target]):
+                raise ValueError(f"Node {source} has target devices with invalid indices in its "
+                                 f"device map for {target}\ndevice map = {map_}\n"
+                                 f"device count = {device_counts[target]}")
+
+
+def reverse_maps(me: str, device_maps: Mapping[str, Mapping[str, DeviceMap]]) -> dict[str, DeviceMap]:
+    """For each peer whose map targets ``me``: how my replies' devices map back."""
+    out: dict[str, DeviceMap] = {}
+    for source, maps in device_maps.items():
+        if me in maps:
+            out[source] = {dst: src for src, dst in maps[me].items()}
+    return out
+
+
+def default_devices(my_maps: Mapping[str, DeviceMap],
+                    reverse: Mapping[str, DeviceMap]) -> list[torch.device]:
+    """``devices`` when not given: every CUDA device my maps send from or
+    others' maps send to me, in index order."""
+    found: set[torch.device] = set()
+    for m in my_maps.values():
+        found.update(d for d in m if d.type == "cuda")
+    for m in reverse.values():
+        found.update(d for d in m if d.type == "cuda")
+    return sorted(found, key=lambda d: d.index or 0)
