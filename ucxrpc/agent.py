@@ -272,8 +272,13 @@ class RpcAgent:
             if to.id == self.info.id:
                 self._loopback(payload, pickled.buffers)
             else:
+                targets = None
+                if pickled.cuda:
+                    targets = devices.target_devices([b.device for b in pickled.buffers],
+                                                     self.device_maps.get(to.id), to.name)
+                    devices.settle(pickled.buffers)
                 self.transport.send(to.id, payload, pickled.buffers,
-                                    wire.hint(wire.MsgKind.REQUEST, msg_id))
+                                    wire.hint(wire.MsgKind.REQUEST, msg_id), targets)
                 self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:
             self._pop(msg_id)
@@ -304,12 +309,12 @@ class RpcAgent:
             self._serving -= 1
 
     def _send(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
-              buffers: list[torch.Tensor]) -> None:
+              buffers: list[torch.Tensor], targets: list[int] | None = None) -> None:
         payload = wire.encode(kind, msg_id, body)
         if peer == self.info.id:
             self._loopback(payload, buffers)
         else:
-            self.transport.send(peer, payload, buffers, wire.hint(kind, msg_id))
+            self.transport.send(peer, payload, buffers, wire.hint(kind, msg_id), targets)
 
     def _arm(self, msg_id: int, timeout: float) -> None:
         # One FIFO per timeout value keeps deadlines sorted for free: a deque
@@ -486,8 +491,19 @@ class RpcAgent:
                 f"cannot pickle the result of {name} on {self.info.name}: "
                 f"{type(exc).__name__}: {exc}"))
             return
+        targets = None
+        if pickled.cuda and peer != self.info.id:
+            try:  # replies travel the reverse of the caller's map
+                targets = devices.target_devices([b.device for b in pickled.buffers],
+                                                 self.reverse_device_maps.get(peer),
+                                                 self.name_of(peer), replying=True)
+            except RpcError as exc:
+                self._reply_error(peer, msg_id, exc)
+                return
+            devices.settle(pickled.buffers)
         try:
-            self._send(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload, pickled.buffers)
+            self._send(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload, pickled.buffers,
+                       targets)
         except FrameError as exc:
             self._reply_error(peer, msg_id, exc)
             return

@@ -14,7 +14,8 @@ with its messages, so programs and tests written for torch keep working:
   indices within each worker's device count, sources within the worker's
   ``devices`` and targets within the peer's where those are given.
 
-Pure functions over ``torch.device`` values: nothing here touches a GPU.
+Pure functions over ``torch.device`` values, except :func:`settle`, the
+only one that touches a GPU (and only when a message carries CUDA memory).
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceMap", "check_devices", "default_devices", "reverse_maps", "to_device",
-           "to_device_map", "validate"]
+from .errors import RpcError
+
+__all__ = ["DeviceMap", "check_devices", "default_devices", "reverse_maps", "settle",
+           "target_devices",
+           "to_device", "to_device_map", "validate"]
 
 DeviceMap = dict[torch.device, torch.device]
 
@@ -141,3 +145,41 @@ def default_devices(my_maps: Mapping[str, DeviceMap],
     for m in reverse.values():
         found.update(d for d in m if d.type == "cuda")
     return sorted(found, key=lambda d: d.index or 0)
+
+
+def target_devices(sources: Iterable[torch.device], device_map: DeviceMap | None,
+                   dest: str, replying: bool = False) -> list[int]:
+    """Where each buffer lands on ``dest``: -1 for host memory, else the CUDA
+    index.  Host buffers stay on the host; a CUDA buffer follows the map.
+
+    Raises:
+        RpcError: a CUDA buffer whose device the map does not cover (torch
+            refuses such a tensor the same way, at call time).
+    """
+    out = []
+    for src in sources:
+        if src.type == "cpu":
+            out.append(-1)
+            continue
+        dst = device_map.get(src) if device_map else None
+        if dst is None:
+            how = (f"the reverse of {dest}'s device map to this worker" if replying
+                   else f"set_device_map({dest!r}, {{{str(src)!r}: ...}}) on "
+                        f"UcxRpcBackendOptions")
+            raise RpcError(f"a tensor on {src} cannot go to {dest}: no device map entry covers "
+                           f"{src}; configure it with {how}, or move the tensor to the CPU")
+        out.append(-1 if dst.type == "cpu" else (dst.index or 0))
+    return out
+
+
+def settle(buffers: Iterable[torch.Tensor]) -> None:
+    """Wait until the work queued on each CUDA buffer's current stream is done,
+    so that UCX, reading on its own streams, sees the final bytes.  One event
+    per device, not a device-wide sync: other streams keep running."""
+    seen: set[torch.device] = set()
+    for b in buffers:
+        if b.is_cuda and b.device not in seen:
+            seen.add(b.device)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(b.device))
+            event.synchronize()

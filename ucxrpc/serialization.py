@@ -107,10 +107,12 @@ class Pickled:
         payload: the pickle stream (protocol 5).
         buffers: 1-D contiguous ``torch.uint8`` tensors (CPU or CUDA), in the
             order ``loads`` expects them back.
+        cuda: whether any buffer is CUDA memory (device maps apply).
     """
 
     payload: bytes
     buffers: list[torch.Tensor]
+    cuda: bool = False  # whether any buffer is CUDA memory
 
     @property
     def specs(self) -> list[BufferSpec]:
@@ -213,6 +215,7 @@ class _MessagePickler(pickle.Pickler):
         self.buffers: list[Any] = []  # see _as_bytes
         self._storage_index: dict[tuple[int, int, int], int] = {}
         self._capture: list[torch.Tensor] | None = None  # see GradCapture
+        self.cuda = False
         self.busy = False
 
     def write(self, data: bytes) -> Any:
@@ -220,11 +223,12 @@ class _MessagePickler(pickle.Pickler):
         # large streams, so keeping the chunks avoids a BytesIO copy.
         self._chunks.append(data)
 
-    def run(self, obj: object) -> tuple[bytes, list[torch.Tensor]]:
-        """Pickle ``obj``; returns the payload and buffers, then resets."""
+    def run(self, obj: object) -> tuple[bytes, list[torch.Tensor], bool]:
+        """Pickle ``obj``; returns the payload, the buffers and whether any is
+        CUDA memory, then resets."""
         try:
             self.dump(obj)
-            chunks, buffers = self._chunks, self.buffers
+            chunks, buffers, cuda = self._chunks, self.buffers, self.cuda
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             if buffers:
                 buffers = _as_bytes(buffers)
@@ -234,7 +238,8 @@ class _MessagePickler(pickle.Pickler):
             self.buffers = []
             self._storage_index = {}
             self._capture = None
-        return payload, buffers
+            self.cuda = False
+        return payload, buffers, cuda
 
     def _reduce_extended(self, obj: Any) -> Any:
         """reducer_override with the serializer's hook and dispatch table first."""
@@ -270,6 +275,7 @@ class _MessagePickler(pickle.Pickler):
             device = -1
         elif t.is_cuda:
             device = t.get_device()
+            self.cuda = True
         else:
             return self._reduce_tensor(t)
         if code in _COMPLEX_CODES and t.is_conj():
@@ -356,6 +362,8 @@ class _MessagePickler(pickle.Pickler):
 
     def _add_buffer(self, storage: torch.UntypedStorage, device: int) -> int:
         """Add a buffer for all of ``storage`` (made by _as_bytes); its index."""
+        if device >= 0:
+            self.cuda = True
         self.buffers.append((storage, device))
         return len(self.buffers) - 1
 
@@ -414,13 +422,13 @@ class Serializer:
         """
         pickler = self._acquire_pickler()
         try:
-            payload, buffers = pickler.run(obj)
+            payload, buffers, cuda = pickler.run(obj)
         finally:
             pickler.busy = False
         if len(buffers) > self.max_buffers:
             raise SerializationError(f"message needs {len(buffers)} buffers; the limit is "
                                      f"{self.max_buffers}")
-        return Pickled(payload, buffers)
+        return Pickled(payload, buffers, cuda)
 
     def loads(self, payload: bytes | memoryview, buffers: Sequence[torch.Tensor]) -> object:
         """Rebuild an object from ``payload`` and the received ``buffers``.

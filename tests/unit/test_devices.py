@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ucxrpc import UcxRpcBackendOptions
-from ucxrpc.devices import (check_devices, default_devices, reverse_maps, to_device,
-                            to_device_map, validate)
+from ucxrpc.devices import (check_devices, default_devices, reverse_maps, target_devices,
+                            to_device, to_device_map, validate)
 
 D = torch.device
 
@@ -82,3 +82,15 @@ def test_reverse_maps_and_default_devices():
                    "c": {D("cuda:2"): D("cuda:1")}}
     assert default_devices(maps["b"], rev) == [D("cuda:1"), D("cuda:2")]
     assert check_devices([0]) == [D("cuda:0")]
+
+
+def test_target_devices_follow_the_map():
+    m = to_device_map({0: 1, 1: "cpu"})
+    assert target_devices([D("cpu"), D("cuda:0"), D("cuda:1")], m, "w1") == [-1, 1, -1]
+    assert target_devices([D("cpu")], None, "w1") == [-1]  # host memory needs no map
+    with pytest.raises(RuntimeError, match=r"a tensor on cuda:2 cannot go to w1: no device map "
+                                           r"entry covers cuda:2; configure it with "
+                                           r"set_device_map\('w1', \{'cuda:2': \.\.\.\}\)"):
+        target_devices([D("cuda:2")], m, "w1")
+    with pytest.raises(RuntimeError, match="reverse of w0's device map"):
+        target_devices([D("cuda:0")], None, "w0", replying=True)

@@ -88,7 +88,8 @@ class Pipe:
         self.out_key = b""
         self.out_seq = 0
         self.out_nonce = b""
-        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind, int]] = []
+        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind, int,
+                                 list[int] | None]] = []
         self.in_nonces: tuple[bytes, bytes] | None = None
         self.in_key: bytes | None = None
         self.in_seq = 0
@@ -193,8 +194,11 @@ class Transport:
         return list(self._pipes)
 
     def send(self, peer_id: int, payload: bytes | memoryview, buffers: list[torch.Tensor],
-             hint: int = 0) -> None:
+             hint: int = 0, devices: list[int] | None = None) -> None:
         """Queue a message; returns once UCX holds it (not once delivered).
+
+        ``devices``: where each buffer is to land on the peer (-1 host memory,
+        else a CUDA index); by default where it is here.
 
         Raises:
             ClosedError / BrokenError: the transport or pipe is down.
@@ -203,17 +207,18 @@ class Transport:
         pipe = self._pipes.get(peer_id)
         if pipe is None:
             raise BrokenError(f"no pipe to worker id {peer_id}")
-        self._send_or_queue(pipe, payload, buffers, Kind.MESSAGE, hint & HINT_MASK)
+        self._send_or_queue(pipe, payload, buffers, Kind.MESSAGE, hint & HINT_MASK, devices)
 
     def _send_or_queue(self, pipe: Pipe, payload: bytes | memoryview,
-                       buffers: list[torch.Tensor], kind: Kind, hint: int = 0) -> None:
+                       buffers: list[torch.Tensor], kind: Kind, hint: int = 0,
+                       devices: list[int] | None = None) -> None:
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:
-                self._send_locked(pipe, payload, buffers, kind, hint)
+                self._send_locked(pipe, payload, buffers, kind, hint, devices)
                 return
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
                 raise self._pipe_error(pipe)
-            pipe.backlog.append((payload, buffers, kind, hint))
+            pipe.backlog.append((payload, buffers, kind, hint, devices))
             if pipe.out_state is OutState.NEW:
                 pipe.out_state = OutState.HELLO_SENT
                 self._call_soon(lambda: self._start_handshake(pipe))
@@ -263,13 +268,14 @@ class Transport:
 
     def _send_locked(self, pipe: Pipe, payload: bytes | memoryview,
                      buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE,
-                     hint: int = 0) -> None:
+                     hint: int = 0, devices: list[int] | None = None) -> None:
         views: list[tuple[int, memoryview | None, int]] = []
-        for b in buffers:
+        for i, b in enumerate(buffers):
             if b.device.type == "cpu":
                 views.append((b.numel(), b.numpy().data, -1))
-            else:
-                views.append((b.numel(), None, b.device.index or 0))
+            else:  # the receiver allocates on the device the descriptor names
+                views.append((b.numel(), None,
+                              devices[i] if devices is not None else (b.device.index or 0)))
         pipe.out_seq += 1
         seq = pipe.out_seq
         frame, separate = encode(kind, seq, payload, views, pipe.out_key, self.limits)
@@ -407,9 +413,9 @@ class Transport:
                 pipe.out_key = auth.session_key(self._secret, y, x, nx, ny)
                 pipe.out_state = OutState.OPEN
                 backlog, pipe.backlog = pipe.backlog, []
-                for payload, buffers, kind, hint in backlog:
+                for payload, buffers, kind, hint, devices in backlog:
                     try:
-                        self._send_locked(pipe, payload, buffers, kind, hint)
+                        self._send_locked(pipe, payload, buffers, kind, hint, devices)
                     except FrameError as exc:
                         logger.error("message to %s not sent: %s", pipe.name, exc)
             logger.debug("pipe to %s open", pipe.name)
