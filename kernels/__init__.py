@@ -1,0 +1,1 @@
+"""CUDA C++ sources shipped with ucxrpc (``*.cu``); loaded by ``ucxrpc._kernels``."""

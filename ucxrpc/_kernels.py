@@ -1,0 +1,140 @@
+"""Pack and unpack many tensors into one byte buffer: one copy per side.
+
+A message with many small tensors (gradients, parameter shards) costs the
+transport per buffer; packed, it moves as one.  On CUDA the copy is one
+launch of ``kernels/multi_copy.cu``, compiled with CuPy at first use; on the
+CPU it is one ``memmove`` per tensor.  CuPy is imported only when a CUDA
+tensor is packed, so CPU-only runs never need it.
+
+The layout: tensors back to back in the order given, each at an offset
+aligned to :data:`ALIGN` bytes, so every dtype can view the buffer in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["ALIGN", "PackedSpec", "layout", "multi_copy", "pack", "unpack"]
+
+ALIGN = 64
+_CHUNK = 64 * 1024  # bytes per CUDA block
+_THREADS = 256
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class PackedSpec:
+    """Where one tensor sits in a pack, and what it is."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[PackedSpec], int]:
+    """The specs of ``tensors`` packed in order, and the pack's size in bytes."""
+    specs, end = [], 0
+    for t in tensors:
+        offset = -(-end // ALIGN) * ALIGN
+        specs.append(PackedSpec(offset, t.dtype, tuple(t.shape)))
+        end = offset + t.nbytes
+    return specs, end
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[PackedSpec]]:
+    """One uint8 buffer holding ``tensors`` (all on one device) and their specs.
+
+    CUDA work is enqueued on the current stream.
+    """
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8), []
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError("pack takes tensors on one device")
+    srcs = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    specs, size = layout(srcs)
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    base = buf.data_ptr()
+    multi_copy([t.data_ptr() for t in srcs], [base + s.offset for s in specs],
+               [s.nbytes for s in specs], device)
+    # The sources must live until the copy ran (CUDA: the caching allocator
+    # may hand their memory out again before the stream reaches the kernel).
+    if device.type == "cuda":
+        for t in srcs:
+            t.record_stream(torch.cuda.current_stream(device))
+    return buf, specs
+
+
+def unpack(buf: torch.Tensor, specs: Sequence[PackedSpec]) -> list[torch.Tensor]:
+    """Fresh tensors with the contents ``pack`` put in ``buf`` (same device)."""
+    out = [torch.empty(s.shape, dtype=s.dtype, device=buf.device) for s in specs]
+    for s in specs:
+        if s.offset + s.nbytes > buf.numel():
+            raise ValueError(f"pack of {buf.numel()} bytes is too small for a tensor at "
+                             f"offset {s.offset} of {s.nbytes} bytes")
+    base = buf.data_ptr()
+    multi_copy([base + s.offset for s in specs], [t.data_ptr() for t in out],
+               [s.nbytes for s in specs], buf.device)
+    return out
+
+
+def multi_copy(src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int],
+               device: torch.device) -> None:
+    """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]``, for all i.
+
+    On CUDA, one kernel launch on the current stream; on the CPU, a memmove each.
+    """
+    if device.type != "cuda":
+        for s, d, n in zip(src, dst, nbytes):
+            if n:
+                ctypes.memmove(d, s, n)
+        return
+    _cuda_multi_copy(src, dst, nbytes, device)
+
+
+def _cuda_multi_copy(src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int],
+                     device: torch.device) -> None:
+    import cupy  # only here: CPU-only runs never import it
+
+    chunk_range, chunk_start = [], []
+    for r, n in enumerate(nbytes):
+        for start in range(0, n, _CHUNK):
+            chunk_range.append(r)
+            chunk_start.append(start)
+    if not chunk_range:
+        return
+    with cupy.cuda.Device(device.index or 0):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        with stream:
+            args = (cupy.asarray(np.asarray(src, dtype=np.uint64)),
+                    cupy.asarray(np.asarray(dst, dtype=np.uint64)),
+                    cupy.asarray(np.asarray(nbytes, dtype=np.uint64)),
+                    cupy.asarray(np.asarray(chunk_range, dtype=np.int32)),
+                    cupy.asarray(np.asarray(chunk_start, dtype=np.int64)),
+                    np.int64(_CHUNK))
+            _kernel(device.index or 0)((len(chunk_range),), (_THREADS,), args)
+
+
+@functools.cache
+def _kernel(device_index: int) -> Any:
+    import cupy
+
+    with _lock:
+        source = resources.files("ucxrpc.kernels").joinpath("multi_copy.cu").read_text()
+        with cupy.cuda.Device(device_index):
+            return cupy.RawModule(code=source).get_function("multi_copy")
