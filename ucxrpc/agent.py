@@ -142,6 +142,7 @@ class RpcAgent:
         # Extension points for the layers above (RRefs, autograd), which the
         # agent must not import: per-agent state, and hooks it calls.
         self.extensions: dict[str, Any] = {}
+        self._extensions_lock = threading.Lock()
         self.before_shutdown: list[Callable[[float], None]] = []
         self.on_peer_failure: list[Callable[[int], None]] = []
         self.debug_sources: list[Callable[[], dict[str, Any]]] = []
@@ -152,6 +153,17 @@ class RpcAgent:
         self.wrap_call: Callable[[WorkerInfo, Any, tuple[Any, ...], dict[str, Any]],
                                  Any] | None = None
         self._dest = threading.local()
+
+    def extension(self, key: str, create: Callable[[RpcAgent], Any]) -> Any:
+        """The per-agent state of a layer above, made by ``create(self)`` on
+        first use (once, whichever thread gets here first)."""
+        ext = self.extensions.get(key)
+        if ext is None:
+            with self._extensions_lock:
+                ext = self.extensions.get(key)
+                if ext is None:
+                    ext = self.extensions[key] = create(self)
+        return ext
 
     # ------------------------------------------------------------ lifecycle
 

@@ -36,7 +36,6 @@ T = TypeVar("T")
 RRefId = tuple[int, int]   # (creating worker, number)
 ForkId = tuple[int, int]   # (worker that made the fork, number)
 _ids = itertools.count(1)
-_create_lock = threading.Lock()
 
 
 # Set by ucxrpc.autograd (a layer above) when imported:
@@ -204,14 +203,7 @@ class _Registry:
 
 
 def _registry(agent: RpcAgent | None = None) -> _Registry:
-    agent = agent or api._current()
-    reg = agent.extensions.get("rref")
-    if reg is None:
-        with _create_lock:
-            reg = agent.extensions.get("rref")
-            if reg is None:
-                reg = agent.extensions["rref"] = _Registry(agent)
-    return reg
+    return (agent or api._current()).extension("rref", _Registry)
 
 
 class RRef(Generic[T]):

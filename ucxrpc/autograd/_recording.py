@@ -17,8 +17,9 @@ machinery's own messages) are sent as they are.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,21 +30,16 @@ from ..functions import async_execution
 from ..serialization import GradCapture
 from ._context import CURRENT, ContextTable, DistAutogradContext
 
-_create_lock = threading.Lock()
-
 
 def table(agent: RpcAgent | None = None) -> ContextTable:
     """This worker's contexts; the first use hooks autograd into the agent."""
-    agent = agent or api._current()
-    tbl = agent.extensions.get("autograd")
-    if tbl is None:
-        with _create_lock:
-            tbl = agent.extensions.get("autograd")
-            if tbl is None:
-                tbl = ContextTable(agent.info.id)
-                agent.wrap_call = functools.partial(_wrap_call, tbl)
-                agent.debug_sources.append(functools.partial(_debug_info, tbl))
-                agent.extensions["autograd"] = tbl
+    return (agent or api._current()).extension("autograd", _hook)
+
+
+def _hook(agent: RpcAgent) -> ContextTable:
+    tbl = ContextTable(agent.info.id)
+    agent.wrap_call = functools.partial(_wrap_call, tbl)
+    agent.debug_sources.append(functools.partial(_debug_info, tbl))
     return tbl
 
 
@@ -112,20 +108,28 @@ class _Reply:
         return (_Reply, (self.context_id, self.send_id, self.capture, self.value))
 
 
-def _enter(context_id: int, sender: int, send_id: int,
-           capture: GradCapture) -> DistAutogradContext | None:
-    ctx = table().join(context_id)
+@contextlib.contextmanager
+def _inside(context_id: int, sender: int, send_id: int,
+            capture: GradCapture) -> Iterator[tuple[ContextTable, DistAutogradContext | None]]:
+    """Run the body in the sender's context (None if released here already),
+    with the tensors it sent recorded."""
+    tbl = table()
+    ctx = tbl.join(context_id)
     if ctx is not None:
         if capture.tensors:
             ctx.add_recv(sender, send_id, capture.tensors)
         else:
             ctx.touch(sender)
-    return ctx
+    token = CURRENT.set(context_id if ctx is not None else None)
+    try:
+        yield tbl, ctx
+    finally:
+        CURRENT.reset(token)
 
 
-def _reply(ctx: DistAutogradContext | None, context_id: int, dest: int, value: Any) -> _Reply:
+def _reply(tbl: ContextTable, ctx: DistAutogradContext | None, context_id: int, dest: int,
+           value: Any) -> _Reply:
     capture = GradCapture()
-    tbl = table()
     send_id = tbl.next_send_id()
     if ctx is not None:
         ctx.add_send(send_id, dest, capture)
@@ -134,24 +138,16 @@ def _reply(ctx: DistAutogradContext | None, context_id: int, dest: int, value: A
 
 def _run(context_id: int, sender: int, send_id: int, capture: GradCapture, func: Any,
          args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Reply:
-    ctx = _enter(context_id, sender, send_id, capture)
-    token = CURRENT.set(context_id if ctx is not None else None)
-    try:
+    with _inside(context_id, sender, send_id, capture) as (tbl, ctx):
         value = func(*args, **kwargs)
-    finally:
-        CURRENT.reset(token)
-    return _reply(ctx, context_id, sender, value)
+    return _reply(tbl, ctx, context_id, sender, value)
 
 
 @async_execution
 def _run_async(context_id: int, sender: int, send_id: int, capture: GradCapture, func: Any,
                args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future:
-    ctx = _enter(context_id, sender, send_id, capture)
-    token = CURRENT.set(context_id if ctx is not None else None)
-    try:
+    with _inside(context_id, sender, send_id, capture) as (tbl, ctx):
         inner = func(*args, **kwargs)
-    finally:
-        CURRENT.reset(token)
     out: torch.futures.Future = torch.futures.Future()
     if not isinstance(inner, torch._C.Future):
         out.set_exception(TypeError(
@@ -165,7 +161,7 @@ def _run_async(context_id: int, sender: int, send_id: int, capture: GradCapture,
         except Exception as exc:
             out.set_exception(exc)
             return
-        out.set_result(_reply(ctx, context_id, sender, value))
+        out.set_result(_reply(tbl, ctx, context_id, sender, value))
 
     inner.add_done_callback(done)
     return out
