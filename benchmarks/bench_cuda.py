@@ -1,15 +1,18 @@
 #!/usr/bin/env python
 """CUDA tensors between two processes on one GPU: ucxrpc against torch's
-TensorPipe agent (both with a device map cuda:0 -> cuda:0), a host-staged
-ucxrpc transfer, and the GPU's own device-to-device copy as the ceiling.
+TensorPipe agent (both with a device map cuda:0 -> cuda:0), ucxrpc with its
+CUDA transports left out (so it stages through pinned host memory, as on a
+pipe without a CUDA path), and the GPU's own device-to-device copy as the
+ceiling.
 
     python benchmarks/bench_cuda.py                 # 1 MiB .. 1 GiB
     python benchmarks/bench_cuda.py --sizes 1M,256M --repeat 5
 
 Rows: one-way GB/s per size (rpc_sync of a function that only touches the
-tensor's device, so the time is the transfer plus one round trip), then 1,000
-tensors of 4 KiB sent one by one against packed with ucxrpc's kernel
-(ucxrpc._kernels) and unpacked on arrival.  Needs a GPU, torch and CuPy.
+tensor's device, so the time is the transfer plus one round trip), then one
+call carrying 1,000 CUDA tensors of 4 KiB: packed (ucxrpc's default above
+its count threshold: one kernel launch per side) against one by one (packing
+switched off) and torch.  Needs a GPU, torch and CuPy.
 """
 
 from __future__ import annotations
@@ -36,12 +39,6 @@ def device_of(t):
     return str(t.device) if not isinstance(t, list) else str(t[0].device)
 
 
-def unpack_here(buf, specs):
-    from ucxrpc import _kernels
-
-    return len(_kernels.unpack(buf, specs))
-
-
 def _modules(impl):
     if impl == "torch":
         import torch.distributed.rpc as rpc
@@ -62,36 +59,39 @@ def _timed(fn, repeat):
     return statistics.median(times)
 
 
-def _child(impl, rank, port, sizes, repeat, out):
+# variant -> UcxRpcBackendOptions extras: UCX without its CUDA transports
+# takes the staged path; packing off sends small tensors one by one.
+_VARIANTS = {"direct": {}, "staged": {"transports": ["sm", "tcp"]}, "unpacked": {}}
+
+
+def _child(impl, variant, rank, port, sizes, repeat, out):
     import torch
     warnings.filterwarnings("ignore")
     rpc, Options = _modules(impl)
-    opts = Options(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8)
+    extra = _VARIANTS[variant] if impl == "ucxrpc" else {}
+    opts = Options(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8, **extra)
     opts.set_device_map(f"worker{1 - rank}", {0: 0})
+    if variant == "unpacked":
+        from ucxrpc.transport import staging
+        staging.PACK_MIN_COUNT = 1 << 30
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     try:
         if rank != 0:
             return
         res = {}
-        for n in sizes:
-            t = torch.ones(n, dtype=torch.uint8, device="cuda")
-            res[("direct", n)] = n / _timed(lambda: rpc.rpc_sync("worker1", device_of, (t,)),
-                                            repeat) / 1e9
-            if impl == "ucxrpc":
-                def staged():
-                    host = t.cpu()  # the host bounce a missing CUDA path would cost
-                    rpc.rpc_sync("worker1", device_of, (host,))
-                res[("staged", n)] = n / _timed(staged, repeat) / 1e9
+        if variant != "unpacked":
+            for n in sizes:
+                t = torch.ones(n, dtype=torch.uint8, device="cuda")
+                res[n] = n / _timed(lambda: rpc.rpc_sync("worker1", device_of, (t,)),
+                                    repeat) / 1e9
+                del t
         small = [torch.full((1024,), float(i), device="cuda") for i in range(1000)]
-        res[("small_each", 0)] = _timed(lambda: rpc.rpc_sync("worker1", device_of, (small,)),
-                                        repeat) * 1e3
+        res["small"] = _timed(lambda: rpc.rpc_sync("worker1", device_of, (small,)), repeat) * 1e3
         if impl == "ucxrpc":
-            from ucxrpc import _kernels
-
-            def packed():
-                buf, specs = _kernels.pack(small)
-                rpc.rpc_sync("worker1", unpack_here, (buf, specs))
-            res[("small_packed", 0)] = _timed(packed, repeat) * 1e3
+            pipe = rpc.get_pipe_info("worker1")[0]
+            res["pipe"] = f"{pipe['cuda_path']} over {','.join(pipe['transports'])}"
+            res["stats"] = {k: v for k, v in rpc._get_debug_info().items()
+                            if k in ("staged_bytes", "packed_buffers")}
         out.put(res)
     finally:
         rpc.shutdown()
@@ -115,14 +115,14 @@ def _d2d(sizes, repeat):
     return res
 
 
-def _run(impl, sizes, repeat):
+def _run(impl, variant, sizes, repeat):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_child, args=(impl, r, port, sizes, repeat, out), daemon=True)
-             for r in (0, 1)]
+    procs = [ctx.Process(target=_child, args=(impl, variant, r, port, sizes, repeat, out),
+                         daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -145,17 +145,21 @@ def main(argv=None):
     sizes = [_size(s) for s in args.sizes.split(",")]
     print(f"GPU: {torch.cuda.get_device_name(0)}; one-way GB/s, median of {args.repeat}")
     d2d = _d2d(sizes, args.repeat)
-    ucx = _run("ucxrpc", sizes, args.repeat)
-    tp = _run("torch", sizes, args.repeat)
+    ucx = _run("ucxrpc", "direct", sizes, args.repeat)
+    staged = _run("ucxrpc", "staged", sizes, args.repeat)
+    unpacked = _run("ucxrpc", "unpacked", [], args.repeat)
+    tp = _run("torch", "direct", sizes, args.repeat)
+    print(f"ucxrpc pipe: {ucx['pipe']} {ucx['stats']}; staged run: {staged['pipe']} "
+          f"{staged['stats']}")
     print(f"{'size':>6} {'d2d copy':>9} {'ucxrpc':>8} {'staged':>8} {'torch':>8} "
           f"{'ucxrpc/d2d':>11} {'ucxrpc/torch':>13}")
     for n in sizes:
-        u, t = ucx[("direct", n)], tp[("direct", n)]
-        print(f"{n >> 20:>5}M {d2d[n]:>9.1f} {u:>8.1f} {ucx[('staged', n)]:>8.1f} {t:>8.1f} "
+        u, t = ucx[n], tp[n]
+        print(f"{n >> 20:>5}M {d2d[n]:>9.1f} {u:>8.1f} {staged[n]:>8.1f} {t:>8.1f} "
               f"{u / d2d[n]:>11.2f} {u / t:>13.2f}")
-    print(f"1,000 x 4 KiB CUDA tensors, ms per call: ucxrpc one by one "
-          f"{ucx[('small_each', 0)]:.2f}, ucxrpc packed {ucx[('small_packed', 0)]:.2f}, "
-          f"torch one by one {tp[('small_each', 0)]:.2f}")
+    print(f"1,000 x 4 KiB CUDA tensors in one call, ms: ucxrpc packed {ucx['small']:.2f}, "
+          f"ucxrpc one by one {unpacked['small']:.2f} ({unpacked['stats']}), "
+          f"torch {tp['small']:.2f}")
 
 
 if __name__ == "__main__":

@@ -2,21 +2,22 @@
 //
 // Range r goes from src[r] to dst[r] and is nbytes[r] long.  The host splits
 // every range into chunks of `chunk` bytes and lists them (chunk_range,
-// chunk_start); block b copies chunk b.  Packing many small tensors into one
-// buffer (and unpacking them on the other side) is this copy with the
-// destinations (or sources) at offsets in one allocation.
+// chunk_start; every array is 64-bit so that one upload carries them all);
+// block b copies chunk b.  Packing many small tensors into one buffer (and
+// unpacking them on the other side) is this copy with the destinations (or
+// sources) at offsets in one allocation.
 //
 // Loaded with CuPy (NVRTC) by ucxrpc/_kernels.py, only when CUDA is used.
 
 extern "C" __global__ void multi_copy(const unsigned long long* __restrict__ src,
                                       const unsigned long long* __restrict__ dst,
                                       const unsigned long long* __restrict__ nbytes,
-                                      const int* __restrict__ chunk_range,
-                                      const long long* __restrict__ chunk_start,
+                                      const unsigned long long* __restrict__ chunk_range,
+                                      const unsigned long long* __restrict__ chunk_start,
                                       long long chunk)
 {
-    const int r = chunk_range[blockIdx.x];
-    const long long start = chunk_start[blockIdx.x];
+    const unsigned long long r = chunk_range[blockIdx.x];
+    const long long start = (long long)chunk_start[blockIdx.x];
     const long long size = (long long)nbytes[r];
     const long long end = start + chunk < size ? start + chunk : size;
     const unsigned char* s = (const unsigned char*)src[r];

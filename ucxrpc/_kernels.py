@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import threading
 from dataclasses import dataclass
 from importlib import resources
@@ -22,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["ALIGN", "PackedSpec", "layout", "multi_copy", "pack", "unpack"]
+__all__ = ["ALIGN", "PackedSpec", "cuda_available", "layout", "multi_copy", "pack", "unpack"]
 
 ALIGN = 64
 _CHUNK = 64 * 1024  # bytes per CUDA block
@@ -93,6 +94,13 @@ def unpack(buf: torch.Tensor, specs: Sequence[PackedSpec]) -> list[torch.Tensor]
     return out
 
 
+@functools.cache
+def cuda_available() -> bool:
+    """Whether CUDA tensors can be packed here (CuPy is installed); found
+    without importing it."""
+    return importlib.util.find_spec("cupy") is not None
+
+
 def multi_copy(src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int],
                device: torch.device) -> None:
     """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]``, for all i.
@@ -112,22 +120,25 @@ def _cuda_multi_copy(src: Sequence[int], dst: Sequence[int], nbytes: Sequence[in
     import cupy  # only here: CPU-only runs never import it
 
     chunk_range, chunk_start = [], []
-    for r, n in enumerate(nbytes):
-        for start in range(0, n, _CHUNK):
+    for r, size in enumerate(nbytes):
+        for start in range(0, size, _CHUNK):
             chunk_range.append(r)
             chunk_start.append(start)
     if not chunk_range:
         return
+    n, c = len(src), len(chunk_range)
+    # One upload for all five arrays: each cupy.asarray is a copy and a sync.
+    table = np.concatenate([np.asarray(a, dtype=np.uint64)
+                            for a in (src, dst, nbytes, chunk_range, chunk_start)])
     with cupy.cuda.Device(device.index or 0):
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
         with stream:
-            args = (cupy.asarray(np.asarray(src, dtype=np.uint64)),
-                    cupy.asarray(np.asarray(dst, dtype=np.uint64)),
-                    cupy.asarray(np.asarray(nbytes, dtype=np.uint64)),
-                    cupy.asarray(np.asarray(chunk_range, dtype=np.int32)),
-                    cupy.asarray(np.asarray(chunk_start, dtype=np.int64)),
+            d = cupy.asarray(table)
+            args = (d[:n], d[n:2 * n], d[2 * n:3 * n], d[3 * n:3 * n + c], d[3 * n + c:],
                     np.int64(_CHUNK))
-            _kernel(device.index or 0)((len(chunk_range),), (_THREADS,), args)
+            # Freeing d right after is safe: CuPy's pool hands its memory
+            # out again only in this stream's order, after the kernel.
+            _kernel(device.index or 0)((c,), (_THREADS,), args)
 
 
 @functools.cache

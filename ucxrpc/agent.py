@@ -8,6 +8,7 @@ naming it, instead of letting the calls run into their timeout.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import pickle
@@ -174,7 +175,8 @@ class RpcAgent:
                            device_count=torch.cuda.device_count(),
                            devices=tuple(str(d) for d in self.options.device_list()),
                            device_maps={to: {str(k): str(v) for k, v in m.items()}
-                                        for to, m in maps.items()})
+                                        for to, m in maps.items()},
+                           cuda_direct=self.transport.cuda_direct)
         members = rendezvous.collect(self.store, self.world_size)
         self._check_device_maps(members)
         for m in members.values():
@@ -182,7 +184,7 @@ class RpcAgent:
             self.workers[m.rank] = wi
             self._names[m.name] = wi
             if m.rank != self.info.id:
-                self.transport.add_peer(m.rank, m.name, m.address)
+                self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct)
         self.transport.start()
         self._timer.start()
         rendezvous.barrier(self.store, "init", self.info.id, self.world_size, timeout)
@@ -271,7 +273,7 @@ class RpcAgent:
             if wrapped is not None:
                 func, args, kwargs, finish = wrapped
         pickled = self._dumps_for(to.id, (func, args, kwargs))
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = devices.future(self.devices)
         msg_id = next(self._ids)
         self.counters["calls_sent"] += 1
         if to.id in self._broken:
@@ -468,23 +470,26 @@ class RpcAgent:
             self._reply_error(peer, msg_id, SerializationError(
                 f"{self.info.name} cannot decode a request from {self.name_of(peer)}: {exc}"))
             return
-        try:
-            result = func(*(args or ()), **(kwargs or {}))
-        except Exception as exc:
-            self._reply_error(peer, msg_id, exc)
-            return
-        # Drop the arguments before replying: the caller's next message may
-        # arrive at once and should find their pooled buffers free again.
-        del args, kwargs, body, buffers
-        if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-            if not isinstance(result, torch._C.Future):
-                self._reply_error(peer, msg_id, TypeError(
-                    f"@async_execution function {getattr(func, '__name__', func)} returned "
-                    f"{type(result).__name__}, not a torch.futures.Future"))
+        streams = (devices.callee_streams(self.devices, buffers) if self.devices
+                   else contextlib.nullcontext())
+        with streams:  # the reply's CUDA tensors are settled on these streams too
+            try:
+                result = func(*(args or ()), **(kwargs or {}))
+            except Exception as exc:
+                self._reply_error(peer, msg_id, exc)
                 return
-            result.add_done_callback(lambda f: self._reply_future(peer, msg_id, f))
-            return
-        self._reply(peer, msg_id, result, func)
+            # Drop the arguments before replying: the caller's next message may
+            # arrive at once and should find their pooled buffers free again.
+            del args, kwargs, body, buffers
+            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                if not isinstance(result, torch._C.Future):
+                    self._reply_error(peer, msg_id, TypeError(
+                        f"@async_execution function {getattr(func, '__name__', func)} returned "
+                        f"{type(result).__name__}, not a torch.futures.Future"))
+                    return
+                result.add_done_callback(lambda f: self._reply_future(peer, msg_id, f))
+                return
+            self._reply(peer, msg_id, result, func)
 
     def _reply_future(self, peer: int, msg_id: int, fut: torch.futures.Future) -> None:
         try:

@@ -14,21 +14,25 @@ with its messages, so programs and tests written for torch keep working:
   indices within each worker's device count, sources within the worker's
   ``devices`` and targets within the peer's where those are given.
 
-Pure functions over ``torch.device`` values, except :func:`settle`, the
-only one that touches a GPU (and only when a message carries CUDA memory).
+Pure functions over ``torch.device`` values, except the stream discipline
+at the end (:func:`settle`, :func:`callee_streams`, :func:`future`), the
+only code here that touches a GPU, and only when CUDA is in use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from .errors import RpcError
 
-__all__ = ["DeviceMap", "check_devices", "default_devices", "reverse_maps", "settle",
-           "target_devices",
+__all__ = ["DeviceMap", "callee_streams", "check_devices", "default_devices", "future",
+           "reverse_maps", "settle", "target_devices",
            "to_device", "to_device_map", "validate"]
 
 DeviceMap = dict[torch.device, torch.device]
@@ -183,3 +187,52 @@ def settle(buffers: Iterable[torch.Tensor]) -> None:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(b.device))
             event.synchronize()
+
+
+_POOL_SIZE = 8  # streams per device: calls served at once rarely need more
+_pools: dict[int, list[Any]] = {}
+_turn = itertools.count()
+_pools_lock = threading.Lock()
+
+
+def _pool_stream(device: torch.device) -> Any:
+    index = device.index or 0
+    streams = _pools.get(index)
+    if streams is None:
+        with _pools_lock:
+            streams = _pools.setdefault(
+                index, [torch.cuda.Stream(device=index) for _ in range(_POOL_SIZE)])
+    return streams[next(_turn) % _POOL_SIZE]
+
+
+@contextlib.contextmanager
+def callee_streams(devs: list[torch.device], received: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Run a served call as torch's agent does: on each of ``devs``, the
+    current stream is one from a pool, so calls served at once do not
+    serialize on the default stream.  Received CUDA buffers (complete when
+    delivered) are recorded on those streams, so that their memory is not
+    handed out again while the callee's queued work still reads it; the
+    current device is left as it was."""
+    if not devs:
+        yield
+        return
+    streams = {d: _pool_stream(d) for d in devs}
+    for b in received:
+        if b.is_cuda and b.device in streams:
+            b.record_stream(streams[b.device])
+    del received  # the callee drops its arguments before replying
+    home = torch.cuda.current_device()
+    with contextlib.ExitStack() as stack:
+        for stream in streams.values():
+            stack.enter_context(torch.cuda.stream(stream))
+        stack.enter_context(torch.cuda.device(home))  # entering a stream may switch it
+        yield
+
+
+def future(devs: list[torch.device]) -> torch.futures.Future:
+    """A future for a call's result that knows the caller's devices: torch
+    then makes the waiter's current streams wait for the result's CUDA
+    tensors and records them on those streams (torch's ``Future(devices=)``)."""
+    if devs:
+        return torch.futures.Future(devices=list(devs))
+    return torch.futures.Future()

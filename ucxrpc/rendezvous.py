@@ -49,12 +49,13 @@ class Member:
     device_count: int = 0
     devices: tuple[str, ...] = ()
     device_maps: dict[str, dict[str, str]] = field(default_factory=dict)
+    cuda_direct: bool = False  # its UCX takes device memory (else: staged)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),
                            "host": self.host, "pid": self.pid,
                            "device_count": self.device_count, "devices": list(self.devices),
-                           "device_maps": self.device_maps})
+                           "device_maps": self.device_maps, "cuda_direct": self.cuda_direct})
 
     @staticmethod
     def from_json(raw: bytes) -> "Member":
@@ -63,7 +64,8 @@ class Member:
                 for to, m in dict(d.get("device_maps", {})).items()}
         return Member(int(d["rank"]), str(d["name"]), bytes.fromhex(d["address"]),
                       str(d["host"]), int(d["pid"]), int(d.get("device_count", 0)),
-                      tuple(str(x) for x in d.get("devices", ())), maps)
+                      tuple(str(x) for x in d.get("devices", ())), maps,
+                      bool(d.get("cuda_direct", False)))
 
 
 def open_store(init_method: str, rank: int, world_size: int,
@@ -91,9 +93,10 @@ def job_secret(store: Any, rank: int) -> bytes:
 
 def publish(store: Any, rank: int, name: str, address: bytes, device_count: int = 0,
             devices: tuple[str, ...] = (),
-            device_maps: dict[str, dict[str, str]] | None = None) -> Member:
+            device_maps: dict[str, dict[str, str]] | None = None,
+            cuda_direct: bool = False) -> Member:
     me = Member(rank, name, address, socket.gethostname(), os.getpid(), device_count,
-                devices, dict(device_maps or {}))
+                devices, dict(device_maps or {}), cuda_direct)
     store.set(f"{PREFIX}member/{rank}", me.to_json())
     return me
 

@@ -17,12 +17,13 @@ DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16"
           "uint8", "bool", "complex64"]
 
 
-def _init(rank, world_size, init_method, maps):
+def _init(rank, world_size, init_method, maps, **extra):
     import ucxrpc as rpc
 
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                  rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method,
-                                                              device_maps=maps.get(rank)))
+                                                              device_maps=maps.get(rank),
+                                                              **extra))
 
 
 def describe(t):
@@ -91,3 +92,83 @@ def _to_cpu(rank, world_size, init_method):
 
 def test_cuda_mapped_to_cpu():
     run_workers(_to_cpu, 2, timeout=150)
+
+
+# Without UCX's CUDA transports, CUDA tensors must be staged through pinned
+# host chunks; with them the pipe is GPU-direct.
+STAGED = {"transports": ["sm", "tcp"]}
+
+
+def path_stats():
+    import ucxrpc as rpc
+
+    info = rpc._get_debug_info()
+    return {k: info[k] for k in ("staged_bytes", "packed_buffers")}
+
+
+def _paths(rank, world_size, init_method, extra):
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, {0: {"worker1": {0: 0}}, 1: {"worker0": {0: 0}}},
+          **extra)
+    out = None
+    if rank == 0:
+        big = torch.randint(0, 255, ((9 << 20) + 1,), dtype=torch.uint8, device="cuda")
+        back = rpc.rpc_sync("worker1", plus_one, (big,))
+        assert back.device == torch.device("cuda:0") and torch.equal(back, big + 1)
+        # a producer still running when the call goes, on the staged path too
+        slow = torch.zeros(1 << 22, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        slow.add_(2)
+        assert rpc.rpc_sync("worker1", describe, (slow,))[2] == 2 * (1 << 22)
+        # many small tensors of every dtype: packed, and cut apart on arrival
+        many = [sample(name, n=17 + i).cuda() for i, name in enumerate(DTYPES * 10)]
+        got = rpc.rpc_sync("worker1", echo, (many,))
+        assert all(a.dtype == b.dtype and torch.equal(a, b) and b.is_cuda
+                   for a, b in zip(many, got))
+        assert len({t.data_ptr() for t in got}) == len(got)
+        out = {"path": rpc.get_pipe_info("worker1")[0]["cuda_path"],
+               "mine": path_stats(), "theirs": rpc.rpc_sync("worker1", path_stats)}
+    rpc.shutdown()
+    return out
+
+
+def echo(x):
+    return x
+
+
+@pytest.mark.parametrize("extra, path", [({}, "gpu-direct"), (STAGED, "staged")])
+def test_gpu_direct_and_staged_paths(extra, path):
+    res = run_workers(_paths, 2, args=(extra,), timeout=150)[0]
+    assert res["path"] == path, res
+    assert res["mine"]["packed_buffers"] >= 110 and res["theirs"]["packed_buffers"] >= 110, res
+    if path == "staged":
+        assert res["mine"]["staged_bytes"] >= 9 << 20, res
+    else:
+        assert res["mine"]["staged_bytes"] == 0, res
+
+
+def stream_facts(t):
+    current = torch.cuda.current_stream()
+    return current != torch.cuda.default_stream(), t.sum().item()
+
+
+def _streams(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, {0: {"worker1": {0: 0}}})
+    if rank == 0:
+        t = torch.ones(1 << 20, device="cuda")
+        on_pool, total = rpc.rpc_sync("worker1", stream_facts, (t,))
+        assert on_pool and total == 1 << 20
+        # the future knows its devices: its value is safe on another stream
+        side = torch.cuda.Stream()
+        fut = rpc.rpc_async("worker1", plus_one, (t,))
+        with torch.cuda.stream(side):
+            value = fut.wait()
+            assert value.sum().item() == 2 * (1 << 20)
+    rpc.shutdown()
+
+
+def test_callee_runs_on_pool_streams_and_futures_know_devices():
+    run_workers(_streams, 2, timeout=150)

@@ -146,3 +146,48 @@ def test_options_validation():
     assert opts.transports == ["tcp", "sm"]
     with pytest.raises(ValueError, match="only supports 1-to-1 mapping"):
         opts.set_device_map("w1", {0: 1, 1: 1})
+
+
+# ------------------------------------------------- staged and packed buffers
+
+from ucxrpc.transport.frame import PACK, PACKED, STAGED  # noqa: E402
+
+
+@pytest.mark.parametrize("extra", [0, 12])  # the per-struct and the numpy decoder
+def test_staged_and_packed_descriptors_round_trip(extra):
+    pack = 3 + extra  # packs come after every ordinary buffer
+    bufs = ([(5 << 20, None, 0), (100, None, 0), (28, None, 0)] + _bufs(*([8] * extra))
+            + [(192, None, 0)])
+    ways = ([(STAGED, 4096, 0), (PACKED, pack, 0), (PACKED, pack, 128)]
+            + [(0, 0, 0)] * extra + [(PACK | STAGED, 64, 0)])
+    frame, separate = encode(Kind.MESSAGE, 1, b"p", bufs, KEY, Limits(), ways)
+    assert separate == [0, pack]  # packed members are never sent themselves
+    f = decode(frame, KEY, Limits())
+    assert f.nbuf == f.delivered == pack
+    assert f.buffers[0].flags == STAGED and f.buffers[0].arg == 4096 and not f.buffers[0].inline
+    assert [(d.flags, d.arg, d.inline_offset) for d in f.buffers[1:3]] == \
+        [(PACKED, pack, 0), (PACKED, pack, 128)]
+    assert all(d.inline for d in f.buffers[3:pack])
+    assert f.total == frame.nbytes + (5 << 20) + 192
+
+
+@pytest.mark.parametrize("ways, sizes, message", [
+    ([(8, 0, 0)], [10], "buffer 0 has unknown flags 0x8"),
+    ([(STAGED, 4, 0)], [10], "staged in chunks of 4 KiB; the minimum is 64 KiB"),
+    ([(PACK, 0, 0), (0, 0, 0)], [10, 10], "buffer 1: packs must come after every other buffer"),
+    ([(PACKED, 0, 0)], [10], "buffer 0 claims to sit in buffer 0, which is not a pack"),
+    ([(PACKED, 1, 60), (PACK, 0, 0)], [10, 64], r"buffer 0 claims bytes \[60, 70\)"),
+])
+@pytest.mark.parametrize("extra", [0, 12])
+def test_malformed_staged_and_packed_descriptors_are_refused(ways, sizes, message, extra):
+    if extra:  # the numpy decoder: ordinary buffers first, then the case
+        ways = [(0, 0, 0)] * extra + [(f, a + extra if f == PACKED else a, o)
+                                      for f, a, o in ways]
+        sizes = [8] * extra + sizes
+        message = message.replace("buffer 0 ", f"buffer {extra} ").replace(
+            "buffer 1:", f"buffer {extra + 1}:").replace("in buffer 0,", f"in buffer {extra},")
+    bufs = [(n, memoryview(np.zeros(n, np.uint8)) if not w[0] else None, 0 if w[0] else -1)
+            for n, w in zip(sizes, ways)]
+    frame, _ = encode(Kind.MESSAGE, 1, b"p", bufs, KEY, Limits(), ways)
+    with pytest.raises(FrameError, match=message):
+        decode(frame, KEY, Limits())

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
-from . import auth
-from .frame import Frame, Kind, Limits, decode, encode, peek_seq
+from . import auth, staging
+from .frame import PACKED, STAGED, Frame, Kind, Limits, decode, encode, peek_seq
 from .pool import HostPool
 from .ucx import Endpoint, Request, Worker
 
@@ -83,6 +83,7 @@ class Pipe:
         self.name = name
         self.address = address
         self.ep: Endpoint | None = None
+        self.direct = False  # device memory goes to UCX as is (else: staged)
         self.lock = threading.Lock()
         self.out_state = OutState.NEW
         self.out_key = b""
@@ -115,6 +116,16 @@ class _Incoming:
         self.hint = hint
         self.waiting = 0
         self.error: BaseException | None = None
+
+
+class _Piece:
+    """One chunk of a staged buffer: ``then`` copies it over once it landed."""
+
+    __slots__ = ("msg", "then")
+
+    def __init__(self, msg: _Incoming, then: Callable[[], None]) -> None:
+        self.msg = msg
+        self.then = then
 
 
 class Transport:
@@ -163,6 +174,10 @@ class Transport:
         self._ping_interval = min(1.0, peer_timeout / 3)
         self._worker = Worker(transports)
         self.address = self._worker.address
+        self._host_as_device = staging.debug_host_as_device()
+        # Whether this side's UCX takes device memory; a pipe is GPU-direct
+        # when both sides' do, and stages device buffers otherwise.
+        self.cuda_direct = self._worker.cuda_memory and not self._host_as_device
         self._frame_base = (FRAME << KIND_SHIFT) | (my_id << ID_SHIFT)
         self._frame_tag = self._worker.tag(self._frame_base)
         self._pipes: dict[int, Pipe] = {}
@@ -178,6 +193,8 @@ class Transport:
         self._epoll.register(self._wake_fd, select.EPOLLIN)
         self.refused = 0
         self.frame_errors = 0
+        self.staged_bytes = 0
+        self.packed_buffers = 0
         self._thread = threading.Thread(target=self._run, name=f"ucxrpc-progress-{my_id}",
                                         daemon=True)
 
@@ -186,9 +203,15 @@ class Transport:
     def start(self) -> None:
         self._thread.start()
 
-    def add_peer(self, peer_id: int, name: str, address: bytes) -> None:
-        """Register a peer; its pipe opens on first use (ours or theirs)."""
-        self._pipes[peer_id] = Pipe(peer_id, name, address)
+    def add_peer(self, peer_id: int, name: str, address: bytes,
+                 cuda_direct: bool = False) -> None:
+        """Register a peer; its pipe opens on first use (ours or theirs).
+
+        ``cuda_direct``: the peer's :attr:`cuda_direct`, as it published it.
+        """
+        pipe = Pipe(peer_id, name, address)
+        pipe.direct = self.cuda_direct and cuda_direct
+        self._pipes[peer_id] = pipe
 
     def peer_ids(self) -> list[int]:
         return list(self._pipes)
@@ -236,7 +259,9 @@ class Transport:
                 "authenticated_in": pipe.in_key is not None,
                 "transports": sorted({t for t, _ in lanes}),
                 "lanes": [{"transport": t, "device": d} for t, d in lanes],
-                "path": "host",
+                # How CUDA tensors travel: GPU-direct needs both sides' UCX
+                # to take device memory; otherwise through pinned host chunks.
+                "cuda_path": "gpu-direct" if pipe.direct else "staged",
                 "messages_sent": pipe.sent, "messages_received": pipe.received,
             })
         return out
@@ -269,22 +294,31 @@ class Transport:
     def _send_locked(self, pipe: Pipe, payload: bytes | memoryview,
                      buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE,
                      hint: int = 0, devices: list[int] | None = None) -> None:
-        views: list[tuple[int, memoryview | None, int]] = []
-        for i, b in enumerate(buffers):
-            if b.device.type == "cpu":
-                views.append((b.numel(), b.numpy().data, -1))
-            else:  # the receiver allocates on the device the descriptor names
-                views.append((b.numel(), None,
-                              devices[i] if devices is not None else (b.device.index or 0)))
+        out = None
+        if buffers and (self._host_as_device or any(b.is_cuda for b in buffers)):
+            out = staging.plan(buffers, devices, staged=not pipe.direct,
+                               host_as_device=self._host_as_device)
+        if out is None:
+            views = [(b.numel(), b.numpy().data, -1) for b in buffers]
+            frame, separate = encode(kind, pipe.out_seq + 1, payload, views, pipe.out_key,
+                                     self.limits)
+        else:  # the receiver allocates on the device each descriptor names
+            frame, separate = encode(kind, pipe.out_seq + 1, payload, out.views, pipe.out_key,
+                                     self.limits, out.ways)
+            self.staged_bytes += out.staged_bytes
+            self.packed_buffers += out.packed
         pipe.out_seq += 1
         seq = pipe.out_seq
-        frame, separate = encode(kind, seq, payload, views, pipe.out_key, self.limits)
         pipe.last_sent = time.monotonic()
         assert pipe.ep is not None
         tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
         reqs = [pipe.ep.tag_send(frame, tag)]
         for i in separate:
-            reqs.append(pipe.ep.tag_send(buffers[i], data_tag(self.my_id, seq, i)))
+            tag = data_tag(self.my_id, seq, i)
+            if out is None:
+                reqs.append(pipe.ep.tag_send(buffers[i], tag))
+            else:
+                reqs.extend(pipe.ep.tag_send(part, tag) for part in out.parts(i))
         pipe.sent += 1
         left = [r for r in reqs if not r.done]
         for r in reqs:
@@ -459,13 +493,34 @@ class Transport:
             if d.inline:
                 bufs.append(torch.from_numpy(buf[d.inline_offset:d.inline_offset + d.nbytes]))
                 continue
+            if d.flags == PACKED:
+                bufs.append(None)  # cut out of its pack when that arrives
+                continue
+            tag = data_tag(pipe.peer_id, frame.seq, i)
             try:
+                if d.device >= 0 and not d.flags & STAGED and not self.cuda_direct:
+                    raise FrameError(f"{pipe.name} sent device memory directly (buffer {i}), but "
+                                     "this worker's UCX has no CUDA transport")
                 target = self._alloc(d.nbytes, d.device)
             except Exception as exc:
                 msg.error = exc
+            if msg.error is not None:  # consume what comes, into nothing
                 target = torch.empty(0, dtype=torch.uint8)
+                count = len(staging.chunk_spans(d.nbytes, d.arg << 10)) if d.flags & STAGED else 1
+                for _ in range(count):
+                    self._watch.append((self._worker.tag_recv(target, tag), msg))
+                msg.waiting += count
+                bufs.append(target)
+                continue
             bufs.append(target)
-            req = self._worker.tag_recv(target, data_tag(pipe.peer_id, frame.seq, i))
+            if d.flags & STAGED:
+                for landing in staging.landings(target, d, self._host_as_device):
+                    req = self._worker.tag_recv(landing.into, tag)
+                    msg.waiting += 1
+                    self._watch.append((req, msg if landing.then is None
+                                        else _Piece(msg, landing.then)))
+                continue
+            req = self._worker.tag_recv(target, tag)
             msg.waiting += 1
             self._watch.append((req, msg))
         if msg.waiting == 0:
@@ -482,11 +537,17 @@ class Transport:
 
     def _deliver(self, msg: _Incoming) -> None:
         msg.pipe.received += 1
+        buffers = msg.buffers
+        if msg.error is None and msg.frame.delivered >= 0:
+            try:
+                buffers = staging.finish(buffers, msg.frame.buffers, msg.frame.delivered)
+            except Exception as exc:
+                msg.error = exc
         try:
             if msg.error is not None:
                 self._on_frame_error(msg.pipe.peer_id, msg.hint, msg.error)
             else:
-                self._on_message(msg.pipe.peer_id, msg.frame.payload, msg.buffers)
+                self._on_message(msg.pipe.peer_id, msg.frame.payload, buffers)
         except Exception:
             logger.exception("message handler failed for a message from %s", msg.pipe.name)
 
@@ -505,6 +566,13 @@ class Transport:
                 continue
             busy = True
             err = req.error()
+            if isinstance(owner, _Piece):
+                if err is None:
+                    try:
+                        owner.then()
+                    except Exception as exc:  # a failed copy fails its message
+                        err = exc
+                owner = owner.msg
             if isinstance(owner, _Incoming):
                 owner.waiting -= 1
                 if err is not None and owner.error is None:
@@ -654,4 +722,5 @@ class Transport:
 
     def stats(self) -> dict[str, Any]:
         return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
+                "staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
                 "pool": self.pool.stats(), "watched_requests": len(self._watch)}

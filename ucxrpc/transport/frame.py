@@ -9,12 +9,23 @@ Layout (little endian)::
 
     prefix   magic "UX" | version u8 | kind u8 | nbuf u16 | reserved u16
              | payload_len u32 | seq u64                      (20 bytes)
-    nbuf x   nbytes u64 | inline_offset u64 (NOT_INLINE if separate)
-             | device i16 (-1 = cpu) | pad 6                  (24 bytes each)
+    nbuf x   nbytes u64 | offset u64 | device i16 (-1 = cpu) | flags u8
+             | pad u8 | arg u32                               (24 bytes each)
     payload  payload_len bytes, opaque to the transport
     inline   small buffers copied in, each 64-byte aligned
     mac      16 bytes, keyed BLAKE2b over prefix, descriptors, payload
              and the frame's total length
+
+A descriptor's ``flags`` say how a buffer travels (0: one tag message
+straight into its final memory, or inline when ``offset`` is not NOT_INLINE):
+
+* STAGED: as host chunks of ``arg`` KiB, one tag message each, in order on
+  the buffer's tag, because one side's UCX cannot touch device memory; the
+  receiver copies each chunk to the device as it lands.
+* PACK: the buffer is a pack of many small device buffers, listed after
+  every ordinary descriptor and not delivered itself.
+* PACKED: the buffer lives in the pack ``arg`` at ``offset``; the receiver
+  cuts it out (one kernel launch per pack) when the pack arrives.
 
 Small buffers travel inline because one tag message costs microseconds in
 Python, while copying a few KiB costs nanoseconds.  The MAC covers what is
@@ -38,10 +49,13 @@ from ..errors import FrameError
 MAGIC = b"UX"
 VERSION = 1
 PREFIX = struct.Struct("<2sBBHHIQ")
-DESC = struct.Struct("<QQh6x")
+DESC = struct.Struct("<QQhBxI")
 MAC_LEN = 16
 NOT_INLINE = 0xFFFF_FFFF_FFFF_FFFF
 ALIGN = 64
+STAGED, PACK, PACKED = 1, 2, 4
+_FLAG_SETS = (0, STAGED, PACK, PACK | STAGED, PACKED)
+MIN_CHUNK_KIB = 64  # bounds the receives one staged buffer can ask for
 
 
 class Kind(enum.IntEnum):
@@ -79,16 +93,19 @@ class BufferDesc(NamedTuple):
     """One buffer of a message (a tuple: frames may carry thousands)."""
 
     nbytes: int
-    inline_offset: int
+    inline_offset: int  # PACKED: the offset in its pack
     device: int  # -1 for host memory, else the CUDA device index
+    flags: int = 0
+    arg: int = 0  # STAGED: chunk size in KiB; PACKED: the pack's index
 
     @property
     def inline(self) -> bool:
-        return self.inline_offset != NOT_INLINE
+        return self.inline_offset != NOT_INLINE and not self.flags
 
 
 # The descriptor table read in one numpy call instead of a struct per buffer.
-_DESC_DTYPE = np.dtype([("nbytes", "<u8"), ("off", "<u8"), ("device", "<i2"), ("pad", "V6")])
+_DESC_DTYPE = np.dtype([("nbytes", "<u8"), ("off", "<u8"), ("device", "<i2"), ("flags", "u1"),
+                        ("pad", "V1"), ("arg", "<u4")])
 assert _DESC_DTYPE.itemsize == DESC.size
 
 
@@ -100,6 +117,11 @@ class Frame:
     buffers: tuple[BufferDesc, ...]
     raw: np.ndarray  # the received bytes; inline buffers are views of it
     total: int = 0   # frame plus out-of-band bytes; checked by the receiver
+    delivered: int = -1  # buffers handed up (PACK buffers, last, are not); -1: all
+
+    @property
+    def nbuf(self) -> int:
+        return len(self.buffers) if self.delivered < 0 else self.delivered
 
 
 def mac(key: bytes, head: bytes | memoryview, size: int) -> bytes:
@@ -110,12 +132,15 @@ def mac(key: bytes, head: bytes | memoryview, size: int) -> bytes:
 
 def encode(kind: Kind, seq: int, payload: bytes | memoryview,
            buffers: Sequence[tuple[int, memoryview | None, int]], key: bytes,
-           limits: Limits) -> tuple[np.ndarray, list[int]]:
+           limits: Limits,
+           ways: Sequence[tuple[int, int, int]] | None = None) -> tuple[np.ndarray, list[int]]:
     """Build a frame; returns it and the indices of buffers sent separately.
 
     ``buffers`` holds (nbytes, host bytes view or None, device) triples; a
     host buffer (device -1) no larger than ``limits.inline_threshold`` is
     copied inline while the inline total stays under ``limits.inline_total``.
+    ``ways``, when given, holds (flags, arg, offset) per buffer; a buffer
+    with flags set is never inlined, and PACKED ones are not sent at all.
 
     Raises:
         FrameError: the message breaks a limit (named in the message).
@@ -129,6 +154,14 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     total = 0
     small, budget = limits.inline_threshold, start + limits.inline_total
     for i, (n, view, device) in enumerate(buffers):
+        if ways is not None and ways[i][0]:
+            if ways[i][0] == PACKED:
+                offs.append(ways[i][2])
+            else:
+                total += n
+                offs.append(NOT_INLINE)
+                separate.append(i)
+            continue
         total += n
         if view is not None and device < 0 and n <= small and cursor + n <= budget:
             offs.append(cursor)
@@ -152,6 +185,8 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
         table["off"] = offs
         table["device"] = [b[2] for b in buffers]
         table["pad"] = b""
+        table["flags"] = [w[0] for w in ways] if ways is not None else 0
+        table["arg"] = [w[1] for w in ways] if ways is not None else 0
     pos = PREFIX.size + DESC.size * nbuf
     out[pos:pos + len(payload)] = payload
     for off, view in inline:
@@ -195,18 +230,24 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
     if nbuf <= 8:  # numpy's fixed cost (~8 µs) only pays off for many buffers
         descs = []
         total = n
+        flagged = False
         for i in range(nbuf):
-            nbytes, off, device = DESC.unpack_from(data, PREFIX.size + DESC.size * i)
-            if off == NOT_INLINE:
+            nbytes, off, device, flags, arg = DESC.unpack_from(data, PREFIX.size + DESC.size * i)
+            if flags:
+                flagged = True
+            elif off == NOT_INLINE:
                 total += nbytes
             elif off < head_len or off + nbytes > n - MAC_LEN:
                 raise FrameError(f"buffer {i} claims inline bytes [{off}, {off + nbytes}) "
                                  f"outside the {n}-byte frame")
-            descs.append(BufferDesc(nbytes, off, device))
+            descs.append(BufferDesc(nbytes, off, device, flags, arg))
+        if flagged:
+            return _with_ways(Frame(kind, seq, payload, tuple(descs), raw, total))
         return Frame(kind, seq, payload, tuple(descs), raw, total)
     table = np.frombuffer(data, dtype=_DESC_DTYPE, count=nbuf, offset=PREFIX.size)
-    sizes, offs = table["nbytes"], table["off"]
-    inline = offs != NOT_INLINE
+    sizes, offs, flags = table["nbytes"], table["off"], table["flags"]
+    plain = flags == 0
+    inline = (offs != NOT_INLINE) & plain
     # Python ints: a lying size near 2**64 must not wrap around in uint64.
     bad = inline & ((offs < head_len) | (offs > n - MAC_LEN) | (sizes > n - MAC_LEN - offs))
     if bad.any():
@@ -214,10 +255,38 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
         off, nbytes = int(offs[i]), int(sizes[i])
         raise FrameError(f"buffer {i} claims inline bytes [{off}, {off + nbytes}) "
                          f"outside the {n}-byte frame")
-    total = n + sum(sizes[~inline].tolist())
+    total = n + sum(sizes[~inline & plain].tolist())
     table_descs = tuple(map(BufferDesc._make, zip(sizes.tolist(), offs.tolist(),
-                                                  table["device"].tolist())))
-    return Frame(kind, seq, payload, table_descs, raw, total)
+                                                  table["device"].tolist(), flags.tolist(),
+                                                  table["arg"].tolist())))
+    frame = Frame(kind, seq, payload, table_descs, raw, total)
+    return frame if plain.all() else _with_ways(frame)
+
+
+def _with_ways(frame: Frame) -> Frame:
+    """Check the descriptors of staged and packed buffers; count their bytes."""
+    descs = frame.buffers
+    total = frame.total
+    first_pack = next((i for i, d in enumerate(descs) if d.flags & PACK), len(descs))
+    for i, d in enumerate(descs):
+        if d.flags not in _FLAG_SETS:
+            raise FrameError(f"buffer {i} has unknown flags {d.flags:#x}")
+        if bool(d.flags & PACK) != (i >= first_pack):
+            raise FrameError(f"buffer {i}: packs must come after every other buffer")
+        if d.flags & STAGED and d.arg < MIN_CHUNK_KIB:
+            raise FrameError(f"buffer {i} is staged in chunks of {d.arg} KiB; the minimum is "
+                             f"{MIN_CHUNK_KIB} KiB")
+        if d.flags & (STAGED | PACK):
+            total += d.nbytes
+        elif d.flags == PACKED:
+            if not first_pack <= d.arg < len(descs):
+                raise FrameError(f"buffer {i} claims to sit in buffer {d.arg}, which is not a pack")
+            pack = descs[d.arg]
+            if d.inline_offset + d.nbytes > pack.nbytes or d.device != pack.device:
+                raise FrameError(f"buffer {i} claims bytes [{d.inline_offset}, "
+                                 f"{d.inline_offset + d.nbytes}) on device {d.device} of a "
+                                 f"{pack.nbytes}-byte pack on device {pack.device}")
+    return Frame(frame.kind, frame.seq, frame.payload, descs, frame.raw, total, first_pack)
 
 
 def peek_seq(raw: np.ndarray) -> int | None:

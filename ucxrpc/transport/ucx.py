@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -206,6 +207,10 @@ class Worker:
         self.raw = ucx.UCXWorker(self._ctx)
         self.raw.init_blocking_progress_mode()
         self.address: bytes = self.raw.address.tobytes()
+        # Device memory is safe to hand UCX only where a CUDA transport is
+        # loaded: otherwise UCX would read a device pointer as host memory.
+        self.cuda_memory: bool = bool(self._ctx.cuda_support) and bool(
+            {t for t, _ in _resources(str(self._ctx.info))} & _CUDA_TRANSPORTS)
         self.fd: int = self.raw.epoll_file_descriptor
         self._mask_cache: dict[tuple[int, int], Any] = {}
 
@@ -253,13 +258,18 @@ def ucx_version() -> str:
     return ".".join(str(v) for v in ucx.get_ucx_version())
 
 
+_CUDA_TRANSPORTS = {"cuda_copy", "cuda_ipc", "gdr_copy"}
+
+
+def _resources(info: str) -> list[tuple[str, str]]:
+    """(transport, device) pairs from a UCX context's printed info."""
+    return [(t, d) for t, d in re.findall(r"resource \d+\s*:.*?--\s*(\S+?)/(\S+)", info)]
+
+
 def local_resources() -> dict[str, Any]:
     """What UCX can use in this process: (transport, device) pairs and
     whether the UCX build has CUDA support, read from a throwaway context."""
-    import re
-
     import ucxx._lib.libucxx as ucx  # noqa: PLC0415
 
     ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG,))
-    pairs = re.findall(r"resource \d+\s*:.*?--\s*(\S+?)/(\S+)", str(ctx.info))
-    return {"resources": [(t, d) for t, d in pairs], "cuda_support": bool(ctx.cuda_support)}
+    return {"resources": _resources(str(ctx.info)), "cuda_support": bool(ctx.cuda_support)}

@@ -1,0 +1,218 @@
+"""Device buffers on a pipe: staged through host memory, and packed.
+
+A CUDA buffer normally travels as one tag message from device memory to
+device memory, and UCX picks the path (cuda_ipc / NVLink on one node,
+GPUDirect RDMA across nodes, its own pipelined cuda_copy otherwise).  Two
+things change that, both decided by the sender and written into the frame
+(see :mod:`.frame`):
+
+* **Staging.**  When either end's UCX has no CUDA transport (``transports=``
+  without ``cuda``, or a build without it), UCX must never see a device
+  pointer: it would read it as host memory.  The sender copies the buffer
+  into pinned host chunks on a side stream and sends each chunk as it is
+  ready, so the copy of chunk k+1 overlaps the send of chunk k; the receiver
+  copies each chunk to the device as it lands, again on a side stream, and
+  hands the message up only once those copies are done.
+* **Packing.**  A message with many small device buffers (gradients,
+  parameter shards) pays UCX's per-message cost for each.  At
+  :data:`PACK_MIN_COUNT` or more buffers of at most :data:`PACK_MAX_BYTES`
+  between the same pair of devices, the sender packs them into one buffer
+  with one kernel launch and the receiver unpacks them, also with one
+  launch, into tensors of their own (views of one pack would be compacted,
+  one copy each, when sent on: measured slower on the host path).
+
+Setting ``UCXRPC_DEBUG_HOST_AS_DEVICE=1`` makes host buffers take these
+paths as if they were device buffers (with plain host memory for chunks),
+so that machines without a GPU test the same code; it is for tests only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import _kernels
+from .frame import PACK, PACKED, STAGED, BufferDesc
+
+__all__ = ["CHUNK_BYTES", "PACK_MAX_BYTES", "PACK_MIN_COUNT", "Outgoing", "Landing",
+           "debug_host_as_device", "finish", "landings", "plan"]
+
+CHUNK_BYTES = 4 << 20
+PACK_MIN_COUNT = 8
+PACK_MAX_BYTES = 256 << 10
+
+
+def debug_host_as_device() -> bool:
+    return os.environ.get("UCXRPC_DEBUG_HOST_AS_DEVICE") == "1"
+
+
+@functools.cache
+def _side_stream(device_index: int, direction: str) -> Any:
+    """A stream per device and direction, kept for the process's life, so
+    staging copies neither wait for nor hold up the user's streams."""
+    return torch.cuda.Stream(device=device_index)
+
+
+def _host(nbytes: int, pinned: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def chunk_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each chunk; an empty buffer is one empty chunk, so
+    that every staged buffer is at least one tag message."""
+    return [(s, min(s + chunk, nbytes)) for s in range(0, nbytes, chunk)] or [(0, 0)]
+
+
+def _can_pack(device: torch.device) -> bool:
+    return device.type == "cpu" or _kernels.cuda_available()
+
+
+@dataclass
+class Outgoing:
+    """How one message's buffers go out: what the frame says about each, and
+    the tensors to send for each buffer sent separately."""
+
+    buffers: list[torch.Tensor]
+    views: list[tuple[int, memoryview | None, int]]
+    ways: list[tuple[int, int, int]]
+    chunk: int
+    staged_bytes: int = 0
+    packed: int = 0
+    keep: list[Any] = field(default_factory=list)
+
+    def parts(self, i: int) -> Iterator[torch.Tensor]:
+        """What to send for buffer ``i``: itself, or its host chunks in order,
+        each yielded once its copy is complete (the copies of later chunks
+        keep running meanwhile)."""
+        buf = self.buffers[i]
+        if not self.ways[i][0] & STAGED:
+            yield buf
+            return
+        spans = chunk_spans(buf.numel(), self.chunk)
+        if not buf.is_cuda:  # the debug path: same chunks, host copies
+            for start, end in spans:
+                part = _host(end - start, False)
+                part.copy_(buf[start:end])
+                yield part
+            return
+        stream = _side_stream(buf.device.index or 0, "out")
+        staged = []
+        with torch.cuda.stream(stream):
+            for start, end in spans:
+                part = _host(end - start, True)
+                part.copy_(buf[start:end], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+                staged.append((part, done))
+        for part, done in staged:
+            done.synchronize()
+            yield part
+
+
+def plan(buffers: Sequence[torch.Tensor], targets: Sequence[int] | None, *, staged: bool,
+         host_as_device: bool, chunk: int = CHUNK_BYTES) -> Outgoing | None:
+    """The way out for a message with device buffers; None when it has none
+    (the plain path, untouched).
+
+    ``targets``: the peer's device for each buffer (-1 host), or None for
+    where it is here.  ``staged``: the pipe cannot carry device memory.
+    """
+    def device_like(b: torch.Tensor) -> bool:
+        return b.is_cuda or host_as_device
+
+    if not any(device_like(b) for b in buffers):
+        return None
+    dests = list(targets) if targets is not None else [
+        (b.device.index or 0) if b.is_cuda else -1 for b in buffers]
+    out_bufs = list(buffers)
+    kib = chunk >> 10
+    ways: list[tuple[int, int, int]] = [
+        ((STAGED, kib, 0) if staged else (0, 0, 0)) if device_like(b) else (0, 0, 0)
+        for b in buffers]
+    groups: dict[tuple[torch.device, int], list[int]] = {}
+    for i, b in enumerate(buffers):
+        if device_like(b) and b.numel() <= PACK_MAX_BYTES:
+            groups.setdefault((b.device, dests[i]), []).append(i)
+    packed = 0
+    for (device, dest), members in groups.items():
+        if len(members) < PACK_MIN_COUNT or not _can_pack(device):
+            continue
+        pack, specs = _kernels.pack([buffers[i] for i in members])
+        if pack.is_cuda:  # UCX or the staging copy read it on other streams
+            torch.cuda.current_stream(device).synchronize()
+        index = len(out_bufs)
+        out_bufs.append(pack)
+        dests.append(dest)
+        ways.append((PACK | STAGED, kib, 0) if staged else (PACK, 0, 0))
+        for i, spec in zip(members, specs):
+            ways[i] = (PACKED, index, spec.offset)
+        packed += len(members)
+    views: list[tuple[int, memoryview | None, int]] = []
+    for b, dest, way in zip(out_bufs, dests, ways):
+        host_view = b.numpy().data if not b.is_cuda and not way[0] else None
+        views.append((b.numel(), host_view, dest))
+    staged_bytes = sum(b.numel() for b, w in zip(out_bufs, ways) if w[0] & STAGED)
+    return Outgoing(out_bufs, views, ways, chunk, staged_bytes, packed)
+
+
+@dataclass(frozen=True)
+class Landing:
+    """Where one chunk of a staged buffer is received, and what to do once
+    it is there (None: it landed in its final place)."""
+
+    into: torch.Tensor
+    then: Callable[[], None] | None
+
+
+def landings(target: torch.Tensor, desc: BufferDesc, host_as_device: bool) -> list[Landing]:
+    """The receives for a staged buffer whose final memory is ``target``.
+
+    A host target takes its chunks in place; a device target (or any target
+    on the debug path) takes them in host chunks copied over as each lands.
+    """
+    spans = chunk_spans(desc.nbytes, desc.arg << 10)
+    if not target.is_cuda and not host_as_device:
+        return [Landing(target[s:e], None) for s, e in spans]
+    out = []
+    for s, e in spans:
+        part = _host(e - s, target.is_cuda)
+        out.append(Landing(part, functools.partial(_copy_in, target[s:e], part)))
+    return out
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if not dst.is_cuda:
+        dst.copy_(src)
+        return
+    # The pinned chunk stays alive until the copy ran: torch records the
+    # stream on it for non-blocking copies from pinned memory.
+    with torch.cuda.stream(_side_stream(dst.device.index or 0, "in")):
+        dst.copy_(src, non_blocking=True)
+
+
+def finish(buffers: list[Any], descs: Sequence[BufferDesc], delivered: int) -> list[torch.Tensor]:
+    """A message's buffers once every receive completed: staged copies done,
+    packs cut into tensors of their own; only the first ``delivered``."""
+    devices = {b.device.index or 0 for b in buffers if isinstance(b, torch.Tensor) and b.is_cuda}
+    for p in range(delivered, len(descs)):
+        members = [i for i in range(delivered) if descs[i].flags == PACKED and descs[i].arg == p]
+        pack = buffers[p]
+        outs = [torch.empty(descs[i].nbytes, dtype=torch.uint8, device=pack.device)
+                for i in members]
+        src = [pack.data_ptr() + descs[i].inline_offset for i in members]
+        nbytes = [descs[i].nbytes for i in members]
+        if pack.is_cuda:
+            with torch.cuda.stream(_side_stream(pack.device.index or 0, "in")):
+                _kernels.multi_copy(src, [t.data_ptr() for t in outs], nbytes, pack.device)
+        else:
+            _kernels.multi_copy(src, [t.data_ptr() for t in outs], nbytes, pack.device)
+        for i, t in zip(members, outs):
+            buffers[i] = t
+    for d in devices:  # the message is handed up complete, on any stream
+        _side_stream(d, "in").synchronize()
+    return buffers[:delivered]
