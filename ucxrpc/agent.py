@@ -100,12 +100,12 @@ def rebuild_exception(body: memoryview) -> BaseException:
 class RpcAgent:
     """Sends calls, serves calls, and owns the transport and worker pool."""
 
-    def __init__(self, name: str, rank: int, world_size: int,
+    def __init__(self, name: str, rank: int, world_size: int | None,
                  options: UcxRpcBackendOptions, store: Any) -> None:
         self.options = options
         self.store = store
         self.info = WorkerInfo(name, rank)
-        self.world_size = world_size
+        self.world_size = world_size  # None: dynamic membership (see _membership)
         self.serializer = Serializer(max_buffers=options.max_buffers)
         self._pool = WorkerPool(options.num_worker_threads)
         self._ids = itertools.count(1)
@@ -154,6 +154,8 @@ class RpcAgent:
         self.wrap_call: Callable[[WorkerInfo, Any, tuple[Any, ...], dict[str, Any]],
                                  Any] | None = None
         self._dest = threading.local()
+        # Dynamic membership: tells the group this worker leaves (set at join).
+        self.leave_group: Callable[[float], None] | None = None
 
     def extension(self, key: str, create: Callable[[RpcAgent], Any]) -> Any:
         """The per-agent state of a layer above, made by ``create(self)`` on
@@ -168,29 +170,38 @@ class RpcAgent:
 
     # ------------------------------------------------------------ lifecycle
 
+    def publish(self) -> rendezvous.Member:
+        """Put this worker's record (address, devices, maps) in the store."""
+        maps = self.options.maps()
+        return rendezvous.publish(self.store, self.info.id, self.info.name, self.transport.address,
+                                  device_count=torch.cuda.device_count(),
+                                  devices=tuple(str(d) for d in self.options.device_list()),
+                                  device_maps={to: {str(k): str(v) for k, v in m.items()}
+                                               for to, m in maps.items()},
+                                  cuda_direct=self.transport.cuda_direct)
+
+    def start(self) -> None:
+        self.transport.start()
+        self._timer.start()
+
     def join(self, timeout: float) -> None:
         """Publish our address, learn everyone's, then start serving."""
-        maps = self.options.maps()
-        rendezvous.publish(self.store, self.info.id, self.info.name, self.transport.address,
-                           device_count=torch.cuda.device_count(),
-                           devices=tuple(str(d) for d in self.options.device_list()),
-                           device_maps={to: {str(k): str(v) for k, v in m.items()}
-                                        for to, m in maps.items()},
-                           cuda_direct=self.transport.cuda_direct)
+        assert self.world_size is not None
+        rendezvous.claim_mode(self.store, "static")
+        self.publish()
         members = rendezvous.collect(self.store, self.world_size)
-        self._check_device_maps(members)
+        self.check_device_maps(members)
         for m in members.values():
             wi = WorkerInfo(m.name, m.rank)
             self.workers[m.rank] = wi
             self._names[m.name] = wi
             if m.rank != self.info.id:
                 self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct)
-        self.transport.start()
-        self._timer.start()
+        self.start()
         rendezvous.barrier(self.store, "init", self.info.id, self.world_size, timeout)
         logger.info("%s joined a job of %d workers", self.info, self.world_size)
 
-    def _check_device_maps(self, members: dict[int, rendezvous.Member]) -> None:
+    def check_device_maps(self, members: dict[int, rendezvous.Member]) -> None:
         """torch's job-wide device-map checks, on everyone's published maps
         (every worker raises the same error); then this worker's maps by peer
         id: for requests it sends, and the reverse for replies."""
@@ -221,6 +232,10 @@ class RpcAgent:
                     except Exception:
                         logger.exception("%s: shutdown hook failed", self.info)
                 self._drain(timeout)
+                if self.world_size is None:
+                    if self.leave_group is not None:
+                        self.leave_group(timeout)
+                    return
                 try:
                     rendezvous.barrier(self.store, "shutdown", self.info.id, self.world_size,
                                        timeout, gone=lambda: set(self._broken), poke=self._ping)
@@ -432,9 +447,50 @@ class RpcAgent:
         destination and refuse to pickle outside RPC."""
         return getattr(self._dest, "id", None)
 
+    def add_member(self, m: rendezvous.Member) -> None:
+        """A worker joined a dynamic group (maybe again, at a new address)."""
+        mine = self.options.maps().get(m.name)
+        if mine:
+            self.device_maps[m.rank] = mine
+        theirs = m.device_maps.get(self.info.name)
+        if theirs:
+            self.reverse_device_maps[m.rank] = {
+                dst: src for src, dst in devices.to_device_map(theirs).items()}
+        self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct)
+        self._broken.pop(m.rank, None)
+        wi = WorkerInfo(m.name, m.rank)
+        self.workers[m.rank] = wi
+        self._names[m.name] = wi
+
+    def remove_member(self, rank: int) -> None:
+        """A worker left a dynamic group: its calls fail, the layers above
+        drop what it held (RRef forks, autograd contexts), and its name is
+        unknown from now on."""
+        wi = self.workers.get(rank)
+        if wi is None or rank == self.info.id:
+            return
+        self._peer_gone(rank, ClosedError(f"worker {wi.name} left the group"))
+        self.workers.pop(rank, None)
+        if self._names.get(wi.name) == wi:
+            del self._names[wi.name]
+        self.device_maps.pop(rank, None)
+        self.reverse_device_maps.pop(rank, None)
+
+    def is_broken(self, peer: int) -> bool:
+        return peer in self._broken
+
+    def lookup_member(self, peer: int) -> tuple[str, bytes, bool] | None:
+        """Where an unknown worker id lives, from its record in the store (the
+        transport asks when such a worker opens a pipe to us)."""
+        m = rendezvous.find_member(self.store, peer)
+        return None if m is None else (m.name, m.address, m.cuda_direct)
+
     def _on_broken(self, peer: int, exc: BaseException) -> None:
-        self._broken[peer] = exc
         self.counters["peer_failures"] += 1
+        self._peer_gone(peer, exc)
+
+    def _peer_gone(self, peer: int, exc: BaseException) -> None:
+        self._broken[peer] = exc
         with self._lock:
             ids = list(self._by_peer.pop(peer, ()))
         err = self._peer_error(peer)
@@ -452,6 +508,8 @@ class RpcAgent:
         if isinstance(cause, AuthenticationError):
             err = AuthenticationError(f"pipe to worker {self.name_of(peer)} (id {peer}) "
                                       f"refused: {cause}")
+        elif isinstance(cause, ClosedError):
+            err = ClosedError(f"worker {self.name_of(peer)} (id {peer}) is gone: {cause}")
         else:
             err = BrokenError(f"worker {self.name_of(peer)} (id {peer}) is unreachable: {cause}")
         err.__cause__ = cause

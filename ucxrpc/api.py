@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 from typing import Any, Callable
 
 import torch
 
-from . import rendezvous
+from . import _membership, rendezvous
 from .agent import RpcAgent, WorkerInfo
 from .errors import RpcError
+from .functions import plain
 from .options import UcxRpcBackendOptions
 
 logger = logging.getLogger(__name__)
@@ -54,24 +56,43 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     if not isinstance(opts, UcxRpcBackendOptions):
         raise TypeError(f"rpc_backend_options must be UcxRpcBackendOptions, got "
                         f"{type(opts).__name__}")
-    if world_size is None or world_size == 0:
-        raise RpcError("dynamic membership (world_size=None) is not supported yet; "
-                       "pass world_size")
+    dynamic = not world_size
+    if dynamic and rank < 0 and "RANK" in os.environ:
+        rank = int(os.environ["RANK"])
     with _lifecycle:
         if _agent is not None:
             raise RpcError("RPC is already initialized")
-        store, rank, world_size = rendezvous.open_store(opts.init_method, rank, world_size,
-                                                        opts.rpc_timeout)
-        agent = RpcAgent(name, rank, world_size, opts, store)
+        if dynamic:
+            store = rendezvous.open_dynamic_store(opts.init_method, rank, opts.rpc_timeout)
+            agent = RpcAgent(name, rank, None, opts, store)
+        else:
+            store, rank, world_size = rendezvous.open_store(opts.init_method, rank,
+                                                            int(world_size or 0), opts.rpc_timeout)
+            agent = RpcAgent(name, rank, world_size, opts, store)
         # Published before joining: peers may call us as soon as our
         # transport runs, and their functions may use the API.
         _agent = agent
         try:
-            agent.join(opts.rpc_timeout)
+            if dynamic:
+                _membership.join(agent, opts.rpc_timeout, _welcome, _farewell)
+            else:
+                agent.join(opts.rpc_timeout)
         except BaseException:
             _agent = None
             agent.shutdown(graceful=False, timeout=0)
             raise
+
+
+@plain
+def _welcome(record: str) -> None:
+    """Run on every present worker when one joins a dynamic group."""
+    _current().add_member(rendezvous.Member.from_json(record.encode()))
+
+
+@plain
+def _farewell(rank: int) -> None:
+    """Run on every present worker when one leaves a dynamic group."""
+    _current().remove_member(rank)
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

@@ -4,6 +4,11 @@ Workers publish ``(name, worker address, host, pid)`` under their rank,
 read everyone else's, and share the job secret.  ``env://``, ``tcp://`` and
 ``file://`` come from ``torch.distributed.rendezvous`` unchanged, so
 torchrun's variables work as they do for torch's RPC.
+
+Dynamic membership (``world_size=None``) keeps the ranks present in one
+store key, changed only under a lock taken with ``compare_set``, so joins
+and leaves happen one at a time, as in torch.  A job is static or dynamic:
+the first worker claims the mode and a worker of the other kind is refused.
 """
 
 from __future__ import annotations
@@ -76,6 +81,85 @@ def open_store(init_method: str, rank: int, world_size: int,
                                                    world_size=world_size, timeout=td))
     store.set_timeout(td)
     return store, rank, world_size
+
+
+def open_dynamic_store(init_method: str, rank: int, timeout: float) -> Any:
+    """The store of a dynamic group: torch's own choice for ``init_method``
+    (a TCPStore hosted by rank 0 for ``env://`` and ``tcp://``)."""
+    if rank < 0:
+        raise ValueError("dynamic membership (world_size=None) needs an explicit rank")
+
+    class _Options:  # what torch's helper reads
+        pass
+
+    opts = _Options()
+    opts.init_method = init_method  # type: ignore[attr-defined]
+    try:
+        store = dist._create_store_from_options(opts, rank)
+    except RuntimeError as exc:
+        if rank == 0 and "EADDRINUSE" in str(exc):
+            raise RpcError(f"rank 0 hosts the group's store at {init_method}, but that address "
+                           f"is in use: is a rank 0 already running? ({exc})") from exc
+        raise
+    store.set_timeout(timedelta(seconds=timeout if timeout > 0 else 24 * 3600))
+    return store
+
+
+def claim_mode(store: Any, mode: str) -> None:
+    """Record the job's mode ("static" or "dynamic"), or check it matches."""
+    key = PREFIX + "mode"
+    current = store.compare_set(key, "", mode).decode()
+    if current != mode:
+        raise RpcError(f"this job's workers joined with "
+                       f"{'world_size=None' if current == 'dynamic' else 'a world_size'}; "
+                       f"a worker cannot join it "
+                       f"{'with world_size=None' if mode == 'dynamic' else 'with a world_size'}"
+                       " (static and dynamic membership do not mix)")
+
+
+class GroupLock:
+    """The lock that serializes joins and leaves of a dynamic group."""
+
+    KEY = PREFIX + "group/lock"
+
+    def __init__(self, store: Any, token: str, timeout: float) -> None:
+        self.store = store
+        self.token = token
+        self.timeout = timeout if timeout > 0 else 24 * 3600
+
+    def __enter__(self) -> "GroupLock":
+        deadline = time.monotonic() + self.timeout
+        while self.store.compare_set(self.KEY, "", self.token).decode() != self.token:
+            if time.monotonic() > deadline:
+                holder = self.store.get(self.KEY).decode()
+                raise RpcTimeoutError(f"timed out after {self.timeout:g} s waiting for the "
+                                      f"group lock, held by {holder}")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.store.compare_set(self.KEY, self.token, "")
+
+
+def group_ranks(store: Any) -> list[int]:
+    key = PREFIX + "group/ranks"
+    if not store.check([key]):
+        return []
+    return [int(r) for r in json.loads(store.get(key))]
+
+
+def set_group_ranks(store: Any, ranks: list[int]) -> None:
+    store.set(PREFIX + "group/ranks", json.dumps(sorted(set(ranks))))
+
+
+def member(store: Any, rank: int) -> Member:
+    return Member.from_json(store.get(f"{PREFIX}member/{rank}"))
+
+
+def find_member(store: Any, rank: int) -> Member | None:
+    """The record rank ``rank`` published, if any; never waits."""
+    key = f"{PREFIX}member/{rank}"
+    return Member.from_json(store.get(key)) if store.check([key]) else None
 
 
 def job_secret(store: Any, rank: int) -> bytes:

@@ -40,6 +40,7 @@ RANKS: dict[str, int] = {
     "ucxrpc.agent": 2,
     "ucxrpc.rendezvous": 2,  # c10d store rendezvous and membership, for agent
     "ucxrpc._pool": 2,  # the thread pool that runs user functions, for agent
+    "ucxrpc._membership": 2,  # dynamic membership: joining and leaving, on the agent
     "ucxrpc.api": 3,
     "ucxrpc.functions": 3,
     "ucxrpc.rref": 4,

@@ -175,6 +175,14 @@ class ContextTable:
                 self._released_set.add(context_id)
         return ctx
 
+    def drop_created_by(self, worker: int) -> None:
+        """Forget the contexts a worker that died or left created: the
+        release it would have sent never comes."""
+        with self._lock:
+            ids = [i for i in self._contexts if i >> _COUNTER_BITS == worker]
+        for i in ids:
+            self.pop(i)
+
     def next_send_id(self) -> int:
         return next(self._send_ids)
 

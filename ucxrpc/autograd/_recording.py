@@ -40,6 +40,7 @@ def _hook(agent: RpcAgent) -> ContextTable:
     tbl = ContextTable(agent.info.id)
     agent.wrap_call = functools.partial(_wrap_call, tbl)
     agent.debug_sources.append(functools.partial(_debug_info, tbl))
+    agent.on_peer_failure.append(tbl.drop_created_by)
     return tbl
 
 

@@ -169,6 +169,9 @@ class Transport:
         self._alloc = allocator or self._default_alloc
         self._spin_s = spin_s
         self._spin_while = spin_while
+        # Dynamic membership: (name, address, cuda_direct) of a worker id we
+        # have no pipe for, or None; asked when such a worker says HELLO.
+        self.on_unknown_peer: Callable[[int], tuple[str, bytes, bool] | None] | None = None
         self._peer_timeout = peer_timeout
         self._data_spins = 8
         self._ping_interval = min(1.0, peer_timeout / 3)
@@ -208,10 +211,18 @@ class Transport:
         """Register a peer; its pipe opens on first use (ours or theirs).
 
         ``cuda_direct``: the peer's :attr:`cuda_direct`, as it published it.
+        A peer known under another address (a worker that left and joined
+        again) gets a new pipe; the old one's failures are ignored.
         """
+        old = self._pipes.get(peer_id)
+        if old is not None and old.address == address:
+            return
         pipe = Pipe(peer_id, name, address)
         pipe.direct = self.cuda_direct and cuda_direct
         self._pipes[peer_id] = pipe
+        if old is not None:
+            with old.lock:
+                old.out_state = OutState.CLOSED  # its endpoint dies with the process
 
     def peer_ids(self) -> list[int]:
         return list(self._pipes)
@@ -406,6 +417,9 @@ class Transport:
         sender = (tag >> ID_SHIFT) & ID_MASK
         kind = tag >> KIND_SHIFT
         pipe = self._pipes.get(sender)
+        if (kind == HANDSHAKE and self.on_unknown_peer is not None and buf.nbytes > 3
+                and buf[3] == Kind.HELLO):  # the prefix's kind byte
+            pipe = self._adopt(sender, pipe)
         if pipe is None:
             self.refused += 1
             logger.warning("refused a frame from unknown worker id %d", sender)
@@ -427,6 +441,20 @@ class Transport:
         except FrameError as exc:
             self.frame_errors += 1
             logger.warning("dropped a frame from %s: %s", pipe.name, exc)
+
+    def _adopt(self, sender: int, pipe: Pipe | None) -> Pipe | None:
+        """A handshake from a worker we do not know, or from a new
+        incarnation of one: ask :attr:`on_unknown_peer` where it lives.  The
+        handshake still has to prove the secret."""
+        assert self.on_unknown_peer is not None
+        try:
+            found = self.on_unknown_peer(sender)
+        except Exception:
+            logger.exception("looking up worker id %d failed", sender)
+            return pipe
+        if found is not None:
+            self.add_peer(sender, *found)
+        return self._pipes.get(sender)
 
     def _on_handshake(self, pipe: Pipe, frame: Frame) -> None:
         x, y = pipe.peer_id, self.my_id
@@ -696,6 +724,8 @@ class Transport:
             pipe.error = exc
             pipe.in_key = None
             pipe.backlog.clear()
+        if self._pipes.get(pipe.peer_id) is not pipe:
+            return  # replaced: the worker came back under a new address
         logger.warning("pipe to %s broke: %s", pipe.name, exc)
         try:
             self._on_broken(pipe.peer_id, self._pipe_error(pipe))

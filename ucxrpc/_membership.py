@@ -1,0 +1,102 @@
+"""Dynamic membership (``init_rpc(world_size=None)``): joining and leaving
+a running group, one worker at a time, as torch does.
+
+Join, under the group lock (:class:`rendezvous.GroupLock`): check that the
+rank and the name are free, publish this worker's record, check everyone's
+device maps with it included, start serving, add the rank to the group, then
+tell every present worker (an RPC each, so that when ``init_rpc`` returns
+every worker knows the newcomer, as in torch).  A present worker learns where
+the newcomer lives from its record when the newcomer's first handshake
+arrives.  Leave, under the lock: tell every present worker, which fails what
+was pending with the leaver and drops its RRef forks and autograd contexts,
+then take the rank out of the group.  A worker that cannot be told (dead,
+unreachable) is skipped with a warning: it cannot hold up the others.
+
+The store lives in rank 0 (as in torch), so rank 0 leaves last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Any, Callable
+
+from . import rendezvous
+from .agent import RpcAgent
+from .errors import RpcError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["join", "leave"]
+
+
+def join(agent: RpcAgent, timeout: float, welcome: Callable[[str], None],
+         farewell: Callable[[int], None]) -> None:
+    """Join ``agent``'s dynamic group.  ``welcome(record_json)`` and
+    ``farewell(rank)`` are the functions the other workers run (by RPC) to
+    add and remove a worker.
+
+    Raises:
+        RpcError: the rank or name is taken, the job is static, or the group
+            lock was not had within ``timeout``.
+        ValueError: device maps that fail torch's checks.
+    """
+    store = agent.store
+    rendezvous.claim_mode(store, "dynamic")
+    token = f"{agent.info.name}/{os.getpid()}/{uuid.uuid4().hex}"
+    with rendezvous.GroupLock(store, token, timeout):
+        present = {r: rendezvous.member(store, r) for r in rendezvous.group_ranks(store)}
+        me = agent.info
+        if me.id in present:
+            raise RpcError(f"rank {me.id} is already in the group, as "
+                           f"{present[me.id].name!r}; ranks must be unique")
+        for m in present.values():
+            if m.name == me.name:
+                raise RpcError(f"worker name {me.name!r} is already in the group, as rank "
+                               f"{m.rank}; names must be unique")
+        record = agent.publish()
+        agent.check_device_maps({**present, me.id: record})
+        agent.add_member(record)  # itself, for get_worker_info
+        for m in present.values():
+            agent.add_member(m)
+        agent.transport.on_unknown_peer = agent.lookup_member
+        agent.start()
+        rendezvous.set_group_ranks(store, [*present, me.id])
+        _tell(agent, list(present), welcome, (record.to_json(),), timeout)
+    agent.leave_group = lambda t: leave(agent, t, farewell)
+    logger.info("%s joined a group of %d workers", me, len(present) + 1)
+
+
+def leave(agent: RpcAgent, timeout: float, farewell: Callable[[int], None]) -> None:
+    """Leave the group: every present worker forgets this one first."""
+    store = agent.store
+    me = agent.info.id
+    token = f"{agent.info.name}/{os.getpid()}/{uuid.uuid4().hex}"
+    try:
+        with rendezvous.GroupLock(store, token, timeout):
+            others = [r for r in rendezvous.group_ranks(store) if r != me]
+            _tell(agent, others, farewell, (me,), timeout)
+            rendezvous.set_group_ranks(store, others)
+    except Exception as exc:  # the store went with rank 0, or timed out
+        logger.warning("%s: could not leave the group cleanly: %s", agent.info, exc)
+
+
+def _tell(agent: RpcAgent, ranks: list[int], func: Callable[..., Any], args: tuple[Any, ...],
+          timeout: float) -> None:
+    futures = []
+    for r in ranks:
+        to = agent.workers.get(r)
+        if to is None or agent.is_broken(r):
+            continue
+        try:
+            futures.append((to, agent.call(to, func, args, {}, timeout)))
+        except RpcError as exc:
+            logger.warning("%s: could not reach %s: %s", agent.info, to.name, exc)
+    for to, fut in futures:
+        try:
+            agent.wait(fut)
+        except RpcError as exc:
+            logger.warning("%s: %s did not answer (%s); going on without it",
+                           agent.info, to.name, exc)
+
