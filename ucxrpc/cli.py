@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ucxrpc", description="torch RPC on UCX")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="UCX version, transports, GPUs, CUDA support")
-    sub.add_parser("bench", help="benchmark two local workers (see `ucxrpc bench -h`)",
+    sub.add_parser("bench", help="measure ucxrpc vs torch RPC vs raw UCX (see `ucxrpc bench -h`)",
                    add_help=False)
     if args and args[0] == "bench":
         from .bench import main as bench_main

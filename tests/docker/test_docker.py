@@ -321,6 +321,9 @@ def test_services_share_ipc_and_pid_namespaces(services: dict[str, dict[str, Any
     owner, joiner = _owner_and_joiner(services)
     assert services[joiner].get("ipc") == f"service:{owner}"
     assert services[joiner].get("pid") == f"service:{owner}"
+    # UCX's shared-memory wake-ups are abstract unix sockets: per network
+    # namespace, so sharing IPC without the network loses them.
+    assert services[joiner].get("network_mode") == f"service:{owner}"
     # The owner keeps its own PID namespace, which the joiner enters; joining
     # each other would be a cycle, and 'host' is not what the README describes.
     assert services[owner].get("pid") is None

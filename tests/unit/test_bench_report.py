@@ -33,6 +33,9 @@ RESULTS = {
 }
 
 
+TORCH, RAW = ("ucxrpc", "torch"), ("ucxrpc", "ucxx")
+
+
 def _row(table: report.Table, key: str) -> report.Row:
     (row,) = [r for r in table.rows if r.metric.key == key]
     return row
@@ -41,22 +44,22 @@ def _row(table: report.Table, key: str) -> report.Row:
 def test_ratios_are_primary_over_other_for_every_metric():
     table = report.build_table(RESULTS, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
     assert table.impls == ("ucxrpc", "torch", "ucxx")
-    assert table.ratio_against == ("torch", "ucxx")
+    assert table.ratio_pairs == (TORCH, RAW)
 
     latency = _row(table, "latency_p50_us")
     assert latency.metric.better == "lower"
-    assert latency.ratios["torch"] == pytest.approx(0.25)    # < 1: ucxrpc is faster
-    assert latency.ratios["ucxx"] == pytest.approx(10.0)
+    assert latency.ratios[TORCH] == pytest.approx(0.25)    # < 1: ucxrpc is faster
+    assert latency.ratios[RAW] == pytest.approx(10.0)
 
     bandwidth = _row(table, f"one_way_gbps/{MiB}")
     assert bandwidth.metric.better == "higher"
-    assert bandwidth.ratios["torch"] == pytest.approx(4.0)   # > 1: ucxrpc moves more
-    assert bandwidth.ratios["ucxx"] == pytest.approx(0.5)
+    assert bandwidth.ratios[TORCH] == pytest.approx(4.0)   # > 1: ucxrpc moves more
+    assert bandwidth.ratios[RAW] == pytest.approx(0.5)
 
     throughput = _row(table, "async_calls_per_s")
     assert throughput.metric.better == "higher"
-    assert throughput.ratios["torch"] == pytest.approx(4.0)
-    assert throughput.ratios["ucxx"] is None                 # raw has no such figure
+    assert throughput.ratios[TORCH] == pytest.approx(4.0)
+    assert throughput.ratios[RAW] is None                  # raw has no such figure
     assert throughput.values["ucxx"] is None
 
 
@@ -98,7 +101,7 @@ def test_sizes_only_one_implementation_measured_still_appear():
     table = report.build_table(results, primary="torch", impls=["torch", "ucxx"])
     row = _row(table, f"one_way_gbps/{256 * MiB}")
     assert row.values == {"torch": None, "ucxx": 16.0}
-    assert row.ratios == {"ucxx": None}
+    assert row.ratios == {("torch", "ucxx"): None}
     assert "one-way bandwidth 256 MiB" in report.render_table(table)
 
 
@@ -111,8 +114,8 @@ def test_no_results_at_all():
 def test_primary_is_moved_first_and_duplicates_dropped():
     table = report.build_table(RESULTS, primary="torch", impls=["ucxx", "torch", "ucxx"])
     assert table.impls == ("torch", "ucxx")
-    assert table.ratio_header("ucxx") == "torch/raw"
-    assert _row(table, "latency_p50_us").ratios == {"ucxx": pytest.approx(40.0)}
+    assert table.ratio_header(("torch", "ucxx")) == "torch/raw"
+    assert _row(table, "latency_p50_us").ratios == {("torch", "ucxx"): pytest.approx(40.0)}
 
 
 def test_ratio_edge_cases():
@@ -193,7 +196,8 @@ def test_repeated_runs_show_the_median_per_metric():
                                primary="torch", impls=["torch", "ucxx"])
     assert _row(table, "latency_p50_us").values["torch"] == 200.0
     assert _row(table, f"one_way_gbps/{MiB}").values["torch"] == 2.0
-    assert _row(table, f"one_way_gbps/{MiB}").ratios["ucxx"] == pytest.approx(2.0 / 16.0)
+    assert _row(table, f"one_way_gbps/{MiB}").ratios[("torch", "ucxx")] == \
+        pytest.approx(2.0 / 16.0)
 
 
 def test_combine_runs_median_even_count_and_missing_metrics():
@@ -227,3 +231,36 @@ def test_direction_of_every_metric_agrees_with_the_key_rule():
     table = report.build_table(RESULTS, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
     for row in table.rows:
         assert report.lower_is_better(row.metric.key) == (not row.metric.higher_is_better)
+
+
+def test_bidirectional_rows_follow_round_trip():
+    doc = _measurements(p50=50.0, p99=100.0, gbps=1.0)
+    doc["bidirectional"] = [{"bytes": MiB, "gbps": 3.0, "iters": 3}]
+    table = report.build_table({"ucxrpc": doc}, primary="ucxrpc", impls=["ucxrpc"])
+    keys = [r.metric.key for r in table.rows]
+    assert keys.index(f"bidirectional_gbps/{MiB}") == keys.index(f"round_trip_gbps/{MiB}") + 1
+    row = _row(table, f"bidirectional_gbps/{MiB}")
+    assert row.values == {"ucxrpc": 3.0} and row.metric.better == "higher"
+    assert "bidirectional bandwidth 1 MiB" in report.render_table(table)
+
+
+def test_transport_matrix_compares_like_with_like():
+    results = {"ucxrpc[tcp]": _measurements(100.0, 200.0, 1.0),
+               "ucxrpc[sm]": _measurements(50.0, 100.0, 8.0),
+               "torch": _measurements(200.0, 400.0, 2.0),
+               "ucxx[tcp]": _measurements(10.0, 20.0, 2.0),
+               "ucxx[sm]": _measurements(5.0, 10.0, 16.0)}
+    table = report.build_table(results, primary="ucxrpc",
+                               impls=["torch", "ucxx[tcp]", "ucxx[sm]", "ucxrpc[tcp]",
+                                      "ucxrpc[sm]"])
+    assert table.impls[:2] == ("ucxrpc[tcp]", "ucxrpc[sm]")
+    assert table.ratio_pairs == (("ucxrpc[tcp]", "torch"), ("ucxrpc[tcp]", "ucxx[tcp]"),
+                                 ("ucxrpc[sm]", "torch"), ("ucxrpc[sm]", "ucxx[sm]"))
+    row = _row(table, f"one_way_gbps/{MiB}")
+    assert row.ratios[("ucxrpc[sm]", "ucxx[sm]")] == pytest.approx(0.5)
+    header = report.render_table(table).splitlines()[0]
+    assert "ucxrpc [tcp]" in header and "raw ucxx [sm]" in header
+    assert "ucxrpc[tcp]/raw[tcp]" in header and "ucxrpc[sm]/torch" in header
+    doc = report.build_json(table, results, {}, {})
+    assert set(doc["table"][0]["ratios"]) == {"ucxrpc[tcp]/torch", "ucxrpc[tcp]/raw[tcp]",
+                                              "ucxrpc[sm]/torch", "ucxrpc[sm]/raw[sm]"}

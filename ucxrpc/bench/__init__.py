@@ -1,12 +1,17 @@
 """``ucxrpc bench``: ucxrpc against torch's TensorPipe agent and raw UCX.
 
-Each implementation runs the same workload in its own pair of spawned
-processes on this host (see :mod:`ucxrpc.bench.workload`); the results are
-tabulated by :mod:`ucxrpc.bench.report`. Entry point: :func:`main`, called
-by the ``ucxrpc bench`` command and ``benchmarks/bench_rpc.py``.
+Each series (an implementation, under one UCX transport choice) runs the
+same workload (:mod:`ucxrpc.bench.workload`, :mod:`ucxrpc.bench.raw`) in
+fresh processes: two on this host, or one on each of two hosts when launched
+by torchrun (:mod:`ucxrpc.bench.hosts`). The results become a table and a
+JSON document (:mod:`ucxrpc.bench.report`) and a PNG plot
+(:mod:`ucxrpc.bench.plot`). Entry point: :func:`main`, called by the
+``ucxrpc bench`` command, ``python -m ucxrpc.bench`` and
+``benchmarks/bench_rpc.py``.
 
-Importing this package imports neither torch nor ucxx nor the rest of
-ucxrpc; the children do that.
+Importing this package starts nothing and imports neither ucxx nor
+matplotlib: the children load UCX (after setting ``UCX_*``), and the plot
+loads matplotlib only when it draws.
 """
 
 from __future__ import annotations
@@ -14,154 +19,130 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from . import report
-from .workload import (IMPLEMENTATIONS, RunOutcome, WorkloadConfig,
-                       describe_config, quick_config, run_implementation)
+from .hosts import HostSession, host_env, local_device
+from .launch import RunOutcome
+from .plan import (DEFAULT_MAX_SIZE, build_series, default_sizes, format_size,
+                   parse_sizes, parse_transports)
+from .progress import Progress
+from .runner import plan_document, plan_runs, run_all, serve_rank1
+from .text import header, transport_lines
+from .workload import WorkloadConfig, count_steps, describe_config, quick_config
 
 __all__ = ["main", "build_parser"]
 
-# Share of all CPUs other processes may take during a run before the figures
-# come with a warning.
-_BUSY_WARN = 0.05
+DEFAULT_JSON = "ucxrpc-bench.json"
 
-_DESCRIPTIONS = {
-    "ucxrpc": "ucxrpc (UCX agent), {threads} worker threads; transports: {tls}",
-    "torch": "torch.distributed.rpc, TensorPipe agent, {threads} worker threads",
-    "ucxx": "UCX through ucxx's core API, tag send/recv into reused buffers, caller polls;\n"
-            "            latency = 8-byte ping-pong, one-way = send + 8-byte ack; transports: {tls}",
-}
+_EPILOG = f"""\
+sizes: comma-separated sizes (K/M/G are binary) and ranges LO..HI (steps of x4)
+  or LO..HI:F (steps of xF); default 4K..{format_size(DEFAULT_MAX_SIZE['cpu'])} on CPU,
+  4K..{format_size(DEFAULT_MAX_SIZE['cuda'])} with --device cuda.
+
+transports: each --transports value is one UCX transport choice or several
+  separated by ';'; a choice is a comma list used together. Several choices
+  make a matrix: ucxrpc and raw ucxx run once per choice, e.g.
+    --transports 'tcp;sm;all'       (tcp vs shared memory vs everything)
+    --transports tcp --transports sm,cma
+    --device cuda --transports 'sm,cuda;tcp,cuda_copy;all'
+
+across two hosts: run the same command on both under torchrun (or anything
+  that sets RANK, WORLD_SIZE=2, MASTER_ADDR, MASTER_PORT), e.g. on host N:
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank N \\
+        --master-addr HOST0 --master-port 29500 -m ucxrpc.bench --compare torch
+  rank 0's options apply to both; rank 0 prints and writes the results.
+"""
+
+
+def _sizes_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_sizes(text)
+    except ValueError as exc:   # argparse shows only this type's message
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ucxrpc bench",
-        description="Measure RPC latency, throughput and bandwidth between two local "
-                    "processes; compare ucxrpc with torch's TensorPipe agent and raw UCX.")
-    parser.add_argument("--impl", choices=("ucxrpc", "torch"), default="ucxrpc",
-                        help="implementation under test; ratio columns are it ÷ the others "
-                             "(default: ucxrpc)")
-    parser.add_argument("--compare", choices=("torch", "ucxx"), action="append", default=[],
-                        help="also run torch's TensorPipe agent or the raw ucxx baseline "
-                             "(repeatable)")
-    parser.add_argument("--sizes", type=report.parse_sizes, default=None,
-                        help="bandwidth sizes, comma-separated, K/M/G suffixes are binary "
-                             "(default: 4K,16K,64K,256K,1M,4M,16M,64M,256M)")
-    parser.add_argument("--iters", type=int, default=None,
-                        help="timed no-op rpc_sync calls for latency (default: 2000)")
-    parser.add_argument("--transports", default=None,
-                        help="comma-separated UCX transports for ucxrpc and raw ucxx, "
-                             "e.g. 'sm' or 'tcp' (default: UCX chooses)")
-    parser.add_argument("--json", metavar="PATH", default=None,
-                        help="also write the results, config and machine info as JSON")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: sizes 4K,64K,1M, few iterations")
-    parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="run every implementation N times, interleaved, and show the "
-                             "median of the runs per figure (default: 1)")
-    parser.add_argument("--stat", choices=("median", "best"), default="median",
-                        help="with --repeat: per figure, the median of the runs or the best "
-                             "(lowest time, highest rate) (default: median)")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="overall deadline in seconds (default: 600 per repeat, "
-                             "--quick: 180)")
+        prog="ucxrpc bench", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure RPC latency, throughput and bandwidth (one-way, round-trip, "
+                    "bidirectional) between two processes on this host or on two hosts; "
+                    "compare ucxrpc with torch's TensorPipe agent and raw UCX. Prints a "
+                    "table and writes JSON and a PNG plot.")
+    add = parser.add_argument
+    add("--impl", choices=("ucxrpc", "torch"), default="ucxrpc",
+        help="implementation under test; ratio columns are it ÷ the others (default: ucxrpc)")
+    add("--compare", choices=("torch", "ucxx"), action="append", default=[],
+        help="also run torch's TensorPipe agent or the raw ucxx baseline (repeatable)")
+    add("--sizes", type=_sizes_arg, default=None,
+        help="message sizes for the bandwidth and latency-vs-size tests (see below)")
+    add("--device", choices=("cpu", "cuda"), default="cpu",
+        help="where tensors live; cuda: cuda:0 on both ranks (one GPU shared by the two "
+             "local processes) with device maps both ways (default: cpu)")
+    add("--transports", action="append", default=None, metavar="CHOICES",
+        help="UCX transports for ucxrpc and raw ucxx, e.g. 'tcp', 'sm', 'tcp;sm;all' "
+             "(repeatable; default: UCX chooses, UCX_TLS honoured)")
+    add("--iters", type=int, default=None,
+        help="timed no-op rpc_sync calls for latency (default: 2000, --quick: 200)")
+    add("--time-per-size", type=float, default=None, metavar="SECONDS",
+        help="timed work per size and test, at least 3 calls (default: 0.3, --quick: 0.05)")
+    add("--json", metavar="PATH", default=None,
+        help=f"write results, config and machine info as JSON here (default: {DEFAULT_JSON})")
+    add("--no-json", action="store_true", help="write no JSON file")
+    add("--plot", metavar="PATH", default=None,
+        help="write the PNG plot here (default: the JSON path with .png, "
+             "ucxrpc-bench.png with --no-json)")
+    add("--no-plot", action="store_true", help="draw no plot")
+    add("--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)")
+    add("--quick", action="store_true",
+        help="smoke test: sizes 4K,64K,1M, few iterations (seconds per series)")
+    add("--repeat", type=int, default=1, metavar="N",
+        help="run every series N times, interleaved; the table shows the median of the runs "
+             "(default: 1)")
+    add("--stat", choices=("median", "best"), default="median",
+        help="with --repeat: per figure, the median of the runs or the best (lowest time, "
+             "highest rate) (default: median)")
+    add("--timeout", type=float, default=None,
+        help="overall deadline in seconds (default: 600 per repeat, --quick: 180)")
+    add("--local", action="store_true",
+        help="run both ranks on this host even when RANK/WORLD_SIZE are set")
+    add("--replot", metavar="JSON", default=None,
+        help="run nothing: draw the plot of a saved JSON result (to --plot, default: "
+             "next to it)")
     return parser
 
 
 def _config(args: argparse.Namespace) -> WorkloadConfig:
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"device": args.device}
     if args.sizes is not None:
         overrides["sizes"] = args.sizes
+    elif not args.quick:   # --quick has its own few sizes
+        overrides["sizes"] = default_sizes(args.device)
     if args.repeat < 1:
         raise ValueError("--repeat must be at least 1")
     if args.iters is not None:
         if args.iters < 1:
             raise ValueError("--iters must be at least 1")
         overrides["latency_iters"] = args.iters
-    if args.transports:
-        overrides["transports"] = tuple(t.strip() for t in args.transports.split(",") if t.strip())
+    if args.time_per_size is not None:
+        if args.time_per_size <= 0:
+            raise ValueError("--time-per-size must be positive")
+        overrides["target_s"] = args.time_per_size
     return quick_config(**overrides) if args.quick else WorkloadConfig(**overrides)
 
 
-def _header(impls: Sequence[str], cfg: WorkloadConfig, info: dict[str, Any]) -> str:
-    tls = ",".join(cfg.transports) if cfg.transports else "UCX default"
-    sizes = [report.format_size(n) for n in cfg.sizes]
-    names = [report.IMPL_LABELS[i] for i in impls]
-    lines = [f"ucxrpc bench: {names[0]} vs {', '.join(names[1:]) or 'nothing'}"]
-    for impl in impls:
-        text = _DESCRIPTIONS[impl].format(threads=cfg.num_worker_threads, tls=tls)
-        if impl == "torch" and cfg.transports:
-            text += " (--transports does not apply)"
-        lines.append(f"  {report.IMPL_LABELS[impl]:<10}{text}")
-    lines.append(f"  latency:    {cfg.latency_warmup} warm-up + {cfg.latency_iters} timed calls; "
-                 f"p50/p99")
-    lines.append(f"  throughput: {cfg.async_outstanding:,} outstanding rpc_async + wait_all; "
-                 f"median of {cfg.async_repeats} rounds")
-    lines.append(f"  bandwidth:  {', '.join(sizes)}; per size {cfg.warmup_iters} warm-up calls, "
-                 f"then >= {cfg.min_iters} timed (about {cfg.target_s:g} s); "
-                 "GB/s = bytes/s/1e9, median")
-    lines.append(f"  dict echo:  {cfg.dict_tensors} x {report.format_size(cfg.dict_tensor_bytes)} "
-                 "tensors, rpc_sync(echo) p50")
-    lines.append(f"  host {info['hostname']}, {info['cpus_usable']} CPUs, torch {info['torch']}, "
-                 f"ucxx {info['ucxx']}, libucx {info['libucx']}")
-    return "\n".join(lines)
+def _check_cuda() -> str | None:
+    import torch
 
-
-def _transport_lines(outcomes: dict[str, list[RunOutcome]]) -> list[str]:
-    lines = []
-    ucxrpc = _last_result(outcomes.get("ucxrpc"))
-    if ucxrpc is not None:
-        pipes = ucxrpc.get("pipe_info")
-        if pipes is None:
-            lines.append("ucxrpc pipes: (ucxrpc.get_pipe_info is not available)")
-        for pipe in pipes or ():
-            tls = ", ".join(pipe.get("transports") or ()) or "unknown"
-            lanes = ", ".join(f"{lane.get('transport')}/{lane.get('device')}"
-                              for lane in pipe.get("lanes") or ())
-            lines.append(f"ucxrpc pipe worker0 -> {pipe.get('peer', '?')}: {tls}"
-                         + (f" (lanes: {lanes})" if lanes else ""))
-    raw = _last_result(outcomes.get("ucxx"))
-    if raw is not None:
-        tls = ", ".join(raw.get("transports") or ()) or "unknown"
-        lines.append(f"raw ucxx endpoint lanes: {tls} (UCX {raw.get('ucx_version')})")
-    return lines
-
-
-def _last_result(runs: list[RunOutcome] | None) -> dict[str, Any] | None:
-    results = [o.result for o in runs or () if o.result is not None]
-    return results[-1] if results else None
-
-
-def _run_all(impls: Sequence[str], cfg: WorkloadConfig, repeat: int,
-             deadline: float) -> dict[str, list[RunOutcome]]:
-    """Run each implementation ``repeat`` times, interleaved (a, b, a, b, ...).
-
-    Interleaving spreads slow drifts of the machine over every implementation
-    instead of loading them onto whichever ran last.
-    """
-    outcomes: dict[str, list[RunOutcome]] = {impl: [] for impl in impls}
-    for round_ in range(repeat):
-        for impl in impls:
-            tag = impl if repeat == 1 else f"{impl} {round_ + 1}/{repeat}"
-            print(f"[{tag}] running ...", file=sys.stderr, flush=True)
-            outcome = run_implementation(impl, cfg, deadline)
-            state = "failed" if outcome.error else "done"
-            others = "" if outcome.cpu_others is None else \
-                f" (other processes: {outcome.cpu_others:.0%} of the CPUs)"
-            print(f"[{tag}] {state} in {outcome.wall_s:.1f} s{others}", file=sys.stderr,
-                  flush=True)
-            if outcome.cpu_others is not None and outcome.cpu_others > _BUSY_WARN:
-                outcome.warnings.append(
-                    f"other processes used {outcome.cpu_others:.0%} of the CPUs during this "
-                    "run; its figures are distorted (a benchmark wants the machine to itself)")
-            for warning in outcome.warnings:
-                print(f"[{tag}] warning: {warning}", file=sys.stderr, flush=True)
-            outcomes[impl].append(outcome)
-    return outcomes
+    if not torch.cuda.is_available():
+        return ("--device cuda: no usable CUDA GPU here (torch.cuda.is_available() is False; "
+                f"torch {torch.__version__})")
+    return None
 
 
 @contextlib.contextmanager
@@ -181,60 +162,169 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _fail(message: str) -> int:
+    print(f"ucxrpc bench: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; print a header, the table and the pipes' transports.
+    """Run the benchmark; print a header, the table and the pipes' transports,
+    and write the JSON and the plot.
 
     Args:
         argv: command-line arguments without the program name (default:
             ``sys.argv[1:]``).
 
     Returns:
-        0 when every implementation ran (or ``--help``); 1 when a run failed
-        (the others are still reported); 2 on bad arguments (argparse's
-        message on stderr) or when ucxrpc is asked for but not usable.
+        0 when every run finished (or ``--help``); 1 when a run failed (the
+        others are still reported) or an explicitly asked-for file could not
+        be written; 2 on bad arguments, a bad launch environment, or
+        ``--device cuda`` without a GPU.
     """
     parser = build_parser()
     try:   # argparse exits on --help and on bad arguments; a caller wants a code
         args = parser.parse_args(argv)
         try:
             cfg = _config(args)
+            choices = parse_transports(args.transports)
+            env = None if args.local else host_env()
         except ValueError as exc:
             parser.error(str(exc))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    impls = tuple(dict.fromkeys([args.impl] + list(args.compare)))
-    assert all(i in IMPLEMENTATIONS for i in impls)
-    info = report.machine_info()
-    info["bench_args"] = list(sys.argv[1:] if argv is None else argv)
-    print(_header(impls, cfg, info), flush=True)
+    if args.replot:
+        return _replot(args.replot, args.plot)
     timeout = args.timeout if args.timeout is not None else \
         (180.0 if args.quick else 600.0 * args.repeat)
+    deadline = time.monotonic() + timeout
+    if env is None and args.device == "cuda" and (problem := _check_cuda()):
+        return _fail(problem)
     with _sigterm_as_exit():
-        outcomes = _run_all(impls, cfg, args.repeat, time.monotonic() + timeout)
+        if env is None:
+            return _bench(args, cfg, choices, argv, deadline, None)
+        try:
+            session = HostSession(env, timeout)
+        except Exception as exc:   # the store is unreachable: nothing to run
+            role = "host" if env.rank == 0 and not env.agent_store else "reach"
+            return _fail(f"cannot {role} the store at {env.master_addr}:{env.master_port}: {exc}")
+        try:
+            if env.rank == 1:
+                return serve_rank1(session, deadline)
+            return _bench(args, cfg, choices, argv, deadline, session)
+        except RuntimeError as exc:
+            return _fail(str(exc))
+        finally:
+            session.close(deadline)
 
-    results: dict[str, Any] = {i: [o.result for o in runs if o.result is not None]
-                               for i, runs in outcomes.items()}
-    errors = {i: "\n".join(o.error for o in runs if o.error)
-              for i, runs in outcomes.items() if any(o.error for o in runs)}
-    table = report.build_table(results, primary=args.impl, impls=impls, stat=args.stat)
+
+def _bench(args: argparse.Namespace, cfg: WorkloadConfig, choices: Any, argv: list[str] | None,
+           deadline: float, session: HostSession | None) -> int:
+    """Rank 0 (or the only process): run everything, report, write files."""
+    impls = tuple(dict.fromkeys([args.impl] + list(args.compare)))
+    series = build_series(impls, choices)
+    runs = plan_runs(series, args.repeat)
+    info = report.machine_info()
+    info["bench_args"] = list(sys.argv[1:] if argv is None else argv)
+    execute = None
+    device = "cuda:0" if cfg.device == "cuda" else "cpu"
+    if session is not None:
+        device = local_device(cfg.device, session.env.local_rank)
+        peer = session.publish(plan_document(runs, cfg, device, socket.gethostname(),
+                                             deadline - time.monotonic()), deadline)
+        info.update(peer_host=peer["host"], peer_device=peer["device"],
+                    master=f"{session.env.master_addr}:{session.env.master_port}")
+
+        def execute(index: int, run: Any, run_cfg: WorkloadConfig, until: float,
+                    on_progress: Any) -> RunOutcome:
+            return session.run(index, run.series.key, run.series.impl, run_cfg, device,
+                               until, on_progress)
+
+    print(header(series, cfg, info, device), flush=True)
+    progress = Progress(sum(count_steps(r.series.impl, cfg) for r in runs),
+                        enabled=args.progress)
+    try:
+        outcomes = run_all(runs, cfg, deadline, progress, execute)
+    finally:
+        progress.close()
+    return _report(args, cfg, series, outcomes, info, device)
+
+
+def _report(args: argparse.Namespace, cfg: WorkloadConfig, series: Any,
+            outcomes: dict[str, list[RunOutcome]], info: dict[str, Any], device: str) -> int:
+    keys = [s.key for s in series]
+    results: dict[str, Any] = {k: [o.result for o in outcomes.get(k, ()) if o.result is not None]
+                               for k in keys}
+    errors = {k: "\n".join(o.error for o in runs if o.error)
+              for k, runs in outcomes.items() if any(o.error for o in runs)}
+    table = report.build_table(results, primary=args.impl, impls=keys, stat=args.stat)
     print()
     if args.repeat > 1:
-        print(f"{args.stat} of {args.repeat} runs per implementation (failed runs left out)")
+        print(f"{args.stat} of {args.repeat} runs per series (failed runs left out)")
     print(report.render_table(table))
-    for line in _transport_lines(outcomes):
+    for line in transport_lines(series, outcomes):
         print(line)
-    for impl, error in errors.items():
-        print(f"\n{impl} FAILED: {error}", file=sys.stderr)
-    if args.json:
-        raw = _last_result(outcomes.get("ucxx"))
-        if raw is not None:
-            info["ucx"] = raw.get("ucx_version")
-        config = describe_config(cfg)
-        config.update(repeat=args.repeat, stat=args.stat)
-        doc = report.build_json(table, results, info, config, errors)
-        doc["runs"] = {i: [{"wall_s": o.wall_s, "warnings": o.warnings,
-                            "cpu_others": o.cpu_others, "ok": o.error is None} for o in runs]
-                       for i, runs in outcomes.items()}
-        report.dump_json(args.json, doc)
-        print(f"JSON written to {args.json}")
-    return 1 if errors else 0
+    for key, error in errors.items():
+        print(f"\n{key} FAILED: {error}", file=sys.stderr)
+    status = 1 if errors else 0
+    if args.no_json and args.no_plot:
+        return status
+    raw = next((o.result for s in series if s.impl == "ucxx"
+                for o in outcomes.get(s.key, ()) if o.result is not None), None)
+    if raw is not None:
+        info["ucx"] = raw.get("ucx_version")
+    config = describe_config(cfg)
+    config.update(repeat=args.repeat, stat=args.stat, device=device,
+                  transport_choices=[list(c) if c else None for c in
+                                     dict.fromkeys(s.transports for s in series
+                                                   if s.impl != "torch")])
+    doc = report.build_json(table, results, info, config, errors)
+    doc["series"] = {s.key: {"impl": s.impl, "transports": list(s.transports or ()) or None,
+                             "label": s.label} for s in series}
+    doc["runs"] = {k: [{"wall_s": o.wall_s, "warnings": o.warnings, "cpu_others": o.cpu_others,
+                        "ok": o.error is None} for o in runs] for k, runs in outcomes.items()}
+    return max(status, _write_files(args, doc))
+
+
+def _replot(json_path: str, plot_path: str | None) -> int:
+    import json
+
+    from .plot import plot_path_for, render_plot
+
+    try:
+        with open(json_path, encoding="utf-8") as f:
+            doc = json.load(f)
+        path = render_plot(doc, plot_path or plot_path_for(json_path))
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"ucxrpc bench: cannot plot {json_path}: {exc}", file=sys.stderr)
+        return 1
+    print(f"plot written to {path}")
+    return 0
+
+
+def _write_files(args: argparse.Namespace, doc: dict[str, Any]) -> int:
+    """Write the JSON and the plot; 1 if one that was asked for by name failed."""
+    from .plot import plot_path_for, render_plot
+
+    status = 0
+    json_path = None if args.no_json else (args.json or DEFAULT_JSON)
+    if json_path is not None:
+        try:
+            report.dump_json(json_path, doc)
+            print(f"JSON written to {json_path}")
+        except OSError as exc:
+            print(f"ucxrpc bench: cannot write {json_path}: {exc}", file=sys.stderr)
+            status = 1
+    if args.no_plot:
+        return status
+    plot_path = args.plot or plot_path_for(json_path or DEFAULT_JSON)
+    try:
+        render_plot(doc, plot_path)
+        print(f"plot written to {plot_path}")
+    except ImportError as exc:
+        print(f"ucxrpc bench: no plot: matplotlib is not installed ({exc}); "
+              "pip install matplotlib", file=sys.stderr)
+        status = max(status, 1 if args.plot else 0)
+    except (OSError, ValueError) as exc:
+        print(f"ucxrpc bench: cannot write the plot {plot_path}: {exc}", file=sys.stderr)
+        status = 1
+    return status

@@ -3,24 +3,32 @@
 Pure functions over plain data, so they can be tested without processes.
 Every implementation (``ucxrpc``, ``torch``, raw ``ucxx``) reports its
 measurements in one schema, produced by :func:`ucxrpc.bench.workload.run_workload`
-and :func:`ucxrpc.transport.baseline.baseline_peer`::
+and :func:`ucxrpc.bench.raw.raw_peer`::
 
     {
       "latency":    {"p50_us": float, "p99_us": float, "mean_us": float, "n": int},
       "async":      {"calls_per_s": float, "runs": [float, ...], "stat": "median",
                      "outstanding": int},                      # optional
-      "one_way":    [{"bytes": int, "gbps": float, "iters": int, ...}, ...],
-      "round_trip": [{"bytes": int, "gbps": float, "iters": int, ...}, ...],
+      "one_way":       [SIZED, ...],     # rpc_sync(consume, t) / send + 8-byte ack
+      "round_trip":    [SIZED, ...],     # rpc_sync(echo, t) / ping-pong
+      "bidirectional": [SIZED, ...],     # both sides send at once (optional)
       "dict_echo":  {"p50_us": float, "n": int, ...},           # optional
     }
+    SIZED = {"bytes": int, "iters": int, "gbps": float, "gbps_min": float,
+             "gbps_max": float, "min_s": float, "median_s": float, "max_s": float}
 
+(see :func:`ucxrpc.bench.workload.size_stats`). Results are keyed by
+*series*: an implementation, or in a transport matrix an implementation
+under one transport choice (``"ucxrpc[tcp]"``, see :mod:`ucxrpc.bench.plan`).
 A missing section (raw ucxx has no ``async`` or ``dict_echo``) or a missing
-implementation (it failed, or was not asked for) shows as an empty cell.
+series (it failed, or was not asked for) shows as an empty cell.
 
 Ratio columns compare the *primary* implementation (the one under test,
-normally ``ucxrpc``) with each other one as ``primary ÷ other``: for rows
-where lower is better (latency) a ratio < 1 means the primary wins; for rows
-where higher is better (bandwidth, throughput) a ratio > 1 means it wins.
+normally ``ucxrpc``) with each other series as ``primary ÷ other`` (in a
+matrix, against the series on the same transport choice, and torch): for
+rows where lower is better (latency) a ratio < 1 means the primary wins; for
+rows where higher is better (bandwidth, throughput) a ratio > 1 means it
+wins.
 """
 
 from __future__ import annotations
@@ -30,12 +38,14 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import shlex
 import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
+
+from .plan import (IMPL_LABELS, format_size, parse_size, parse_sizes, ratio_pairs,
+                   series_label, series_short, split_key)
 
 __all__ = [
     "IMPL_LABELS",
@@ -58,46 +68,11 @@ __all__ = [
     "render_table",
 ]
 
-#: Column labels for the implementation keys used throughout the harness.
-IMPL_LABELS = {"ucxrpc": "ucxrpc", "torch": "torch", "ucxx": "raw ucxx"}
-#: Short names used in ratio column headers ("ucxrpc/raw").
-_RATIO_NAMES = {"ucxrpc": "ucxrpc", "torch": "torch", "ucxx": "raw"}
-
 EMPTY = "—"
 
-_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Parse ``"4K"``, ``"16KiB"``, ``"1M"``, ``"2g"`` or ``"4096"`` into bytes.
-
-    Suffixes are binary (K = 1024). Raises ``ValueError`` on anything else,
-    including sizes < 1.
-    """
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 4K, 16M, 1G)")
-    value = int(match.group(1)) * _SUFFIXES[match.group(2).upper()]
-    if value < 1:
-        raise ValueError(f"size must be at least 1 byte: {text!r}")
-    return value
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """Parse a comma-separated list of sizes; duplicates dropped, sorted."""
-    parts = [p for p in text.split(",") if p.strip()]
-    if not parts:
-        raise ValueError("empty size list")
-    return tuple(sorted({parse_size(p) for p in parts}))
-
-
-def format_size(n: int) -> str:
-    """``4096 -> "4 KiB"``, ``16777216 -> "16 MiB"``, ``1000 -> "1000 B"``."""
-    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult} {unit}"
-    return f"{n} B"
+#: Per-size sections in display order, with their row labels.
+_SIZED = {"one_way": "one-way bandwidth", "round_trip": "round-trip bandwidth",
+          "bidirectional": "bidirectional bandwidth"}
 
 
 @dataclass(frozen=True)
@@ -117,19 +92,19 @@ class Metric:
 @dataclass(frozen=True)
 class Row:
     metric: Metric
-    values: Mapping[str, float | None]   # impl -> value
-    ratios: Mapping[str, float | None]   # other impl -> primary / other
+    values: Mapping[str, float | None]                # series -> value
+    ratios: Mapping[tuple[str, str], float | None]    # (numerator, denominator) -> ratio
 
 
 @dataclass(frozen=True)
 class Table:
-    primary: str
-    impls: tuple[str, ...]            # value columns, primary first
-    ratio_against: tuple[str, ...]    # one ratio column per entry
+    primary: str                              # the implementation under test
+    impls: tuple[str, ...]                    # value columns (series), primary's first
+    ratio_pairs: tuple[tuple[str, str], ...]  # one ratio column per pair
     rows: tuple[Row, ...]
 
-    def ratio_header(self, other: str) -> str:
-        return f"{_RATIO_NAMES.get(self.primary, self.primary)}/{_RATIO_NAMES.get(other, other)}"
+    def ratio_header(self, pair: tuple[str, str]) -> str:
+        return f"{series_short(pair[0])}/{series_short(pair[1])}"
 
 
 def _get(d: Mapping[str, Any] | None, *path: str) -> Any:
@@ -144,8 +119,9 @@ def flatten(measurements: Mapping[str, Any] | None) -> dict[str, float]:
     """Map one implementation's measurements to ``{metric key: value}``.
 
     Keys: ``latency_p50_us``, ``latency_p99_us``, ``async_calls_per_s``,
-    ``one_way_gbps/<bytes>``, ``round_trip_gbps/<bytes>``,
-    ``dict_echo_p50_us``. Absent or ``None`` values are left out.
+    ``<section>_gbps/<bytes>`` for each per-size section (``one_way``,
+    ``round_trip``, ``bidirectional``), ``dict_echo_p50_us``. Absent or
+    ``None`` values are left out.
     """
     out: dict[str, float] = {}
     for key, path in (("latency_p50_us", ("latency", "p50_us")),
@@ -155,7 +131,7 @@ def flatten(measurements: Mapping[str, Any] | None) -> dict[str, float]:
         value = _get(measurements, *path)
         if value is not None:
             out[key] = float(value)
-    for section in ("one_way", "round_trip"):
+    for section in _SIZED:
         for entry in _get(measurements, section) or ():
             if entry.get("gbps") is not None:
                 out[f"{section}_gbps/{int(entry['bytes'])}"] = float(entry["gbps"])
@@ -168,7 +144,7 @@ def _metrics_for(flat: Sequence[Mapping[str, float]]) -> list[Metric]:
     rows = [Metric("latency_p50_us", "no-op rpc_sync latency p50", "µs", False),
             Metric("latency_p99_us", "no-op rpc_sync latency p99", "µs", False),
             Metric("async_calls_per_s", "rpc_async throughput", "calls/s", True)]
-    for section, label in (("one_way", "one-way bandwidth"), ("round_trip", "round-trip bandwidth")):
+    for section, label in _SIZED.items():
         sizes = sorted(int(k.split("/", 1)[1]) for k in keys if k.startswith(section + "_gbps/"))
         rows += [Metric(f"{section}_gbps/{n}", f"{label} {format_size(n)}", "GB/s", True)
                  for n in sizes]
@@ -220,29 +196,32 @@ def build_table(results: Mapping[str, Any], primary: str, impls: Sequence[str],
     """Build the comparison table.
 
     Args:
-        results: implementation key -> measurements (schema in the module
+        results: series key -> measurements (schema in the module
             docstring), or a list of them from repeated runs, combined per
-            metric by ``stat`` (see :func:`combine_runs`); an implementation
-            may be missing or ``None``.
-        primary: the implementation under test; ratio columns are
-            ``primary ÷ other`` for every other implementation in ``impls``.
-        impls: value columns in display order (primary is moved first).
+            metric by ``stat`` (see :func:`combine_runs`); a series may be
+            missing or ``None``.
+        primary: the implementation under test; ratio columns are its series
+            over the others' (:func:`ucxrpc.bench.plan.ratio_pairs`).
+        impls: value columns (series keys) in display order; the primary's
+            series are moved first.
 
-    Rows appear only for metrics at least one implementation reported.
+    Rows appear only for metrics at least one series reported.
     """
-    order = (primary,) + tuple(i for i in dict.fromkeys(impls) if i != primary)
+    keys = tuple(dict.fromkeys(impls))
+    order = tuple(k for k in keys if split_key(k)[0] == primary) + \
+        tuple(k for k in keys if split_key(k)[0] != primary)
     flat = {}
-    for impl in order:
-        result = results.get(impl)
+    for key in order:
+        result = results.get(key)
         runs = result if isinstance(result, Sequence) else [result]
-        flat[impl] = combine_runs(runs, stat)
-    others = order[1:]
+        flat[key] = combine_runs(runs, stat)
+    pairs = ratio_pairs(order, primary)
     rows = []
     for metric in _metrics_for(list(flat.values())):
-        values = {impl: flat[impl].get(metric.key) for impl in order}
-        ratios = {o: ratio(values[primary], values[o]) for o in others}
+        values = {key: flat[key].get(metric.key) for key in order}
+        ratios = {pair: ratio(values[pair[0]], values[pair[1]]) for pair in pairs}
         rows.append(Row(metric, values, ratios))
-    return Table(primary=primary, impls=order, ratio_against=others, rows=tuple(rows))
+    return Table(primary=primary, impls=order, ratio_pairs=pairs, rows=tuple(rows))
 
 
 def format_value(value: float | None) -> str:
@@ -273,11 +252,11 @@ def render_table(table: Table) -> str:
 
     Ends with a legend line saying how to read the ratio columns.
     """
-    header = (["metric", "unit", "better"] + [IMPL_LABELS.get(i, i) for i in table.impls]
-              + [table.ratio_header(o) for o in table.ratio_against])
+    header = (["metric", "unit", "better"] + [series_label(i) for i in table.impls]
+              + [table.ratio_header(pair) for pair in table.ratio_pairs])
     body = [[r.metric.label, r.metric.unit, r.metric.better]
             + [format_value(r.values.get(i)) for i in table.impls]
-            + [format_ratio(r.ratios.get(o)) for o in table.ratio_against]
+            + [format_ratio(r.ratios.get(pair)) for pair in table.ratio_pairs]
             for r in table.rows]
     widths = [max(len(line[c]) for line in [header] + body) for c in range(len(header))]
 
@@ -287,8 +266,8 @@ def render_table(table: Table) -> str:
         return "  ".join(left + right).rstrip()
 
     lines = [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(b) for b in body]
-    if table.ratio_against:
-        p = _RATIO_NAMES.get(table.primary, table.primary)
+    if table.ratio_pairs:
+        p = series_short(table.primary)
         lines.append(f"ratios are {p} ÷ other: < 1 is better where 'better' says lower "
                      "(latency); > 1 is better where it says higher (bandwidth, throughput).")
     if not table.rows:
@@ -349,7 +328,7 @@ def build_json(table: Table, results: Mapping[str, Any], info: Mapping[str, Any]
         "implementations": list(table.impls),
         "table": [{"metric": r.metric.key, "label": r.metric.label, "unit": r.metric.unit,
                    "better": r.metric.better, "values": dict(r.values),
-                   "ratios": {table.ratio_header(o): v for o, v in r.ratios.items()}}
+                   "ratios": {table.ratio_header(pair): v for pair, v in r.ratios.items()}}
                   for r in table.rows],
         "results": dict(results),
         "errors": dict(errors or {}),

@@ -1,58 +1,59 @@
-"""The benchmark workload and the two-process runner around it.
+"""What the benchmark measures through a torch.distributed.rpc-like module.
 
 One workload, :func:`run_workload`, runs unchanged on any module with
 torch.distributed.rpc's API (``torch.distributed.rpc`` itself, or
 ``ucxrpc``): it only calls ``rpc_sync`` and ``rpc_async`` on module-level
-functions. :func:`run_implementation` spawns two fresh processes (spawn start
-method: no inherited threads or UCX state), rendezvous on
-``tcp://127.0.0.1:<free port>``, lets ``worker0`` measure against
-``worker1``, and collects the result through a queue under one deadline,
-killing the children in ``finally``. The raw-UCX baseline
-(:mod:`ucxrpc.transport.baseline`) runs under the same runner.
+functions of this module. The processes around it are
+:mod:`ucxrpc.bench.launch`'s; the raw-UCX counterpart is
+:mod:`ucxrpc.bench.raw`.
 
 Timing: ``time.perf_counter`` around each call; no allocation inside timed
 loops (send tensors are allocated and filled once per size); every size is
 warmed up before it is timed, since the first large transfers page-fault.
+Per size the result keeps the minimum, median and maximum over the timed
+calls (:func:`size_stats`).
+
+torch is imported inside the functions that use it; ucxx never is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import math
-import multiprocessing
-import os
-import queue
-import resource
-import socket
-import threading
+import statistics
 import time
-import traceback
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+from .plan import default_sizes, format_size
 
 __all__ = [
     "DEFAULT_SIZES",
-    "IMPLEMENTATIONS",
-    "RunOutcome",
+    "SECTIONS",
     "WorkloadConfig",
+    "bidir_send",
     "consume",
+    "count_steps",
+    "describe_config",
     "echo",
     "noop",
     "quick_config",
-    "run_implementation",
     "run_workload",
+    "size_stats",
 ]
 
 KiB, MiB = 1 << 10, 1 << 20
-#: 4 KiB … 256 MiB in powers of 4.
-DEFAULT_SIZES = tuple(4 * KiB * 4 ** i for i in range(9))
-#: Implementation keys: the two RPC modules and the raw UCX baseline.
-IMPLEMENTATIONS = ("ucxrpc", "torch", "ucxx")
+#: 4 KiB … 256 MiB in powers of 4 (the CPU default).
+DEFAULT_SIZES = default_sizes("cpu")
+#: Per-size sections of a result, with the bytes each timed call moves per
+#: byte of message: one-way sends it once, an echo and a bidirectional
+#: exchange twice.
+SECTIONS = {"one_way": 1, "round_trip": 2, "bidirectional": 2}
 
-_PEER = "worker1"
-_SHUTDOWN_GRACE_S = 30.0
+PEER = "worker1"
+CALLER = "worker0"
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,13 @@ class WorkloadConfig:
         async_outstanding / async_repeats: ``rpc_async`` calls in flight per
             round and rounds; the reported figure is the median round.
         target_s / min_iters / max_iters / warmup_iters: timed iterations per
-            bandwidth size are enough for ``target_s`` (estimated from the
-            last warm-up call), within ``[min_iters, max_iters]``.
+            size and section are enough for ``target_s`` (estimated from the
+            last warm-up call), within ``[min_iters, max_iters]``: the time
+            budget per size.
         dict_tensors / dict_tensor_bytes / dict_min_iters: the dict echo.
         transports: passed to ucxrpc's ``transports=`` and the raw baseline
             (``UCX_TLS``); TensorPipe ignores it.
+        device: ``"cpu"`` or ``"cuda"``: where the tensors live.
         num_worker_threads / rpc_timeout: backend options for both agents.
     """
 
@@ -86,6 +89,7 @@ class WorkloadConfig:
     dict_tensor_bytes: int = 4 * KiB
     dict_min_iters: int = 20
     transports: tuple[str, ...] | None = None
+    device: str = "cpu"
     num_worker_threads: int = 16
     rpc_timeout: float = 60.0
 
@@ -97,6 +101,37 @@ def quick_config(**overrides: Any) -> WorkloadConfig:
                                 target_s=0.05, dict_min_iters=5)
     base.update(overrides)
     return WorkloadConfig(**base)
+
+
+def describe_config(cfg: WorkloadConfig) -> dict[str, Any]:
+    """The configuration as JSON-ready data."""
+    doc = dataclasses.asdict(cfg)
+    doc["transports"] = list(cfg.transports) if cfg.transports else None
+    doc["sizes"] = list(cfg.sizes)
+    return doc
+
+
+def count_steps(impl: str, cfg: WorkloadConfig) -> int:
+    """How many progress steps a run of ``impl`` reports (see ``progress``)."""
+    fixed = 1 if impl == "ucxx" else 3    # latency; RPC also throughput and dict echo
+    return fixed + len(SECTIONS) * len(cfg.sizes)
+
+
+def size_stats(times: Sequence[float], size: int, factor: int) -> dict[str, Any]:
+    """Per-size figures from the seconds of each timed call.
+
+    ``gbps`` is ``factor * size`` bytes over the median time, in 1e9 bytes
+    per second; ``gbps_min`` / ``gbps_max`` come from the slowest / fastest
+    call, ``min_s`` / ``median_s`` / ``max_s`` are the times themselves.
+    """
+    if not times:
+        raise ValueError("no timed calls")
+    ordered = sorted(times)
+    median = statistics.median(ordered)
+    moved = factor * size / 1e9
+    return {"bytes": size, "iters": len(ordered), "gbps": moved / median,
+            "gbps_min": moved / ordered[-1], "gbps_max": moved / ordered[0],
+            "min_s": ordered[0], "median_s": median, "max_s": ordered[-1]}
 
 
 # --- remote functions (module level so both agents can pickle them) -------
@@ -113,9 +148,35 @@ def echo(x: Any) -> Any:
     return x
 
 
+# The bidirectional test's send tensor on worker1, kept across calls so that
+# only the first (warm-up) call of a size allocates; one size at a time.
+_peer_tensor: dict[tuple[int, str], Any] = {}
+
+
+def bidir_send(module: str, to: str, size: int, device: str) -> None:
+    """Run on the peer: send ``size`` bytes back to ``to`` while it sends to us."""
+    key = (size, device)
+    tensor = _peer_tensor.get(key)
+    if tensor is None:
+        _peer_tensor.clear()
+        tensor = _peer_tensor[key] = filled_tensor(size, device)
+    importlib.import_module(module).rpc_sync(to, consume, args=(tensor,))
+
+
+def filled_tensor(size: int, device: str, value: int = 1) -> Any:
+    """``size`` bytes on ``device``, every page touched, ready to send."""
+    import torch
+
+    tensor = torch.empty(size, dtype=torch.uint8, device=device)
+    tensor.fill_(value)
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return tensor
+
+
 # --- the workload: runs on rank 0, against any torch-RPC-like module ------
 
-def _percentile(sorted_values: list[float], q: float) -> float:
+def percentile(sorted_values: list[float], q: float) -> float:
     index = max(0, math.ceil(q / 100 * len(sorted_values)) - 1)
     return sorted_values[min(index, len(sorted_values) - 1)]
 
@@ -140,14 +201,14 @@ def _adaptive_count(call: Callable[[], Any], target_s: float, lo: int, hi: int,
 
 def _measure_latency(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
     def call() -> None:
-        rpc.rpc_sync(_PEER, noop)
+        rpc.rpc_sync(PEER, noop)
 
     _time_calls(call, cfg.latency_warmup)
     gc.collect()
     times = sorted(_time_calls(call, cfg.latency_iters))
-    return {"p50_us": _percentile(times, 50) * 1e6, "p99_us": _percentile(times, 99) * 1e6,
-            "mean_us": sum(times) / len(times) * 1e6, "n": len(times),
-            "what": "rpc_sync(noop)"}
+    return {"p50_us": percentile(times, 50) * 1e6, "p99_us": percentile(times, 99) * 1e6,
+            "mean_us": sum(times) / len(times) * 1e6, "min_us": times[0] * 1e6,
+            "max_us": times[-1] * 1e6, "n": len(times), "what": "rpc_sync(noop)"}
 
 
 def _measure_async(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
@@ -155,7 +216,7 @@ def _measure_async(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
 
     def burst(n: int) -> float:
         start = time.perf_counter()
-        futures = [rpc.rpc_async(_PEER, noop) for _ in range(n)]
+        futures = [rpc.rpc_async(PEER, noop) for _ in range(n)]
         torch.futures.wait_all(futures)
         return n / (time.perf_counter() - start)
 
@@ -169,304 +230,82 @@ def _measure_async(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
             "outstanding": cfg.async_outstanding}
 
 
-def _measure_bandwidth(rpc: Any, cfg: WorkloadConfig, fn: Callable[[Any], Any],
-                       size: int, factor: int) -> dict[str, Any]:
-    """``rpc_sync(fn, t)`` with one tensor of ``size`` bytes, filled once."""
-    import torch
+def _sized_call(rpc: Any, section: str, tensor: Any, peer_device: str) -> Callable[[], None]:
+    """One timed call of ``section`` with ``tensor``.
 
-    tensor = torch.empty(size, dtype=torch.uint8)
-    tensor.fill_(1)
+    bidirectional: the peer is asked (``rpc_async``, not waited for) to send
+    a tensor of the same size back with a nested ``rpc_sync``; meanwhile this
+    side sends its own, so both directions are in flight at once.
+    """
+    if section == "one_way":
+        return lambda: rpc.rpc_sync(PEER, consume, args=(tensor,))
+    if section == "round_trip":
+        return lambda: rpc.rpc_sync(PEER, echo, args=(tensor,))
+    back = (rpc.__name__, CALLER, tensor.numel(), peer_device)
 
-    def call() -> None:
-        rpc.rpc_sync(_PEER, fn, args=(tensor,))
+    def both_ways() -> None:
+        incoming = rpc.rpc_async(PEER, bidir_send, args=back)
+        rpc.rpc_sync(PEER, consume, args=(tensor,))
+        incoming.wait()
 
+    return both_ways
+
+
+def _measure_size(rpc: Any, cfg: WorkloadConfig, section: str, size: int, device: str,
+                  peer_device: str) -> dict[str, Any]:
+    call = _sized_call(rpc, section, filled_tensor(size, device), peer_device)
     count = _adaptive_count(call, cfg.target_s, cfg.min_iters, cfg.max_iters, cfg.warmup_iters)
     gc.collect()
-    times = sorted(_time_calls(call, count))
-    rates = sorted(factor * size / t / 1e9 for t in times)
-    return {"bytes": size, "iters": count, "gbps": rates[len(rates) // 2],
-            "median_s": times[len(times) // 2], "min_s": times[0]}
+    return size_stats(_time_calls(call, count), size, SECTIONS[section])
 
 
-def _measure_dict_echo(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
+def _measure_dict_echo(rpc: Any, cfg: WorkloadConfig, device: str) -> dict[str, Any]:
     import torch
 
     elems = cfg.dict_tensor_bytes // 4
-    payload = {f"t{i}": torch.full((elems,), float(i)) for i in range(cfg.dict_tensors)}
+    payload = {f"t{i}": torch.full((elems,), float(i), device=device)
+               for i in range(cfg.dict_tensors)}
 
     def call() -> None:
-        rpc.rpc_sync(_PEER, echo, args=(payload,))
+        rpc.rpc_sync(PEER, echo, args=(payload,))
 
     count = _adaptive_count(call, cfg.target_s, cfg.dict_min_iters, cfg.max_iters,
                             max(cfg.warmup_iters, 5))
     gc.collect()
     times = sorted(_time_calls(call, count))
-    return {"p50_us": _percentile(times, 50) * 1e6, "p99_us": _percentile(times, 99) * 1e6,
+    return {"p50_us": percentile(times, 50) * 1e6, "p99_us": percentile(times, 99) * 1e6,
             "n": count, "tensors": cfg.dict_tensors, "tensor_bytes": cfg.dict_tensor_bytes}
 
 
-def run_workload(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
+def run_workload(rpc: Any, cfg: WorkloadConfig, device: str = "cpu",
+                 peer_device: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure against ``worker1`` with ``rpc``'s ``rpc_sync``/``rpc_async``.
 
-    ``rpc`` is any module with torch.distributed.rpc's API, already
-    initialised as ``worker0``. Returns the schema of
-    :mod:`ucxrpc.bench.report`.
-    """
-    result: dict[str, Any] = {"latency": _measure_latency(rpc, cfg),
-                              "async": _measure_async(rpc, cfg)}
-    result["one_way"] = [_measure_bandwidth(rpc, cfg, consume, n, 1) for n in cfg.sizes]
-    result["round_trip"] = [_measure_bandwidth(rpc, cfg, echo, n, 2) for n in cfg.sizes]
-    result["dict_echo"] = _measure_dict_echo(rpc, cfg)
-    return result
-
-
-# --- child processes --------------------------------------------------------
-
-def _rpc_module_and_options(impl: str, init_method: str, cfg: WorkloadConfig) -> tuple[Any, Any]:
-    if impl == "torch":
-        import torch.distributed.rpc as rpc
-
-        return rpc, rpc.TensorPipeRpcBackendOptions(
-            init_method=init_method, num_worker_threads=cfg.num_worker_threads,
-            rpc_timeout=cfg.rpc_timeout)
-    import ucxrpc
-
-    return ucxrpc, ucxrpc.UcxRpcBackendOptions(
-        init_method=init_method, num_worker_threads=cfg.num_worker_threads,
-        rpc_timeout=cfg.rpc_timeout,
-        transports=list(cfg.transports) if cfg.transports else None)
-
-
-def _rpc_peer(impl: str, rank: int, init_method: str, cfg: WorkloadConfig,
-              link: _Link) -> None:
-    # torch's RPC init warns about a deprecated ProcessGroup use of its own.
-    warnings.filterwarnings("ignore", message="You are using a Backend")
-    rpc, options = _rpc_module_and_options(impl, init_method, cfg)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
-    try:
-        if rank == 0:
-            try:
-                result = run_workload(rpc, cfg)
-                get_pipe_info = getattr(rpc, "get_pipe_info", None)
-                if get_pipe_info is not None:
-                    result["pipe_info"] = get_pipe_info()
-                link.report(result)
-            except BaseException:
-                link.error(traceback.format_exc())   # before shutdown, which may hang
-                raise
-    finally:
-        rpc.shutdown()
-
-
-class _Link:
-    """A child's queues: peer address exchange, result and error reporting."""
-
-    def __init__(self, rank: int, results: Any, to_peer: Any, from_peer: Any,
-                 timeout_s: float) -> None:
-        self.rank, self.results = rank, results
-        self.to_peer, self.from_peer, self.timeout_s = to_peer, from_peer, timeout_s
-        self.errored = False
-
-    def exchange(self, mine: bytes) -> bytes:
-        self.to_peer.put(mine)
-        try:
-            return self.from_peer.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"peer address not received within {self.timeout_s} s") from None
-
-    def report(self, result: dict[str, Any]) -> None:
-        self.results.put(("result", self.rank, result))
-
-    def error(self, text: str) -> None:
-        if not self.errored:
-            self.errored = True
-            self.results.put(("error", self.rank, text))
-
-
-def _watchdog(parent_pid: int, deadline_wall: float) -> None:
-    """Exit this child when its parent is gone or the run's deadline passed.
-
-    The parent kills its children in ``finally``, but a parent killed by a
-    signal cannot; a hung RPC shutdown would then leave them behind forever.
-    """
-    while os.getppid() == parent_pid and time.time() < deadline_wall + _SHUTDOWN_GRACE_S:
-        time.sleep(1.0)
-    os._exit(3)
-
-
-def _child_main(impl: str, rank: int, init_method: str, cfg: WorkloadConfig,
-                results: Any, to_peer: Any, from_peer: Any, parent_pid: int,
-                deadline_wall: float) -> None:
-    """Entry point of every benchmark child (spawned)."""
-    threading.Thread(target=_watchdog, args=(parent_pid, deadline_wall),
-                     name="bench-watchdog", daemon=True).start()
-    link = _Link(rank, results, to_peer, from_peer, timeout_s=cfg.rpc_timeout)
-    try:
-        if impl == "ucxx":
-            from ..transport.baseline import BaselineConfig, baseline_peer
-
-            baseline_peer(rank, BaselineConfig(
-                sizes=cfg.sizes, latency_iters=cfg.latency_iters,
-                latency_warmup=cfg.latency_warmup, target_s=cfg.target_s,
-                min_iters=cfg.min_iters, max_iters=cfg.max_iters,
-                warmup_iters=cfg.warmup_iters, transports=cfg.transports,
-                timeout_s=cfg.rpc_timeout), link.exchange, link.report)
-        else:
-            _rpc_peer(impl, rank, init_method, cfg, link)
-    except BaseException:
-        link.error(traceback.format_exc())
-        raise
-    results.put(("done", rank, None))
-
-
-# --- parent side --------------------------------------------------------------
-
-@dataclass
-class RunOutcome:
-    """What one implementation's run produced.
-
-    ``result`` is rank 0's measurements (``None`` on failure); ``error`` a
-    message with the child traceback; ``warnings`` things that went wrong
-    after the result arrived (e.g. a shutdown that had to be killed);
-    ``cpu_others`` the fraction of all CPUs other processes used meanwhile.
-    """
-
-    impl: str
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    warnings: list[str] = dataclasses.field(default_factory=list)
-    wall_s: float = 0.0
-    cpu_others: float | None = None
-
-
-class _CpuMeter:
-    """CPU time *other* processes took while a run was going on.
-
-    Whole-machine busy time from ``/proc/stat`` minus what this process and
-    its reaped children (the benchmark workers) used, as a fraction of all
-    CPUs over the wall time. Polling benchmarks want a free core per process;
-    anything else running distorts them, and this says by how much.
-    """
-
-    def __init__(self) -> None:
-        self._start = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float] | None:
-        try:
-            with open("/proc/stat", encoding="ascii") as f:
-                fields = [int(x) for x in f.readline().split()[1:9]]
-        except (OSError, ValueError):
-            return None
-        ticks = os.sysconf("SC_CLK_TCK")
-        busy = (sum(fields) - fields[3] - fields[4]) / ticks    # all but idle, iowait
-        own = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-                  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-        return busy, own, time.monotonic()
-
-    def others(self) -> float | None:
-        """Fraction of all CPUs used by other processes since construction."""
-        end = self._sample()
-        if self._start is None or end is None or end[2] <= self._start[2]:
-            return None
-        busy, own, wall = (b - a for a, b in zip(self._start, end))
-        return max(0.0, min(1.0, (busy - own) / (wall * (os.cpu_count() or 1))))
-
-
-def _free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _collect(outcome: RunOutcome, procs: list[Any], results: Any, deadline: float) -> None:
-    """Wait for rank 0's result, then both children's exit, within deadline."""
-    done: set[int] = set()
-    while outcome.result is None and outcome.error is None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            outcome.error = "deadline passed before worker0 reported a result"
-            return
-        try:
-            kind, rank, payload = results.get(timeout=min(0.5, remaining))
-        except queue.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                outcome.error = "; ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
-                # a traceback may still be in flight on the queue
-                try:
-                    kind, rank, payload = results.get(timeout=1.0)
-                    if kind == "error":
-                        outcome.error = f"worker{rank} failed:\n{payload}"
-                except queue.Empty:
-                    pass
-            continue
-        if kind == "result":
-            outcome.result = payload
-        elif kind == "error":
-            outcome.error = f"worker{rank} failed:\n{payload}"
-        else:
-            done.add(rank)
-    grace_end = min(deadline, time.monotonic() + _SHUTDOWN_GRACE_S)
-    for p in procs:
-        p.join(max(0.0, grace_end - time.monotonic()))
-        if p.is_alive():
-            outcome.warnings.append(f"{p.name} did not exit within {_SHUTDOWN_GRACE_S:.0f} s "
-                                    "after the measurements (shutdown hung?); killed")
-        elif p.exitcode != 0 and outcome.result is not None:
-            outcome.warnings.append(f"{p.name} exited with code {p.exitcode} after reporting")
-
-
-def run_implementation(impl: str, cfg: WorkloadConfig, deadline: float) -> RunOutcome:
-    """Run the workload for ``impl`` in two spawned processes.
-
     Args:
-        impl: ``"torch"`` (TensorPipe agent), ``"ucxrpc"``, or ``"ucxx"``
-            (the raw UCX baseline).
+        rpc: any module with torch.distributed.rpc's API, already initialised
+            as ``worker0`` (with device maps both ways when ``device`` is a
+            GPU).
         cfg: what to measure.
-        deadline: ``time.monotonic()`` value by which everything, shutdown
-            included, must be over; the children are killed then at the
-            latest.
+        device / peer_device: where this side's and ``worker1``'s tensors
+            live (``"cpu"``, ``"cuda:0"``); the peer's defaults to ours.
+        progress: called with a short label after each of the
+            :func:`count_steps` steps.
 
     Returns:
-        A :class:`RunOutcome`; failures are reported in it, not raised.
+        The schema of :mod:`ucxrpc.bench.report`.
     """
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
-    ctx = multiprocessing.get_context("spawn")
-    results, to_1, to_0 = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    outcome = RunOutcome(impl)
-    meter = _CpuMeter()
-    start = time.monotonic()
-    deadline_wall = time.time() + (deadline - time.monotonic())
-    procs = [ctx.Process(target=_child_main, name=f"{impl}-worker{rank}", daemon=True,
-                         args=(impl, rank, init_method, cfg, results, to_peer, from_peer,
-                               os.getpid(), deadline_wall))
-             for rank, to_peer, from_peer in ((0, to_1, to_0), (1, to_0, to_1))]
-    try:
-        for p in procs:
-            p.start()
-        _collect(outcome, procs, results, deadline)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            if p.pid is not None:   # started
-                p.join(5)
-        for q in (results, to_1, to_0):
-            q.close()
-            q.cancel_join_thread()
-        outcome.wall_s = time.monotonic() - start
-        outcome.cpu_others = meter.others()
-    return outcome
-
-
-def describe_config(cfg: WorkloadConfig) -> dict[str, Any]:
-    """The configuration as JSON-ready data."""
-    doc = dataclasses.asdict(cfg)
-    doc["transports"] = list(cfg.transports) if cfg.transports else None
-    doc["sizes"] = list(cfg.sizes)
-    return doc
+    step = progress or (lambda label: None)
+    peer = peer_device or device
+    result: dict[str, Any] = {"latency": _measure_latency(rpc, cfg)}
+    step("latency")
+    result["async"] = _measure_async(rpc, cfg)
+    step("throughput")
+    for section in SECTIONS:
+        result[section] = []
+        for size in cfg.sizes:
+            result[section].append(_measure_size(rpc, cfg, section, size, device, peer))
+            step(f"{section.replace('_', '-')} {format_size(size)}")
+    result["dict_echo"] = _measure_dict_echo(rpc, cfg, device)
+    step("dict echo")
+    return result

@@ -1,0 +1,189 @@
+"""Raw UCX through ucxx's core API: the ceiling ucxrpc is measured against.
+
+The UCX side (worker, endpoint from the peer's worker address, tag send and
+receive, polling waits, lane query) is :class:`ucxrpc.transport.baseline.Pair`,
+since only ``transport/`` imports ucxx; this module decides what is sent. No serialization, no threads, no Python
+futures: what is left is UCX plus the unavoidable Python call per message.
+
+Rank 0 drives; rank 1 serves. Rank 0 announces each batch with a control
+message ``[op, size, count]`` and then runs ``count`` iterations:
+
+- ``PING_PONG``: rank 0 sends ``size`` bytes, rank 1 sends them back
+  (round trip; with 8 bytes, the latency figure).
+- ``ONE_WAY``: rank 0 sends ``size`` bytes, rank 1 answers with 8 bytes
+  (the analogue of ``rpc_sync(consume, t)`` returning ``None``).
+- ``BIDIR``: both send ``size`` bytes to each other at once.
+- ``STOP``: rank 1 acknowledges and both leave.
+
+Buffers are allocated once (host memory through numpy, or CUDA memory
+through torch, handed to UCX by ``__cuda_array_interface__``) and reused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable
+
+from ..transport.baseline import Pair, prepare_environment
+from .plan import format_size
+from .workload import WorkloadConfig, percentile, size_stats
+
+__all__ = ["raw_peer"]
+
+PING_PONG, ONE_WAY, STOP, BIDIR = 1, 2, 3, 4
+_SECTION_OPS = {"one_way": ONE_WAY, "round_trip": PING_PONG, "bidirectional": BIDIR}
+
+
+def _buffer(nbytes: int, fill: int, device: str) -> Any:
+    """A buffer with every page already touched (no faults when timed)."""
+    if device == "cpu":
+        import numpy as np
+
+        buf = np.empty(max(nbytes, 8), dtype=np.uint8)
+        buf.fill(fill)
+        return buf
+    from .workload import filled_tensor
+
+    return filled_tensor(max(nbytes, 8), device, fill)
+
+
+class _Driver:
+    """Rank 0: announces batches, times each iteration with perf_counter."""
+
+    def __init__(self, pair: Pair, cfg: WorkloadConfig, device: str) -> None:
+        import numpy as np
+
+        self.pair, self.cfg = pair, cfg
+        largest = max(cfg.sizes, default=8)
+        self.send_buf = _buffer(largest, 1, device)
+        self.recv_buf = _buffer(largest, 0, device)
+        self.ack = _buffer(8, 0, "cpu")
+        self.ctrl = np.zeros(3, dtype=np.int64)
+        self.ctrl_arr = pair.Array(self.ctrl)
+
+    def _announce(self, op: int, size: int, count: int) -> None:
+        self.ctrl[:] = (op, size, count)
+        self.pair.wait(self.pair.send(self.ctrl_arr, self.pair.tag_ctrl))
+
+    def batch(self, op: int, size: int, count: int) -> list[float]:
+        """Run ``count`` iterations of ``op``; seconds per iteration."""
+        import time
+
+        pair, Array = self.pair, self.pair.Array
+        send = Array(self.send_buf[:size])
+        back = Array(self.ack if op == ONE_WAY else self.recv_buf[:size])
+        tag_back = pair.tag_data if op == BIDIR else pair.tag_reply
+        times = [0.0] * count
+        self._announce(op, size, count)
+        clock = time.perf_counter
+        for i in range(count):
+            start = clock()
+            reply = pair.recv(back, tag_back)
+            sent = pair.send(send, pair.tag_data)
+            pair.wait(sent, reply)
+            times[i] = clock() - start
+        return times
+
+    def stop(self) -> None:
+        reply = self.pair.recv(self.pair.Array(self.ack), self.pair.tag_reply)
+        self._announce(STOP, 0, 0)
+        self.pair.wait(reply)
+
+    def sized(self, section: str, size: int) -> dict[str, Any]:
+        """Warm up, size the batch to ~target_s, time it."""
+        cfg, op = self.cfg, _SECTION_OPS[section]
+        warm = self.batch(op, size, cfg.warmup_iters)
+        estimate = max(warm[-1], 1e-7)
+        count = max(cfg.min_iters, min(cfg.max_iters, math.ceil(cfg.target_s / estimate)))
+        return size_stats(self.batch(op, size, count), size, 1 if op == ONE_WAY else 2)
+
+    def run(self, step: Callable[[str], None]) -> dict[str, Any]:
+        cfg = self.cfg
+        self.batch(PING_PONG, 8, cfg.latency_warmup)
+        lat = sorted(self.batch(PING_PONG, 8, cfg.latency_iters))
+        result: dict[str, Any] = {
+            "latency": {"p50_us": percentile(lat, 50) * 1e6, "p99_us": percentile(lat, 99) * 1e6,
+                        "mean_us": sum(lat) / len(lat) * 1e6, "min_us": lat[0] * 1e6,
+                        "max_us": lat[-1] * 1e6, "n": len(lat), "what": "8-byte tag ping-pong"}}
+        step("latency")
+        for section in _SECTION_OPS:
+            result[section] = []
+            for size in cfg.sizes:
+                result[section].append(self.sized(section, size))
+                step(f"{section.replace('_', '-')} {format_size(size)}")
+        return result
+
+
+def _serve(pair: Pair, cfg: WorkloadConfig, device: str) -> None:
+    """Rank 1: follow rank 0's batches until STOP."""
+    import numpy as np
+
+    Array = pair.Array
+    largest = max(cfg.sizes, default=8)
+    buf = _buffer(largest, 0, device)       # every message lands here
+    out = _buffer(largest, 2, device)       # what BIDIR sends back
+    ack = Array(_buffer(8, 0, "cpu"))
+    ctrl = np.zeros(3, dtype=np.int64)
+    ctrl_arr = Array(ctrl)
+    while True:
+        pair.wait(pair.recv(ctrl_arr, pair.tag_ctrl))
+        op, size, count = (int(x) for x in ctrl)
+        if op == STOP:
+            pair.wait(pair.send(ack, pair.tag_reply))
+            return
+        data = Array(buf[:size])
+        if op == BIDIR:
+            mine = Array(out[:size])
+            for _ in range(count):
+                pair.wait(pair.recv(data, pair.tag_data), pair.send(mine, pair.tag_data))
+            continue
+        answer = data if op == PING_PONG else ack
+        for _ in range(count):
+            pair.wait(pair.recv(data, pair.tag_data))
+            pair.wait(pair.send(answer, pair.tag_reply))
+
+
+def raw_peer(rank: int, cfg: WorkloadConfig, device: str,
+             exchange: Callable[[bytes], bytes],
+             report: Callable[[dict[str, Any]], None],
+             progress: Callable[[str], None] | None = None) -> None:
+    """Body of one raw-UCX process (call it in a fresh spawned child).
+
+    Args:
+        rank: 0 measures, 1 serves.
+        cfg: what to measure (both ranks need the same sizes);
+            ``cfg.transports`` goes to ``UCX_TLS``, ``cfg.rpc_timeout``
+            bounds every single wait.
+        device: this side's buffers: ``"cpu"`` or ``"cuda:N"``.
+        exchange: sends this worker's address to the peer and returns the
+            peer's (bounded by the caller's timeout).
+        report: rank 0 hands its measurements (the schema of
+            :mod:`ucxrpc.bench.report`) plus ``transports`` and
+            ``ucx_version`` to it, once, before leaving.
+        progress: rank 0 calls it with a label after each step.
+
+    Raises:
+        TimeoutError: a request did not finish within ``cfg.rpc_timeout``.
+        RuntimeError: ucxx was already imported in this process, or UCX
+            reported an error (unconverted: a measurement tool).
+    """
+    prepare_environment(cfg.transports)
+    if device != "cpu":
+        import torch
+
+        # UCX detects CUDA memory through the context current on this thread.
+        torch.cuda.set_device(torch.device(device))
+        torch.cuda.synchronize()
+    pair = Pair(exchange, cfg.rpc_timeout)
+    if rank != 0:
+        _serve(pair, cfg, device)
+        return
+    driver = _Driver(pair, cfg, device)
+    result = driver.run(progress or (lambda label: None))
+    driver.stop()
+    major, minor, patch = pair._api.get_ucx_version()
+    result["transports"] = pair.transports()
+    result["ucx_version"] = f"{major}.{minor}.{patch}"
+    result["settings"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    report(result)
