@@ -178,7 +178,8 @@ class RpcAgent:
                                   devices=tuple(str(d) for d in self.options.device_list()),
                                   device_maps={to: {str(k): str(v) for k, v in m.items()}
                                                for to, m in maps.items()},
-                                  cuda_direct=self.transport.cuda_direct)
+                                  cuda_direct=self.transport.cuda_direct,
+                                  max_frame_bytes=self.transport.limits.max_frame_bytes)
 
     def start(self) -> None:
         self.transport.start()
@@ -196,7 +197,8 @@ class RpcAgent:
             self.workers[m.rank] = wi
             self._names[m.name] = wi
             if m.rank != self.info.id:
-                self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct)
+                self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct,
+                                        m.max_frame_bytes)
         self.start()
         rendezvous.barrier(self.store, "init", self.info.id, self.world_size, timeout)
         logger.info("%s joined a job of %d workers", self.info, self.world_size)
@@ -456,7 +458,7 @@ class RpcAgent:
         if theirs:
             self.reverse_device_maps[m.rank] = {
                 dst: src for src, dst in devices.to_device_map(theirs).items()}
-        self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct)
+        self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct, m.max_frame_bytes)
         self._broken.pop(m.rank, None)
         wi = WorkerInfo(m.name, m.rank)
         self.workers[m.rank] = wi
@@ -479,11 +481,11 @@ class RpcAgent:
     def is_broken(self, peer: int) -> bool:
         return peer in self._broken
 
-    def lookup_member(self, peer: int) -> tuple[str, bytes, bool] | None:
+    def lookup_member(self, peer: int) -> tuple[str, bytes, bool, int] | None:
         """Where an unknown worker id lives, from its record in the store (the
         transport asks when such a worker opens a pipe to us)."""
         m = rendezvous.find_member(self.store, peer)
-        return None if m is None else (m.name, m.address, m.cuda_direct)
+        return None if m is None else (m.name, m.address, m.cuda_direct, m.max_frame_bytes)
 
     def _on_broken(self, peer: int, exc: BaseException) -> None:
         self.counters["peer_failures"] += 1

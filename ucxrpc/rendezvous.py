@@ -55,12 +55,14 @@ class Member:
     devices: tuple[str, ...] = ()
     device_maps: dict[str, dict[str, str]] = field(default_factory=dict)
     cuda_direct: bool = False  # its UCX takes device memory (else: staged)
+    max_frame_bytes: int = 1 << 30  # its limit: senders check it first
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),
                            "host": self.host, "pid": self.pid,
                            "device_count": self.device_count, "devices": list(self.devices),
-                           "device_maps": self.device_maps, "cuda_direct": self.cuda_direct})
+                           "device_maps": self.device_maps, "cuda_direct": self.cuda_direct,
+                           "max_frame_bytes": self.max_frame_bytes})
 
     @staticmethod
     def from_json(raw: bytes) -> "Member":
@@ -70,7 +72,8 @@ class Member:
         return Member(int(d["rank"]), str(d["name"]), bytes.fromhex(d["address"]),
                       str(d["host"]), int(d["pid"]), int(d.get("device_count", 0)),
                       tuple(str(x) for x in d.get("devices", ())), maps,
-                      bool(d.get("cuda_direct", False)))
+                      bool(d.get("cuda_direct", False)),
+                      int(d.get("max_frame_bytes", 1 << 30)))
 
 
 def open_store(init_method: str, rank: int, world_size: int,
@@ -178,9 +181,9 @@ def job_secret(store: Any, rank: int) -> bytes:
 def publish(store: Any, rank: int, name: str, address: bytes, device_count: int = 0,
             devices: tuple[str, ...] = (),
             device_maps: dict[str, dict[str, str]] | None = None,
-            cuda_direct: bool = False) -> Member:
+            cuda_direct: bool = False, max_frame_bytes: int = 1 << 30) -> Member:
     me = Member(rank, name, address, socket.gethostname(), os.getpid(), device_count,
-                devices, dict(device_maps or {}), cuda_direct)
+                devices, dict(device_maps or {}), cuda_direct, max_frame_bytes)
     store.set(f"{PREFIX}member/{rank}", me.to_json())
     return me
 

@@ -58,14 +58,18 @@ def check_challenge(secret: bytes, payload: memoryview, x: int, y: int,
     """Verify the responder's proof; returns its nonce.
 
     Raises:
-        AuthenticationError: the responder does not know the job secret,
-            answered a different HELLO, or claims another identity.
+        AuthenticationError: the responder answered our HELLO but does not
+            know the job secret.
+        FrameError: malformed, or not an answer to our HELLO.
     """
     if payload.nbytes != _CHALLENGE.size:
         raise FrameError(f"CHALLENGE of {payload.nbytes} bytes; expected {_CHALLENGE.size}")
     py, pnx, ny, proof = _CHALLENGE.unpack(payload)
     if py != y or not hmac.compare_digest(pnx, nx):
-        raise AuthenticationError(f"worker {y} answered a handshake it was not sent")
+        # Not an answer to our HELLO (a stray or forged frame): dropped, so
+        # that nobody can break a pipe by sending one.
+        raise FrameError(f"a CHALLENGE claiming to be from worker {y} answers a HELLO we "
+                         "did not send")
     if not hmac.compare_digest(proof, _mac(secret, b"resp", x, y, nx, ny)):
         raise AuthenticationError(f"worker {y} failed authentication (wrong job secret?)")
     return ny
@@ -78,11 +82,21 @@ def proof(secret: bytes, x: int, y: int, nx: bytes, ny: bytes) -> bytes:
 def check_proof(secret: bytes, payload: memoryview, x: int, y: int,
                 nx: bytes, ny: bytes) -> None:
     """Raises AuthenticationError unless the initiator knows the job secret."""
-    if payload.nbytes != _PROOF.size:
-        raise FrameError(f"PROOF of {payload.nbytes} bytes; expected {_PROOF.size}")
-    if not hmac.compare_digest(bytes(payload), _mac(secret, b"init", x, y, nx, ny)):
+    if not proof_matches(secret, payload, x, y, nx, ny):
         raise AuthenticationError(f"a peer claiming to be worker {x} failed "
                                   "authentication (wrong job secret or replayed handshake)")
+
+
+def proof_matches(secret: bytes, payload: memoryview, x: int, y: int,
+                  nx: bytes, ny: bytes) -> bool:
+    """Whether ``payload`` proves the secret for the handshake ``(nx, ny)``.
+
+    Raises:
+        FrameError: not a PROOF's size.
+    """
+    if payload.nbytes != _PROOF.size:
+        raise FrameError(f"PROOF of {payload.nbytes} bytes; expected {_PROOF.size}")
+    return hmac.compare_digest(bytes(payload), _mac(secret, b"init", x, y, nx, ny))
 
 
 def session_key(secret: bytes, x: int, y: int, nx: bytes, ny: bytes) -> bytes:

@@ -55,6 +55,8 @@ ID_MASK = 0xFFFF
 SEQ_MASK = (1 << 30) - 1
 MAX_WORKER_ID = ID_MASK
 HINT_MASK = (1 << ID_SHIFT) - 1
+_PENDING_HANDSHAKES = 8
+_MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
 
 
 def data_tag(sender: int, seq: int, index: int) -> int:
@@ -91,7 +93,10 @@ class Pipe:
         self.out_nonce = b""
         self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind, int,
                                  list[int] | None]] = []
-        self.in_nonces: tuple[bytes, bytes] | None = None
+        # Handshakes answered and not yet proved, ny -> nx: several, so that a
+        # forged HELLO or PROOF cannot spoil a genuine one in progress.
+        self.in_nonces: dict[bytes, bytes] = {}
+        self.peer_max_frame = 1 << 62  # the receiver's max_frame_bytes, if known
         self.in_key: bytes | None = None
         self.in_seq = 0
         self.error: BaseException | None = None
@@ -169,9 +174,9 @@ class Transport:
         self._alloc = allocator or self._default_alloc
         self._spin_s = spin_s
         self._spin_while = spin_while
-        # Dynamic membership: (name, address, cuda_direct) of a worker id we
-        # have no pipe for, or None; asked when such a worker says HELLO.
-        self.on_unknown_peer: Callable[[int], tuple[str, bytes, bool] | None] | None = None
+        # Dynamic membership: add_peer's arguments after the id for a worker
+        # id we have no pipe for, or None; asked when such a worker says HELLO.
+        self.on_unknown_peer: Callable[[int], tuple[str, bytes, bool, int] | None] | None = None
         self._peer_timeout = peer_timeout
         self._data_spins = 8
         self._ping_interval = min(1.0, peer_timeout / 3)
@@ -187,7 +192,7 @@ class Transport:
         self._tasks: deque[Callable[[], None]] = deque()
         self._inflight: deque[tuple[Request, Any]] = deque()
         self._watch: list[tuple[Request, Any]] = []
-        self._frames: list[tuple[Request, np.ndarray, int, int]] = []
+        self._frames: list[tuple[Request, np.ndarray, int, int, str | None]] = []
         self._sleeping = False
         self._closing = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -207,10 +212,12 @@ class Transport:
         self._thread.start()
 
     def add_peer(self, peer_id: int, name: str, address: bytes,
-                 cuda_direct: bool = False) -> None:
+                 cuda_direct: bool = False, max_frame_bytes: int | None = None) -> None:
         """Register a peer; its pipe opens on first use (ours or theirs).
 
-        ``cuda_direct``: the peer's :attr:`cuda_direct`, as it published it.
+        ``cuda_direct``: the peer's :attr:`cuda_direct`, as it published it;
+        ``max_frame_bytes``: its limit, checked before sending (a frame over
+        it would be dropped unread, with nobody to tell).
         A peer known under another address (a worker that left and joined
         again) gets a new pipe; the old one's failures are ignored.
         """
@@ -219,6 +226,8 @@ class Transport:
             return
         pipe = Pipe(peer_id, name, address)
         pipe.direct = self.cuda_direct and cuda_direct
+        if max_frame_bytes is not None:
+            pipe.peer_max_frame = max_frame_bytes
         self._pipes[peer_id] = pipe
         if old is not None:
             with old.lock:
@@ -318,6 +327,9 @@ class Transport:
                                      self.limits, out.ways)
             self.staged_bytes += out.staged_bytes
             self.packed_buffers += out.packed
+        if frame.nbytes > pipe.peer_max_frame:
+            raise FrameError(f"frame of {frame.nbytes} bytes exceeds max_frame_bytes="
+                             f"{pipe.peer_max_frame} of the receiver ({pipe.name})")
         pipe.out_seq += 1
         seq = pipe.out_seq
         pipe.last_sent = time.monotonic()
@@ -368,12 +380,12 @@ class Transport:
         busy = False
         while (probe := self._worker.probe(0, 1 << 63)) is not None:
             busy = True
-            oversize = probe.length if probe.length > self.limits.max_frame_bytes else 0
-            # An oversize frame is received into one byte: UCX truncates and
+            # A frame we will not read goes into one byte: UCX truncates and
             # drops it, so it costs no memory here.
-            buf = np.empty(1 if oversize else probe.length, dtype=np.uint8)
+            drop = self._unwanted(probe.sender_tag, probe.length)
+            buf = np.empty(1 if drop else probe.length, dtype=np.uint8)
             req = self._worker.recv_probed(buf, probe)
-            self._frames.append((req, buf, probe.sender_tag, oversize))
+            self._frames.append((req, buf, probe.sender_tag, probe.length, drop))
         if self._frames:
             # A large frame (rendezvous) completes after a small one sent
             # behind it; frames are delivered in the order each sender sent
@@ -381,37 +393,45 @@ class Transport:
             still = []
             waiting: set[int] = set()
             for entry in self._frames:
-                req, buf, tag, oversize = entry
+                req, buf, tag, length, drop = entry
                 sender = (tag >> ID_SHIFT) & ID_MASK
                 if sender in waiting or not req.done:
                     waiting.add(sender)
                     still.append(entry)
                     continue
                 busy = True
-                if oversize:
-                    self._on_oversize(tag, oversize)
+                if drop:
+                    self._on_dropped(tag, length, drop)
                 elif req.error() is None:
                     self._on_frame(tag, buf)
             self._frames = still
         return busy
 
-    def _on_oversize(self, tag: int, length: int) -> None:
-        """Tell the sender of a frame over ``max_frame_bytes`` why it failed.
+    def _unwanted(self, tag: int, length: int) -> str | None:
+        """Why a probed frame is not worth receiving, judged before a byte of
+        it is read: anyone can send to a worker, and a receive buffer of the
+        size claimed would let them fill our memory."""
+        if length > self.limits.max_frame_bytes:
+            return f"exceeds max_frame_bytes={self.limits.max_frame_bytes}"
+        if tag >> KIND_SHIFT == HANDSHAKE:
+            return "too large for a handshake" if length > _MAX_HANDSHAKE_FRAME else None
+        pipe = self._pipes.get((tag >> ID_SHIFT) & ID_MASK)
+        if pipe is None:
+            return "from an unknown worker id"
+        if pipe.in_key is None and not pipe.in_nonces:
+            return "from a peer that has not authenticated"
+        return None
 
-        UCX drops the truncated bytes (a large frame arrives by rendezvous), so
-        all that is known is the tag: its hint lets the caller answer or fail
-        the one message concerned.  Only pipes past their handshake are told.
-        """
-        sender = (tag >> ID_SHIFT) & ID_MASK
-        self.frame_errors += 1
-        logger.warning("dropped a %d-byte frame from worker id %d: exceeds max_frame_bytes=%d",
-                       length, sender, self.limits.max_frame_bytes)
-        pipe = self._pipes.get(sender)
-        if pipe is None or pipe.in_key is None or tag >> KIND_SHIFT != FRAME:
-            return
-        self._on_frame_error(sender, tag & HINT_MASK, FrameError(
-            f"frame of {length} bytes exceeds max_frame_bytes={self.limits.max_frame_bytes} "
-            "of the receiver"))
+    def _on_dropped(self, tag: int, length: int, why: str) -> None:
+        """Count a frame received into nothing.  Its tag is all we know, and
+        a tag is only a claim: nothing is done on its word (senders check
+        the receiver's max_frame_bytes before sending)."""
+        if why.startswith("exceeds"):
+            self.frame_errors += 1
+        else:
+            self.refused += 1
+        logger.warning("dropped a %d-byte frame claiming to be from worker id %d: %s",
+                       length, (tag >> ID_SHIFT) & ID_MASK, why)
 
     def _on_frame(self, tag: int, buf: np.ndarray) -> None:
         sender = (tag >> ID_SHIFT) & ID_MASK
@@ -463,7 +483,9 @@ class Transport:
             if claimed != x:
                 raise AuthenticationError(f"HELLO claims worker {claimed} on worker {x}'s tag")
             ny = auth.new_nonce()
-            pipe.in_nonces = (nx, ny)
+            pipe.in_nonces[ny] = nx
+            if len(pipe.in_nonces) > _PENDING_HANDSHAKES:
+                del pipe.in_nonces[next(iter(pipe.in_nonces))]
             self._send_handshake(pipe, Kind.CHALLENGE, auth.challenge(self._secret, x, y, nx, ny))
         elif frame.kind is Kind.CHALLENGE:
             if pipe.out_state is not OutState.HELLO_SENT:
@@ -482,14 +504,21 @@ class Transport:
                         logger.error("message to %s not sent: %s", pipe.name, exc)
             logger.debug("pipe to %s open", pipe.name)
         elif frame.kind is Kind.PROOF:
-            if pipe.in_nonces is None:
+            if not pipe.in_nonces:
                 raise AuthenticationError(f"PROOF without HELLO from a peer claiming to be {pipe.name}")
-            nx, ny = pipe.in_nonces
-            pipe.in_nonces = None
-            auth.check_proof(self._secret, frame.payload, x, y, nx, ny)
+            for ny, nx in reversed(pipe.in_nonces.items()):
+                if auth.proof_matches(self._secret, frame.payload, x, y, nx, ny):
+                    break
+            else:
+                raise AuthenticationError(f"a peer claiming to be {pipe.name} failed "
+                                          "authentication (wrong job secret or replayed "
+                                          "handshake)")
+            pipe.in_nonces.clear()
             pipe.in_key = auth.session_key(self._secret, x, y, nx, ny)
             pipe.in_seq = 0
             logger.debug("pipe from %s authenticated", pipe.name)
+        else:
+            raise FrameError(f"a {frame.kind.name} frame on the handshake tag")
 
     def _on_message_frame(self, pipe: Pipe, buf: np.ndarray, hint: int) -> None:
         assert pipe.in_key is not None
