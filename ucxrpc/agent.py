@@ -97,6 +97,16 @@ def rebuild_exception(body: memoryview) -> BaseException:
     return rebuilt
 
 
+def _bounded(fn: Callable[[float], None], timeout: float, what: str) -> None:
+    """``fn(timeout)`` on a daemon thread, waited for ``timeout`` seconds at
+    most, plus the 5 s the shutdown barriers' second step may take."""
+    t = threading.Thread(target=fn, args=(timeout,), name="ucxrpc-shutdown", daemon=True)
+    t.start()
+    t.join(timeout + 6.0)
+    if t.is_alive():
+        logger.warning("%s: gave up after %.1f s (the store is out of reach?)", what, timeout)
+
+
 class RpcAgent:
     """Sends calls, serves calls, and owns the transport and worker pool."""
 
@@ -234,21 +244,28 @@ class RpcAgent:
                     except Exception:
                         logger.exception("%s: shutdown hook failed", self.info)
                 self._drain(timeout)
-                if self.world_size is None:
-                    if self.leave_group is not None:
-                        self.leave_group(timeout)
-                    return
-                try:
-                    rendezvous.barrier(self.store, "shutdown", self.info.id, self.world_size,
-                                       timeout, gone=lambda: set(self._broken), poke=self._ping)
-                    # The store lives in rank 0: keep it up until all have left.
-                    rendezvous.barrier(self.store, "shutdown-done", self.info.id,
-                                       self.world_size, min(timeout, 5.0),
-                                       gone=lambda: set(self._broken))
-                except Exception as exc:  # a dead rank 0 takes the store with it
-                    logger.warning("%s: shutdown barrier incomplete: %s", self.info, exc)
+                # The store may be out of reach (a partition, a dead rank 0),
+                # and a c10d store call then blocks for minutes: bounded here.
+                _bounded(self._leave if self.world_size is None else self._barriers,
+                         timeout, f"{self.info}: leaving the job")
         finally:
             self._teardown()
+
+    def _leave(self, timeout: float) -> None:
+        if self.leave_group is not None:
+            self.leave_group(timeout)
+
+    def _barriers(self, timeout: float) -> None:
+        assert self.world_size is not None
+        try:
+            rendezvous.barrier(self.store, "shutdown", self.info.id, self.world_size,
+                               timeout, gone=lambda: set(self._broken), poke=self._ping)
+            # The store lives in rank 0: keep it up until all have left.
+            rendezvous.barrier(self.store, "shutdown-done", self.info.id,
+                               self.world_size, min(timeout, 5.0),
+                               gone=lambda: set(self._broken))
+        except Exception as exc:  # a dead rank 0 takes the store with it
+            logger.warning("%s: shutdown barrier incomplete: %s", self.info, exc)
 
     def _drain(self, timeout: float) -> None:
         """Wait for our outstanding calls and the requests we are serving."""

@@ -315,7 +315,8 @@ class Transport:
                      buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE,
                      hint: int = 0, devices: list[int] | None = None) -> None:
         out = None
-        if buffers and (self._host_as_device or any(b.is_cuda for b in buffers)):
+        if buffers and (self._host_as_device or any(b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER
+                                                    for b in buffers)):
             out = staging.plan(buffers, devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device)
         if out is None:
@@ -496,6 +497,7 @@ class Transport:
             with pipe.lock:
                 pipe.out_key = auth.session_key(self._secret, y, x, nx, ny)
                 pipe.out_state = OutState.OPEN
+                pipe.last_heard = time.monotonic()
                 backlog, pipe.backlog = pipe.backlog, []
                 for payload, buffers, kind, hint, devices in backlog:
                     try:
@@ -631,6 +633,9 @@ class Transport:
                         err = exc
                 owner = owner.msg
             if isinstance(owner, _Incoming):
+                if err is None:  # data arriving proves the peer alive
+                    owner.pipe.last_heard = time.monotonic()
+                    owner.pipe.ping_at = 0.0
                 owner.waiting -= 1
                 if err is not None and owner.error is None:
                     owner.error = BrokenError(f"receiving a buffer from {owner.pipe.name} "
@@ -638,6 +643,8 @@ class Transport:
                 if owner.waiting == 0:
                     self._deliver(owner)
             elif err is not None and owner is not None:
+                # (A send completing proves nothing: eager sends complete
+                # locally, even to a dead peer.)
                 self._break(owner, err)
         self._watch = still
         return busy
@@ -659,7 +666,10 @@ class Transport:
         """
         for pipe in list(self._pipes.values()):
             state = pipe.out_state
-            if state is OutState.HELLO_SENT and now - pipe.hello_at > 2 * self._peer_timeout:
+            # A handshake queued behind a large transfer from that peer is
+            # late, not lost: count from the last sign of life.
+            if state is OutState.HELLO_SENT and \
+                    now - max(pipe.hello_at, pipe.last_heard) > 2 * self._peer_timeout:
                 self._break(pipe, BrokenError(
                     f"no answer to the handshake for {2 * self._peer_timeout:.1f} s"))
             if state is not OutState.OPEN or now - pipe.last_sent > 60.0:

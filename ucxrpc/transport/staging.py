@@ -45,6 +45,11 @@ __all__ = ["CHUNK_BYTES", "PACK_MAX_BYTES", "PACK_MIN_COUNT", "Outgoing", "Landi
 CHUNK_BYTES = 4 << 20
 PACK_MIN_COUNT = 8
 PACK_MAX_BYTES = 256 << 10
+# Host buffers over this go out in chunks too, sent in place (no copy): one
+# long transfer on a single-lane pipe (shared memory) holds up the PING that
+# proves the peer alive, and chunk completions prove it instead.
+HOST_CHUNK_OVER = 32 << 20
+HOST_CHUNK_BYTES = 16 << 20
 
 
 def debug_host_as_device() -> bool:
@@ -81,6 +86,7 @@ class Outgoing:
     views: list[tuple[int, memoryview | None, int]]
     ways: list[tuple[int, int, int]]
     chunk: int
+    host_as_device: bool = False
     staged_bytes: int = 0
     packed: int = 0
     keep: list[Any] = field(default_factory=list)
@@ -92,6 +98,10 @@ class Outgoing:
         buf = self.buffers[i]
         if not self.ways[i][0] & STAGED:
             yield buf
+            return
+        if not buf.is_cuda and not self.host_as_device:  # a large host buffer
+            for start, end in chunk_spans(buf.numel(), HOST_CHUNK_BYTES):
+                yield buf[start:end]
             return
         spans = chunk_spans(buf.numel(), self.chunk)
         if not buf.is_cuda:  # the debug path: same chunks, host copies
@@ -125,15 +135,18 @@ def plan(buffers: Sequence[torch.Tensor], targets: Sequence[int] | None, *, stag
     def device_like(b: torch.Tensor) -> bool:
         return b.is_cuda or host_as_device
 
-    if not any(device_like(b) for b in buffers):
+    def chunked(b: torch.Tensor) -> bool:
+        return device_like(b) and staged or (not b.is_cuda and b.numel() > HOST_CHUNK_OVER)
+
+    if not any(device_like(b) or chunked(b) for b in buffers):
         return None
     dests = list(targets) if targets is not None else [
         (b.device.index or 0) if b.is_cuda else -1 for b in buffers]
     out_bufs = list(buffers)
     kib = chunk >> 10
     ways: list[tuple[int, int, int]] = [
-        ((STAGED, kib, 0) if staged else (0, 0, 0)) if device_like(b) else (0, 0, 0)
-        for b in buffers]
+        (STAGED, kib if device_like(b) else HOST_CHUNK_BYTES >> 10, 0) if chunked(b)
+        else (0, 0, 0) for b in buffers]
     groups: dict[tuple[torch.device, int], list[int]] = {}
     for i, b in enumerate(buffers):
         if device_like(b) and b.numel() <= PACK_MAX_BYTES:
@@ -156,8 +169,9 @@ def plan(buffers: Sequence[torch.Tensor], targets: Sequence[int] | None, *, stag
     for b, dest, way in zip(out_bufs, dests, ways):
         host_view = b.numpy().data if not b.is_cuda and not way[0] else None
         views.append((b.numel(), host_view, dest))
-    staged_bytes = sum(b.numel() for b, w in zip(out_bufs, ways) if w[0] & STAGED)
-    return Outgoing(out_bufs, views, ways, chunk, staged_bytes, packed)
+    staged_bytes = sum(b.numel() for b, w in zip(out_bufs, ways)
+                       if w[0] & STAGED and (b.is_cuda or host_as_device))
+    return Outgoing(out_bufs, views, ways, chunk, host_as_device, staged_bytes, packed)
 
 
 @dataclass(frozen=True)

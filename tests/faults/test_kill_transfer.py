@@ -1,0 +1,91 @@
+"""A peer SIGKILLed in the middle of a 256 MiB transfer.
+
+worker0 sends a large tensor to the victim (worker2), or the victim is
+sending one back, when the victim is killed.  The call fails with an error
+naming worker2, the pipe to worker1 still carries small and large calls,
+and both survivors shut down.
+
+Nothing times the kill against a measured transfer: the kill comes a few
+milliseconds after the transfer starts, and a call that succeeds anyway
+means the transfer was over before the kill and fails the test with that
+explanation.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.faults import _common as c
+from tests.faults._harness import run_with_victim
+
+pytestmark = pytest.mark.timeout(90)
+
+NBYTES = 256 << 20
+#: The unaffected pipe's large call.  A quarter of NBYTES: on a loaded machine
+#: a 256 MiB call can outlast PEER_TIMEOUT, which test_busy_peer.py checks on
+#: its own, and this test is about the dead peer.
+THIRD_NBYTES = 64 << 20
+KILL_AFTER_S = 0.02
+
+
+def big_reply_then_die(nbytes, kill_after, stamp_path):
+    """Return ``nbytes`` of tensor; SIGKILL this process while it is sent."""
+    import torch
+
+    value = torch.full((nbytes // 4,), 7.0)
+    threading.Timer(kill_after, c.kill_self, args=(stamp_path,)).start()
+    return value
+
+
+def _survivor(rank, world_size, init_method, full_world, direction, stamp_path):
+    import torch
+
+    import ucxrpc as rpc
+
+    c.init(rank, full_world, init_method)
+    out = {}
+    if rank == 0:
+        victim_pid = rpc.rpc_sync(c.VICTIM, c.pid)  # the pipe is open and works
+        if direction == "upload":
+            big = torch.full((NBYTES // 4,), 3.0)
+            fut = rpc.rpc_async(c.VICTIM, c.echo, args=(big,))
+            time.sleep(KILL_AFTER_S)
+            os.kill(victim_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            out["in_flight"] = c.failure(killed, fut.wait)
+        else:
+            start = time.monotonic()
+            out["in_flight"] = c.failure(start, rpc.rpc_sync, c.VICTIM, big_reply_then_die,
+                                         args=(NBYTES, KILL_AFTER_S, stamp_path))
+            # Timed from the kill, not from the call.
+            out["in_flight"]["elapsed"] -= c.read_stamp(stamp_path) - start
+        # Once detected, a new call fails at once.
+        out["later"] = c.failure(time.monotonic(), rpc.rpc_sync, c.VICTIM, c.add, args=(1, 2))
+        # The pipe to worker1 was not touched: small and large calls still work.
+        assert rpc.rpc_sync(c.THIRD, c.add, args=(2, 3)) == 5
+        third = torch.arange(THIRD_NBYTES // 4, dtype=torch.float32)
+        assert torch.equal(rpc.rpc_sync(c.THIRD, c.echo, args=(third,)), third)
+        rpc.rpc_sync(c.THIRD, c.go)
+    else:
+        c.wait_for_go()
+    out["shutdown_s"] = c.timed_shutdown()
+    return out
+
+
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_peer_killed_during_large_transfer(direction, tmp_path):
+    stamp = str(tmp_path / "killed-at")
+    res = run_with_victim(c.victim_main, _survivor, c.WORLD, args=(c.WORLD, direction, stamp),
+                          timeout=80)
+    print(f"\n  SIGKILL during a 256 MiB {direction}:")
+    assert res[0]["in_flight"]["type"] is not None, \
+        f"the call finished before the kill, so nothing was tested: {res[0]['in_flight']}"
+    c.check_failure(res[0]["in_flight"], c.VICTIM, "call in flight")
+    c.check_failure(res[0]["later"], c.VICTIM, "later call", bound=1.0)
+    for rank, r in enumerate(res):
+        c.check_shutdown(r["shutdown_s"], f"worker{rank}")

@@ -1,0 +1,197 @@
+"""A network partition between two hosts (network namespaces).
+
+worker0 (and the rendezvous store) run in namespace A, worker1 in B,
+joined by a veth pair, over TCP only.  Once both have exchanged calls, the
+link goes down: a call across it fails on each side, naming the other
+worker, within a bound.  Then (see :mod:`tests.faults._netns_worker`):
+
+* ``heal``: worker0 shuts down during the partition; the link comes back and
+  worker1, whose store went away with worker0, shuts down too;
+* ``cut-off``: worker1 shuts down during the partition, cut off from the
+  store, with ``shutdown(timeout=5)``, which must hold;
+* ``rejoin`` (dynamic membership, ``world_size=None``): the link comes back,
+  worker1 leaves and joins again under the same name and rank, and calls
+  work both ways again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults import _common as c
+from tests.faults import _netns
+from tests.faults._netns_worker import CUT_OFF_SHUTDOWN_TIMEOUT_S, write
+from tests.workers import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+#: How long the test waits for a worker's next step.
+STEP_WAIT_S = 30.0
+#: How long worker1's shutdown(timeout=5), cut off from the store, may take.
+CUT_OFF_SHUTDOWN_BOUND_S = CUT_OFF_SHUTDOWN_TIMEOUT_S + 10.0
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it if the test process dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+class _Job:
+    """The two workers, started with ``ip netns exec``; killed in :meth:`stop`."""
+
+    def __init__(self, ctl: Path, mode: str) -> None:
+        self.ctl = ctl
+        self.mode = mode
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, sides: tuple[_netns.Side, _netns.Side]) -> None:
+        init_method = f"tcp://{sides[0].address}:{free_port()}"
+        for rank, side in enumerate(sides):
+            env = dict(os.environ, UCX_NET_DEVICES=side.veth, PYTHONPATH=str(REPO))
+            with open(self.ctl / f"worker{rank}.log", "w") as log:
+                self.procs.append(subprocess.Popen(
+                    ["ip", "netns", "exec", side.netns, sys.executable, "-m",
+                     "tests.faults._netns_worker", str(self.ctl), str(rank), init_method,
+                     self.mode],
+                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    preexec_fn=_die_with_parent))
+
+    def wait_for(self, name: str, timeout: float = STEP_WAIT_S) -> str:
+        """The contents of control file ``name`` once a worker wrote it; fails
+        the test, with every thread's stack of the workers still running,
+        when it does not come in time or a worker exits without it."""
+        path = self.ctl / name
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            for rank, proc in enumerate(self.procs):
+                if proc.poll() is not None and not (self.ctl / f"result{rank}.json").exists():
+                    pytest.fail(f"worker{rank} exited with {proc.returncode} before writing "
+                                f"{name}:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                self.dump_stacks()
+                pytest.fail(f"{name} did not come within {timeout} s (worker stacks in the "
+                            f"logs):\n{self.logs()}")
+            time.sleep(0.05)
+        return path.read_text()
+
+    def result(self, rank: int, timeout: float = STEP_WAIT_S) -> dict:
+        out = json.loads(self.wait_for(f"result{rank}.json", timeout))
+        if "error" in out:
+            pytest.fail(f"worker{rank} failed:\n{out['error']}\n{self.logs()}")
+        return out
+
+    def dump_stacks(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-6000:]}"
+                         for p in sorted(self.ctl.glob("worker*.log")))
+
+    def wait_exit(self) -> None:
+        """Both workers exit, with status 0, once they wrote their results."""
+        for rank, proc in enumerate(self.procs):
+            try:
+                code = proc.wait(timeout=STEP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.dump_stacks()
+                pytest.fail(f"worker{rank} did not exit after its result:\n{self.logs()}")
+            assert code == 0, f"worker{rank} exited with {code}:\n{self.logs()}"
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def sides():
+    """Namespaces A and B joined by a veth link; skipped where they cannot be made."""
+    try:
+        with _netns.netns_pair() as pair:
+            yield pair
+    except _netns.Unavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("mode", ["heal", "cut-off"])
+def test_partition(sides, tmp_path, mode):
+    a, _ = sides
+    job = _Job(tmp_path, mode)
+    try:
+        job.start(sides)
+        job.wait_for("ready0")
+        job.wait_for("ready1")
+        _netns.set_link(a, "down")
+        write(tmp_path / "down", repr(time.monotonic()))
+        r0 = job.result(0)  # worker0 shuts down during the partition
+        job.wait_for("detected1")
+        if mode == "heal":
+            _netns.set_link(a, "up")
+            write(tmp_path / "up", "1")
+            r1 = job.result(1)
+        else:
+            r1 = job.result(1, timeout=CUT_OFF_SHUTDOWN_BOUND_S + 5)
+        job.wait_exit()
+    finally:
+        job.stop()
+    print(f"\n  partition (veth down, {mode}) over {r0['pipes']}:")
+    _check_partition(r0, r1)
+    c.check_shutdown(r0["shutdown_s"], "worker0 (during the partition)")
+    if mode == "heal":
+        c.check_shutdown(r1["shutdown_s"], "worker1 (link back, the store gone with worker0)")
+    else:
+        print(f"  worker1 (cut off from the store) shutdown(timeout="
+              f"{CUT_OFF_SHUTDOWN_TIMEOUT_S:g}): {r1['shutdown_s']:.2f} s")
+        assert r1["shutdown_s"] < CUT_OFF_SHUTDOWN_BOUND_S
+
+
+def test_partition_then_rejoin(sides, tmp_path):
+    a, _ = sides
+    job = _Job(tmp_path, "rejoin")
+    try:
+        job.start(sides)
+        job.wait_for("ready0")
+        job.wait_for("ready1")
+        _netns.set_link(a, "down")
+        write(tmp_path / "down", repr(time.monotonic()))
+        job.wait_for("detected0")
+        job.wait_for("detected1")
+        _netns.set_link(a, "up")
+        write(tmp_path / "up", "1")
+        r1 = job.result(1)
+        r0 = job.result(0)
+        job.wait_exit()
+    finally:
+        job.stop()
+    print("\n  partition (veth down) of a dynamic group, then worker1 rejoins:")
+    _check_partition(r0, r1)
+    print(f"  worker1 left in {r1['leave_s']:.2f} s and joined again in {r1['rejoin_s']:.2f} s")
+    c.check_shutdown(r1["leave_s"], "worker1 (leaving the group after the partition)")
+    c.check_shutdown(r1["shutdown_s"], "worker1 (rejoined)")
+    c.check_shutdown(r0["shutdown_s"], "worker0")
+
+
+def _check_partition(r0: dict, r1: dict) -> None:
+    c.check_failure(r0["call"], "worker1", "worker0 -> worker1 across the partition")
+    c.check_failure(r1["call"], "worker0", "worker1 -> worker0 across the partition")
+    c.check_failure(r0["later"], "worker1", "worker0 later call", bound=1.0)
+    c.check_failure(r1["later"], "worker0", "worker1 later call", bound=1.0)
