@@ -287,7 +287,8 @@ def run_with_victim(victim: Callable[..., object], target: Callable[..., object]
 
 
 def stop_worker(proc: BaseProcess, timeout: float = _TERMINATE_WAIT_S) -> None:
-    """Stop ``proc``: SIGTERM, wait up to ``timeout`` s, then SIGKILL and reap it.
+    """Stop ``proc``: SIGTERM (and SIGCONT, should it be stopped), wait up to
+    ``timeout`` s, then SIGKILL and reap it.
 
     Idempotent; safe on a process that has already exited or never started.
     """
@@ -295,6 +296,10 @@ def stop_worker(proc: BaseProcess, timeout: float = _TERMINATE_WAIT_S) -> None:
         return
     if proc.is_alive():
         proc.terminate()
+        try:  # a stopped process (SIGSTOP) takes the SIGTERM only once continued
+            os.kill(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         proc.join(timeout)
     if proc.is_alive():
         proc.kill()

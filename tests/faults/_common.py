@@ -71,6 +71,31 @@ def wait_for_go(timeout: float = 60.0) -> None:
         raise TimeoutError(f"nobody called go() within {timeout} s")
 
 
+def check_third(nbytes: int) -> None:
+    """The pipe to the worker the fault should not affect still carries small
+    calls and a tensor of ``nbytes``."""
+    import torch
+
+    import ucxrpc as rpc
+
+    assert rpc.rpc_sync(THIRD, add, args=(2, 3)) == 5
+    t = torch.arange(nbytes // 4, dtype=torch.float32)
+    assert torch.equal(rpc.rpc_sync(THIRD, echo, args=(t,)), t)
+
+
+def finish(rank: int, out: dict[str, Any]) -> dict[str, Any]:
+    """A survivor's last step: worker0, its checks done, releases the third
+    worker; both then shut down, timed."""
+    import ucxrpc as rpc
+
+    if rank == 0:
+        rpc.rpc_sync(THIRD, go)
+    else:
+        wait_for_go()
+    out["shutdown_s"] = timed_shutdown()
+    return out
+
+
 def timed_shutdown() -> float:
     """Graceful ``rpc.shutdown()``; returns how long it took."""
     import ucxrpc as rpc

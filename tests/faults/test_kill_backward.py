@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.faults import _common as c
-from tests.faults._harness import run_with_victim
+from tests.workers import run_with_victim
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -70,11 +70,7 @@ def _survivor(rank, world_size, init_method, full_world, stamp_path):
             grad = dist_autograd.get_gradients(ctx)[x]
             assert torch.equal(grad, torch.full_like(x, 2.0)), grad
         out["contexts_end"] = (num_contexts(), rpc.rpc_sync(c.THIRD, num_contexts))
-        rpc.rpc_sync(c.THIRD, c.go)
-    else:
-        c.wait_for_go()
-    out["shutdown_s"] = c.timed_shutdown()
-    return out
+    return c.finish(rank, out)
 
 
 def test_peer_killed_during_backward(tmp_path):

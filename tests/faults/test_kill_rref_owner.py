@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.faults import _common as c
-from tests.faults._harness import run_with_victim
+from tests.workers import run_with_victim
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -96,11 +96,7 @@ def _survivor(rank, world_size, init_method, full_world, stamp_path):
         # Dropped user RRefs owe deletions to their owners, the dead one too.
         del dead, dead_value, alive
         rpc.rpc_sync(c.THIRD, drop_held)
-        rpc.rpc_sync(c.THIRD, c.go)
-    else:
-        c.wait_for_go()
-    out["shutdown_s"] = c.timed_shutdown()
-    return out
+    return c.finish(rank, out)
 
 
 def test_rref_owner_killed_while_shared(tmp_path):

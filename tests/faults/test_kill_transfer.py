@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.faults import _common as c
-from tests.faults._harness import run_with_victim
+from tests.workers import run_with_victim
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -67,14 +67,8 @@ def _survivor(rank, world_size, init_method, full_world, direction, stamp_path):
         # Once detected, a new call fails at once.
         out["later"] = c.failure(time.monotonic(), rpc.rpc_sync, c.VICTIM, c.add, args=(1, 2))
         # The pipe to worker1 was not touched: small and large calls still work.
-        assert rpc.rpc_sync(c.THIRD, c.add, args=(2, 3)) == 5
-        third = torch.arange(THIRD_NBYTES // 4, dtype=torch.float32)
-        assert torch.equal(rpc.rpc_sync(c.THIRD, c.echo, args=(third,)), third)
-        rpc.rpc_sync(c.THIRD, c.go)
-    else:
-        c.wait_for_go()
-    out["shutdown_s"] = c.timed_shutdown()
-    return out
+        c.check_third(THIRD_NBYTES)
+    return c.finish(rank, out)
 
 
 @pytest.mark.parametrize("direction", ["upload", "download"])

@@ -67,6 +67,15 @@ class _Job:
                     cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                     preexec_fn=_die_with_parent))
 
+    def cut(self, sides: tuple[_netns.Side, _netns.Side]) -> None:
+        """Start both workers, wait until they exchanged calls, then take the
+        link down and tell them when."""
+        self.start(sides)
+        self.wait_for("ready0")
+        self.wait_for("ready1")
+        _netns.set_link(sides[0], "down")
+        write(self.ctl / "down", repr(time.monotonic()))
+
     def wait_for(self, name: str, timeout: float = STEP_WAIT_S) -> str:
         """The contents of control file ``name`` once a worker wrote it; fails
         the test, with every thread's stack of the workers still running,
@@ -137,11 +146,7 @@ def test_partition(sides, tmp_path, mode):
     a, _ = sides
     job = _Job(tmp_path, mode)
     try:
-        job.start(sides)
-        job.wait_for("ready0")
-        job.wait_for("ready1")
-        _netns.set_link(a, "down")
-        write(tmp_path / "down", repr(time.monotonic()))
+        job.cut(sides)
         r0 = job.result(0)  # worker0 shuts down during the partition
         job.wait_for("detected1")
         if mode == "heal":
@@ -168,11 +173,7 @@ def test_partition_then_rejoin(sides, tmp_path):
     a, _ = sides
     job = _Job(tmp_path, "rejoin")
     try:
-        job.start(sides)
-        job.wait_for("ready0")
-        job.wait_for("ready1")
-        _netns.set_link(a, "down")
-        write(tmp_path / "down", repr(time.monotonic()))
+        job.cut(sides)
         job.wait_for("detected0")
         job.wait_for("detected1")
         _netns.set_link(a, "up")

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.faults import _common as c
-from tests.faults._harness import run_with_victim
+from tests.workers import run_with_victim
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,14 +36,8 @@ def _survivor(rank, world_size, init_method, full_world):
         out["stopping_call"] = c.failure(start, stopped.wait)
         out["call_to_stopped"] = c.failure(start, after.wait)
         out["later"] = c.failure(time.monotonic(), rpc.rpc_sync, c.VICTIM, c.add, args=(1, 2))
-        assert rpc.rpc_sync(c.THIRD, c.add, args=(2, 3)) == 5
-        t = torch.arange(1 << 20, dtype=torch.float32)
-        assert torch.equal(rpc.rpc_sync(c.THIRD, c.echo, args=(t,)), t)
-        rpc.rpc_sync(c.THIRD, c.go)
-    else:
-        c.wait_for_go()
-    out["shutdown_s"] = c.timed_shutdown()
-    return out
+        c.check_third(4 << 20)
+    return c.finish(rank, out)
 
 
 def test_stopped_peer_is_detected():
