@@ -44,8 +44,7 @@ def join(agent: RpcAgent, timeout: float, welcome: Callable[[str], None],
     """
     store = agent.store
     rendezvous.claim_mode(store, "dynamic")
-    token = f"{agent.info.name}/{os.getpid()}/{uuid.uuid4().hex}"
-    with rendezvous.GroupLock(store, token, timeout):
+    with rendezvous.GroupLock(store, _token(agent), timeout):
         present = {r: rendezvous.member(store, r) for r in rendezvous.group_ranks(store)}
         me = agent.info
         if me.id in present:
@@ -57,8 +56,7 @@ def join(agent: RpcAgent, timeout: float, welcome: Callable[[str], None],
                                f"{m.rank}; names must be unique")
         record = agent.publish()
         agent.check_device_maps({**present, me.id: record})
-        agent.add_member(record)  # itself, for get_worker_info
-        for m in present.values():
+        for m in (record, *present.values()):
             agent.add_member(m)
         agent.transport.on_unknown_peer = agent.lookup_member
         agent.start()
@@ -72,14 +70,19 @@ def leave(agent: RpcAgent, timeout: float, farewell: Callable[[int], None]) -> N
     """Leave the group: every present worker forgets this one first."""
     store = agent.store
     me = agent.info.id
-    token = f"{agent.info.name}/{os.getpid()}/{uuid.uuid4().hex}"
     try:
-        with rendezvous.GroupLock(store, token, timeout):
+        with rendezvous.GroupLock(store, _token(agent), timeout):
             others = [r for r in rendezvous.group_ranks(store) if r != me]
             _tell(agent, others, farewell, (me,), timeout)
             rendezvous.set_group_ranks(store, others)
     except Exception as exc:  # the store went with rank 0, or timed out
         logger.warning("%s: could not leave the group cleanly: %s", agent.info, exc)
+
+
+def _token(agent: RpcAgent) -> str:
+    """Who holds the group lock, unique to this attempt (and readable in the
+    error of one who waited too long for it)."""
+    return f"{agent.info.name}/{os.getpid()}/{uuid.uuid4().hex}"
 
 
 def _tell(agent: RpcAgent, ranks: list[int], func: Callable[..., Any], args: tuple[Any, ...],

@@ -203,12 +203,7 @@ class RpcAgent:
         members = rendezvous.collect(self.store, self.world_size)
         self.check_device_maps(members)
         for m in members.values():
-            wi = WorkerInfo(m.name, m.rank)
-            self.workers[m.rank] = wi
-            self._names[m.name] = wi
-            if m.rank != self.info.id:
-                self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct,
-                                        m.max_frame_bytes)
+            self.add_member(m)
         self.start()
         rendezvous.barrier(self.store, "init", self.info.id, self.world_size, timeout)
         logger.info("%s joined a job of %d workers", self.info, self.world_size)
@@ -467,16 +462,19 @@ class RpcAgent:
         return getattr(self._dest, "id", None)
 
     def add_member(self, m: rendezvous.Member) -> None:
-        """A worker joined a dynamic group (maybe again, at a new address)."""
-        mine = self.options.maps().get(m.name)
-        if mine:
-            self.device_maps[m.rank] = mine
-        theirs = m.device_maps.get(self.info.name)
-        if theirs:
-            self.reverse_device_maps[m.rank] = {
-                dst: src for src, dst in devices.to_device_map(theirs).items()}
-        self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct, m.max_frame_bytes)
-        self._broken.pop(m.rank, None)
+        """Know worker ``m`` (this one too): at join, and when a worker joins
+        a dynamic group (maybe again, at a new address)."""
+        if m.rank != self.info.id:
+            mine = self.options.maps().get(m.name)
+            if mine:
+                self.device_maps[m.rank] = mine
+            theirs = m.device_maps.get(self.info.name)
+            if theirs:
+                self.reverse_device_maps[m.rank] = {
+                    dst: src for src, dst in devices.to_device_map(theirs).items()}
+            self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct,
+                                    m.max_frame_bytes)
+            self._broken.pop(m.rank, None)
         wi = WorkerInfo(m.name, m.rank)
         self.workers[m.rank] = wi
         self._names[m.name] = wi

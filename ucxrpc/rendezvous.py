@@ -21,6 +21,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -92,13 +93,8 @@ def open_dynamic_store(init_method: str, rank: int, timeout: float) -> Any:
     if rank < 0:
         raise ValueError("dynamic membership (world_size=None) needs an explicit rank")
 
-    class _Options:  # what torch's helper reads
-        pass
-
-    opts = _Options()
-    opts.init_method = init_method  # type: ignore[attr-defined]
-    try:
-        store = dist._create_store_from_options(opts, rank)
+    try:  # torch's helper reads only the options' init_method
+        store = dist._create_store_from_options(SimpleNamespace(init_method=init_method), rank)
     except RuntimeError as exc:
         if rank == 0 and "EADDRINUSE" in str(exc):
             raise RpcError(f"rank 0 hosts the group's store at {init_method}, but that address "

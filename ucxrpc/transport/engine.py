@@ -427,7 +427,7 @@ class Transport:
         """Count a frame received into nothing.  Its tag is all we know, and
         a tag is only a claim: nothing is done on its word (senders check
         the receiver's max_frame_bytes before sending)."""
-        if why.startswith("exceeds"):
+        if length > self.limits.max_frame_bytes:
             self.frame_errors += 1
         else:
             self.refused += 1

@@ -28,6 +28,7 @@ so that machines without a GPU test the same code; it is for tests only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -220,10 +221,11 @@ def finish(buffers: list[Any], descs: Sequence[BufferDesc], delivered: int) -> l
                 for i in members]
         src = [pack.data_ptr() + descs[i].inline_offset for i in members]
         nbytes = [descs[i].nbytes for i in members]
-        if pack.is_cuda:
-            with torch.cuda.stream(_side_stream(pack.device.index or 0, "in")):
-                _kernels.multi_copy(src, [t.data_ptr() for t in outs], nbytes, pack.device)
-        else:
+        # The outputs were allocated above, on the current stream; only the
+        # copy runs on the side stream that the message waits for.
+        side = (torch.cuda.stream(_side_stream(pack.device.index or 0, "in")) if pack.is_cuda
+                else contextlib.nullcontext())
+        with side:
             _kernels.multi_copy(src, [t.data_ptr() for t in outs], nbytes, pack.device)
         for i, t in zip(members, outs):
             buffers[i] = t
