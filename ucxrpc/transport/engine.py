@@ -57,6 +57,10 @@ MAX_WORKER_ID = ID_MASK
 HINT_MASK = (1 << ID_SHIFT) - 1
 _PENDING_HANDSHAKES = 8
 _MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
+# A data send this large goes by rendezvous, which completes only once the
+# receiver has taken the bytes: its completion proves the peer alive (a small
+# eager send completes locally, even to a dead peer).
+_PROOF_OF_LIFE_BYTES = 1 << 20
 
 
 def data_tag(sender: int, seq: int, index: int) -> int:
@@ -77,6 +81,15 @@ class OutState(enum.Enum):
     CLOSED = "closed"
 
 
+class _BulkSend:
+    """The owner of a pipe's large data sends (see _PROOF_OF_LIFE_BYTES)."""
+
+    __slots__ = ("pipe",)
+
+    def __init__(self, pipe: "Pipe") -> None:
+        self.pipe = pipe
+
+
 class Pipe:
     """Both directions to one peer: our endpoint out, their frames in."""
 
@@ -86,6 +99,7 @@ class Pipe:
         self.address = address
         self.ep: Endpoint | None = None
         self.direct = False  # device memory goes to UCX as is (else: staged)
+        self.bulk = _BulkSend(self)
         self.lock = threading.Lock()
         self.out_state = OutState.NEW
         self.out_key = b""
@@ -336,21 +350,21 @@ class Transport:
         pipe.last_sent = time.monotonic()
         assert pipe.ep is not None
         tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
-        reqs = [pipe.ep.tag_send(frame, tag)]
+        reqs: list[tuple[Request, Pipe | _BulkSend]] = [(pipe.ep.tag_send(frame, tag), pipe)]
         for i in separate:
             tag = data_tag(self.my_id, seq, i)
-            if out is None:
-                reqs.append(pipe.ep.tag_send(buffers[i], tag))
-            else:
-                reqs.extend(pipe.ep.tag_send(part, tag) for part in out.parts(i))
+            for part in (buffers[i],) if out is None else out.parts(i):
+                owner = pipe.bulk if part.numel() >= _PROOF_OF_LIFE_BYTES else pipe
+                reqs.append((pipe.ep.tag_send(part, tag), owner))
         pipe.sent += 1
-        left = [r for r in reqs if not r.done]
-        for r in reqs:
-            if r.done and (err := r.error()) is not None:
+        waking = False
+        for r, owner in reqs:
+            if not r.done:
+                self._inflight.append((r, owner))
+                waking = True
+            elif (err := r.error()) is not None:
                 self._call_soon(functools.partial(self._break, pipe, err))
-        if left:
-            for r in left:
-                self._inflight.append((r, pipe))
+        if waking:
             self._wake()
 
     def _send_handshake(self, pipe: Pipe, kind: Kind, payload: bytes) -> None:
@@ -643,9 +657,10 @@ class Transport:
                 if owner.waiting == 0:
                     self._deliver(owner)
             elif err is not None and owner is not None:
-                # (A send completing proves nothing: eager sends complete
-                # locally, even to a dead peer.)
-                self._break(owner, err)
+                self._break(owner.pipe if isinstance(owner, _BulkSend) else owner, err)
+            elif isinstance(owner, _BulkSend):  # the peer took a large send
+                owner.pipe.last_heard = time.monotonic()
+                owner.pipe.ping_at = 0.0
         self._watch = still
         return busy
 
