@@ -186,10 +186,15 @@ def _bad_messages(rank, world_size, init_method):
     from ucxrpc import api, wire
     from ucxrpc.agent import _Call
 
+    from tests.faults._common import go, wait_for_go
+
     limit = (1 << 20) if rank == 1 else (64 << 20)
     frame_limit = (64 << 10) if rank == 1 else (1 << 30)
     _init(rank, world_size, init_method, max_message_bytes=limit, max_frame_bytes=frame_limit)
     if rank == 0:
+        # worker1 goes first, so our reply to it is the first message on our
+        # pipe to it: it waits for the handshake, and must still fail at once.
+        wait_for_go()
         # the receiver's limit is smaller than ours: it rejects with an error
         with pytest.raises(RuntimeError, match="exceeds max_message_bytes=1048576"):
             rpc.rpc_sync("worker1", echo, args=(torch.ones(1 << 20),))
@@ -213,8 +218,9 @@ def _bad_messages(rank, world_size, init_method):
     else:
         # a reply over our own frame limit fails the call it answers, at once
         with pytest.raises(RuntimeError, match="exceeds max_frame_bytes=65536 of the receiver"):
-            rpc.rpc_sync("worker0", big_bytes, args=(200_000,))
+            rpc.rpc_sync("worker0", big_bytes, args=(200_000,), timeout=30)
         assert rpc.rpc_sync("worker0", add, args=(2, 3)) == 5
+        rpc.rpc_sync("worker0", go)
     rpc.shutdown()
 
 

@@ -11,7 +11,7 @@ from ucxrpc import wire
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.options import UcxRpcBackendOptions
 from ucxrpc.transport import auth
-from ucxrpc.transport.frame import NOT_INLINE, Kind, Limits, decode, encode
+from ucxrpc.transport.frame import NOT_INLINE, Kind, Limits, check_limits, decode, encode
 
 KEY = b"k" * 32
 
@@ -92,6 +92,32 @@ def test_limits_checked_on_both_sides():
     frame, _ = encode(Kind.MESSAGE, 1, b"", _bufs(1, 1, 1), KEY, Limits())
     with pytest.raises(FrameError, match="declares 3 buffers; the limit is 2"):
         decode(frame, KEY, Limits(max_buffers=2))
+
+
+def test_inlining_stays_within_the_receivers_frame_limit():
+    """Small buffers that would push the frame over the receiver's limit go
+    separately, so only the header can make a frame too big for it."""
+    limits = Limits(inline_threshold=1024)
+    frame, separate = encode(Kind.MESSAGE, 1, b"p", _bufs(*[1000] * 6), KEY, limits,
+                             peer_max_frame=2500)
+    assert frame.nbytes <= 2500
+    assert 0 < len(separate) < 6
+    f = decode(frame, KEY, Limits(max_frame_bytes=2500))
+    assert [d.nbytes for d in f.buffers] == [1000] * 6
+
+
+@pytest.mark.parametrize("args, message", [
+    ((10, 3, 0, Limits(max_buffers=2)), "message has 3 buffers; the limit is 2"),
+    ((5000, 0, 0, Limits(max_frame_bytes=4096)), "exceeds max_frame_bytes=4096$"),
+    ((5000, 0, 0, Limits(), 4096, "worker3"),
+     "exceeds max_frame_bytes=4096 of the receiver \\(worker3\\)"),
+    ((10, 1, 1 << 20, Limits(max_message_bytes=1 << 20)),
+     "message of 1048646 bytes exceeds max_message_bytes=1048576"),
+])
+def test_limits_checked_before_encoding(args, message):
+    with pytest.raises(FrameError, match=message):
+        check_limits(*args)
+    check_limits(10, 1, 100, Limits(), 4096, "worker3")  # within every limit
 
 
 def test_random_bytes_never_decode():

@@ -42,7 +42,7 @@ import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
 from . import auth, staging
-from .frame import PACKED, STAGED, Frame, Kind, Limits, decode, encode, peek_seq
+from .frame import PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_seq
 from .pool import HostPool
 from .ucx import Endpoint, Request, Worker
 
@@ -269,6 +269,10 @@ class Transport:
     def _send_or_queue(self, pipe: Pipe, payload: bytes | memoryview,
                        buffers: list[torch.Tensor], kind: Kind, hint: int = 0,
                        devices: list[int] | None = None) -> None:
+        # Checked here, not only when encoding: a message queued behind the
+        # handshake is encoded later, with nobody left to tell.
+        check_limits(len(payload), len(buffers), sum(b.nbytes for b in buffers),
+                     self.limits, pipe.peer_max_frame, pipe.name)
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:
                 self._send_locked(pipe, payload, buffers, kind, hint, devices)
@@ -336,10 +340,10 @@ class Transport:
         if out is None:
             views = [(b.numel(), b.numpy().data, -1) for b in buffers]
             frame, separate = encode(kind, pipe.out_seq + 1, payload, views, pipe.out_key,
-                                     self.limits)
+                                     self.limits, peer_max_frame=pipe.peer_max_frame)
         else:  # the receiver allocates on the device each descriptor names
             frame, separate = encode(kind, pipe.out_seq + 1, payload, out.views, pipe.out_key,
-                                     self.limits, out.ways)
+                                     self.limits, out.ways, pipe.peer_max_frame)
             self.staged_bytes += out.staged_bytes
             self.packed_buffers += out.packed
         if frame.nbytes > pipe.peer_max_frame:

@@ -130,15 +130,43 @@ def mac(key: bytes, head: bytes | memoryview, size: int) -> bytes:
     return h.digest()
 
 
+def check_limits(payload_len: int, nbuf: int, nbytes: int, limits: Limits,
+                 peer_max_frame: int = 1 << 62, peer: str = "") -> None:
+    """Refuse a message that no encoding of it could send, before it is
+    encoded or queued: ``nbuf`` buffers of ``nbytes`` in all after a payload
+    of ``payload_len``, to a receiver taking frames of ``peer_max_frame``.
+
+    Inlining never pushes a frame over either limit (:func:`encode` sends
+    such buffers separately), so the frame's header decides.
+
+    Raises:
+        FrameError: the limit broken, named (the receiver's as such, with
+        ``peer``, its name).
+    """
+    if nbuf > limits.max_buffers:
+        raise FrameError(f"message has {nbuf} buffers; the limit is {limits.max_buffers}")
+    size = PREFIX.size + DESC.size * nbuf + payload_len + MAC_LEN
+    if size > limits.max_frame_bytes:
+        raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
+    if size > peer_max_frame:
+        raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={peer_max_frame} "
+                         f"of the receiver ({peer})")
+    if size + nbytes > limits.max_message_bytes:
+        raise FrameError(f"message of {size + nbytes} bytes exceeds "
+                         f"max_message_bytes={limits.max_message_bytes}")
+
+
 def encode(kind: Kind, seq: int, payload: bytes | memoryview,
            buffers: Sequence[tuple[int, memoryview | None, int]], key: bytes,
            limits: Limits,
-           ways: Sequence[tuple[int, int, int]] | None = None) -> tuple[np.ndarray, list[int]]:
+           ways: Sequence[tuple[int, int, int]] | None = None,
+           peer_max_frame: int = 1 << 62) -> tuple[np.ndarray, list[int]]:
     """Build a frame; returns it and the indices of buffers sent separately.
 
     ``buffers`` holds (nbytes, host bytes view or None, device) triples; a
     host buffer (device -1) no larger than ``limits.inline_threshold`` is
-    copied inline while the inline total stays under ``limits.inline_total``.
+    copied inline while the inline total stays under ``limits.inline_total``
+    and the frame within both sides' ``max_frame_bytes``.
     ``ways``, when given, holds (flags, arg, offset) per buffer; a buffer
     with flags set is never inlined, and PACKED ones are not sent at all.
 
@@ -152,7 +180,8 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     cursor = start = (head_len + ALIGN - 1) & ~(ALIGN - 1)
     offs, separate, inline = [], [], []
     total = 0
-    small, budget = limits.inline_threshold, start + limits.inline_total
+    frame_cap = min(limits.max_frame_bytes, peer_max_frame) - MAC_LEN
+    small, budget = limits.inline_threshold, min(start + limits.inline_total, frame_cap)
     for i, (n, view, device) in enumerate(buffers):
         if ways is not None and ways[i][0]:
             if ways[i][0] == PACKED:
