@@ -83,12 +83,22 @@ def check_third(nbytes: int) -> None:
     assert torch.equal(rpc.rpc_sync(THIRD, echo, args=(t,)), t)
 
 
-def finish(rank: int, out: dict[str, Any]) -> dict[str, Any]:
+def finish(rank: int, out: dict[str, Any], go_file: str | None = None) -> dict[str, Any]:
     """A survivor's last step: worker0, its checks done, releases the third
-    worker; both then shut down, timed."""
+    worker (by RPC, or by creating ``go_file`` where worker0 may have lost
+    its pipes); both then shut down, timed."""
     import ucxrpc as rpc
 
-    if rank == 0:
+    if go_file is not None:
+        if rank == 0:
+            open(go_file, "w").close()
+        else:
+            deadline = time.monotonic() + 60.0
+            while not os.path.exists(go_file):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker0 did not create {go_file} within 60 s")
+                time.sleep(0.05)
+    elif rank == 0:
         rpc.rpc_sync(THIRD, go)
     else:
         wait_for_go()

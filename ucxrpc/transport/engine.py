@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
-from . import auth, staging
+from . import auth, canary, staging
 from .frame import PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_seq
 from .pool import HostPool
 from .ucx import Endpoint, Request, Worker
@@ -49,7 +49,7 @@ from .ucx import Endpoint, Request, Worker
 logger = logging.getLogger(__name__)
 
 KIND_SHIFT = 62
-HANDSHAKE, FRAME, DATA = 0, 1, 2
+HANDSHAKE, FRAME, DATA, CANARY = 0, 1, 2, 3
 ID_SHIFT = 46
 ID_MASK = 0xFFFF
 SEQ_MASK = (1 << 30) - 1
@@ -61,6 +61,10 @@ _MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
 # receiver has taken the bytes: its completion proves the peer alive (a small
 # eager send completes locally, even to a dead peer).
 _PROOF_OF_LIFE_BYTES = 1 << 20
+# A progress turn longer than this means we were not listening (an
+# overloaded machine, the GIL held elsewhere, a slow callback): a peer's
+# silence over that time proves nothing about the peer.
+_STALL_S = 0.5
 
 
 def data_tag(sender: int, seq: int, index: int) -> int:
@@ -111,6 +115,7 @@ class Pipe:
         # forged HELLO or PROOF cannot spoil a genuine one in progress.
         self.in_nonces: dict[bytes, bytes] = {}
         self.peer_max_frame = 1 << 62  # the receiver's max_frame_bytes, if known
+        self.fifo: bool | None = None  # whether it reaches us through a shared-memory FIFO
         self.in_key: bytes | None = None
         self.in_seq = 0
         self.error: BaseException | None = None
@@ -194,6 +199,7 @@ class Transport:
         self._peer_timeout = peer_timeout
         self._data_spins = 8
         self._ping_interval = min(1.0, peer_timeout / 3)
+        self._transports = transports
         self._worker = Worker(transports)
         self.address = self._worker.address
         self._host_as_device = staging.debug_host_as_device()
@@ -217,6 +223,14 @@ class Transport:
         self.frame_errors = 0
         self.staged_bytes = 0
         self.packed_buffers = 0
+        # The shared-memory receive queue check (canary.py): the canary, when
+        # its message went out (0: no check running), and for whose death.
+        self._canary: canary.Canary | None = None
+        self._canary_tag = (CANARY << KIND_SHIFT) | (my_id << ID_SHIFT)
+        self._canary_at = 0.0
+        self._canary_cause = ""
+        self._canary_rx: list[Request] = []
+        self.fifo_stuck: str | None = None  # why no local peer can reach us, once so
         self._thread = threading.Thread(target=self._run, name=f"ucxrpc-progress-{my_id}",
                                         daemon=True)
 
@@ -323,6 +337,8 @@ class Transport:
         while time.monotonic() < end:  # let the close requests go out
             self._worker.progress()
         self._worker.close()
+        if self._canary is not None:
+            self._canary.close()
         self.pool.clear()
         self._epoll.close()
         os.close(self._wake_fd)
@@ -516,6 +532,8 @@ class Transport:
                 pipe.out_key = auth.session_key(self._secret, y, x, nx, ny)
                 pipe.out_state = OutState.OPEN
                 pipe.last_heard = time.monotonic()
+                if pipe.ep is not None:
+                    pipe.fifo = canary.uses_fifo(pipe.ep.transports())
                 backlog, pipe.backlog = pipe.backlog, []
                 for payload, buffers, kind, hint, devices in backlog:
                     try:
@@ -689,8 +707,9 @@ class Transport:
             # late, not lost: count from the last sign of life.
             if state is OutState.HELLO_SENT and \
                     now - max(pipe.hello_at, pipe.last_heard) > 2 * self._peer_timeout:
+                why = f"; {self.fifo_stuck}" if self.fifo_stuck else ""
                 self._break(pipe, BrokenError(
-                    f"no answer to the handshake for {2 * self._peer_timeout:.1f} s"))
+                    f"no answer to the handshake for {2 * self._peer_timeout:.1f} s{why}"))
             if state is not OutState.OPEN or now - pipe.last_sent > 60.0:
                 continue
             silent = now - pipe.last_heard
@@ -706,9 +725,23 @@ class Transport:
                         pipe.last_sent = last_sent  # a PING is not use
                         pipe.ping_at = now
 
+    def _excuse_stall(self, seconds: float, now: float) -> None:
+        """Move every pipe's liveness clocks on by ``seconds`` we were not
+        listening, so a stall of ours is not taken for the peers' death."""
+        log = logger.warning if seconds > self._peer_timeout / 2 else logger.debug
+        log("progress thread stalled for %.1f s (machine overloaded, or the GIL or a "
+            "callback held it); peers' silence over it is not held against them", seconds)
+        for pipe in list(self._pipes.values()):
+            pipe.last_heard = min(now, pipe.last_heard + seconds)
+            pipe.hello_at = min(now, pipe.hello_at + seconds)
+            if pipe.ping_at:
+                pipe.ping_at = min(now, pipe.ping_at + seconds)
+        if self._canary_at:
+            self._canary_at = min(now, self._canary_at + seconds)
+
     def _run(self) -> None:
         idle_since = time.monotonic()
-        next_check = idle_since
+        next_check = checked = idle_since
         while not self._closing:
             try:
                 self._worker.progress()
@@ -720,7 +753,15 @@ class Transport:
                 busy = self._run_tasks()
                 busy = self._poll_frames() or busy
                 busy = self._poll_requests() or busy
+                if self._canary_at:
+                    self._poll_canary()
+                    busy = True
                 now = time.monotonic()
+                # Turns are measured from here to here, so a stall anywhere
+                # (UCX, a callback, an epoll wait, the GIL) is seen once.
+                if now - checked > _STALL_S:
+                    self._excuse_stall(now - checked, now)
+                checked = now
                 if now >= next_check:
                     next_check = now + self._ping_interval / 2
                     self._check_liveness(now)
@@ -774,6 +815,47 @@ class Transport:
 
     # ------------------------------------------------------------- failure
 
+    def _check_fifo(self, cause: str) -> None:
+        """A peer that may have been copying into our shared-memory receive
+        queue failed: find out whether the queue still moves (canary.py)."""
+        if self._canary_at or self.fifo_stuck or self._closing:
+            return
+        try:
+            if self._canary is None:
+                self._canary = canary.Canary(self._transports, self.address, self._canary_tag)
+            self._canary.send()
+        except Exception:  # a check that cannot run must not hurt the pipes
+            logger.exception("cannot check the shared-memory receive queue")
+            return
+        self._canary_at = time.monotonic()
+        self._canary_cause = cause
+
+    def _poll_canary(self) -> None:
+        assert self._canary is not None
+        self._canary.progress()
+        self._canary_rx = [r for r in self._canary_rx if not r.done]
+        probe = self._worker.probe(self._canary_tag, (1 << 64) - 1)
+        if probe is not None:
+            self._canary_rx.append(self._worker.recv_probed(np.empty(1, dtype=np.uint8), probe))
+            self._canary_at = 0.0
+            logger.debug("shared-memory receive queue still moves after %s failed",
+                         self._canary_cause)
+        elif time.monotonic() - self._canary_at > canary.WAIT_S:
+            self._canary_at = 0.0
+            self._fifo_is_stuck()
+
+    def _fifo_is_stuck(self) -> None:
+        self.fifo_stuck = (
+            f"this worker's UCX shared-memory receive queue is stuck since {self._canary_cause} "
+            "failed (a process killed while copying a message into it leaves a slot UCX "
+            "waits on for good), so no peer on this host can reach this worker any more; "
+            "restart it, or keep local traffic off shared memory with transports=['tcp'] "
+            "where a job must outlive killed peers")
+        logger.error("%s", self.fifo_stuck)
+        for pipe in list(self._pipes.values()):
+            if pipe.fifo:
+                self._break(pipe, BrokenError(self.fifo_stuck))
+
     def _break(self, pipe: Pipe, exc: BaseException) -> None:
         with pipe.lock:
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
@@ -785,6 +867,9 @@ class Transport:
         if self._pipes.get(pipe.peer_id) is not pipe:
             return  # replaced: the worker came back under a new address
         logger.warning("pipe to %s broke: %s", pipe.name, exc)
+        if pipe.fifo is not False and not isinstance(exc, ClosedError) and \
+                self.fifo_stuck is None:
+            self._call_soon(functools.partial(self._check_fifo, pipe.name))
         try:
             self._on_broken(pipe.peer_id, self._pipe_error(pipe))
         except Exception:
@@ -811,4 +896,5 @@ class Transport:
     def stats(self) -> dict[str, Any]:
         return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
                 "staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
-                "pool": self.pool.stats(), "watched_requests": len(self._watch)}
+                "pool": self.pool.stats(), "watched_requests": len(self._watch),
+                "fifo_stuck": self.fifo_stuck}
