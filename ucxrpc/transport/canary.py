@@ -6,9 +6,9 @@ in, then marks the slot written; a sender killed between the two leaves a
 slot that is never marked, and the receiver waits on it for good
 (``uct_mm_ep_am_common_send`` in UCX's ``src/uct/sm/mm/base/mm_ep.c``).
 From then on no peer on this host reaches this worker, and UCX reports
-nothing.  A large transfer spends nearly all its time in that copy, so a
-peer killed while sending one to us leaves the queue stuck about half the
-time (measured: 3 kills in 6, benchmarks/RESULTS.md).
+nothing.  A large transfer spends most of its time in that copy: a peer
+killed while streaming to us left the queue stuck in 6 kills of 18
+(benchmarks/shm_kill.py, docs/reliability.md).
 
 The check: a second, private UCX worker in this process sends one message
 to the main worker, through that same queue.  If it has not arrived after
