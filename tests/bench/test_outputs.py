@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
-
 from ucxrpc.bench import _write_files, build_parser
 
 DOC = {"machine": {"hostname": "h"}, "config": {"device": "cpu"}, "implementations": ["ucxrpc"],

@@ -87,7 +87,7 @@ def _group(rank, world_size, _init_method, rpc_port, coord_port):
         held = rpc.remote("worker0", torch.ones, args=(3,))
         held.to_here()
         ctx = autograd.context()
-        ctx_id = ctx.__enter__()
+        ctx.__enter__()
         rpc.rpc_sync("worker0", double, (torch.ones(2, requires_grad=True),))
         out["before"] = rpc.rpc_sync("worker0", counts)
         rpc.shutdown()

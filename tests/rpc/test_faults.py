@@ -48,7 +48,7 @@ def die_after(seconds):
 def _victim(rank, world_size, init_method):
     import ucxrpc as rpc
 
-    _init(rank, world_size, init_method)
+    _init(rank, world_size, init_method, peer_timeout=2.0)
     time.sleep(60)  # killed long before this ends
     rpc.shutdown()
 
@@ -56,7 +56,7 @@ def _victim(rank, world_size, init_method):
 def _survivor(rank, world_size, init_method, full_world):
     import ucxrpc as rpc
 
-    _init(rank, full_world, init_method)
+    _init(rank, full_world, init_method, peer_timeout=2.0)  # quick detection
     out = {}
     if rank == 0:
         assert rpc.rpc_sync("worker2", add, args=(1, 2)) == 3

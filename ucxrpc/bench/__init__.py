@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from . import report
 from .hosts import HostSession, host_env, local_device
@@ -225,7 +225,7 @@ def _bench(args: argparse.Namespace, cfg: WorkloadConfig, choices: Any, argv: li
     runs = plan_runs(series, args.repeat)
     info = report.machine_info()
     info["bench_args"] = list(sys.argv[1:] if argv is None else argv)
-    execute = None
+    execute: Callable[..., RunOutcome] | None = None
     device = "cuda:0" if cfg.device == "cuda" else "cpu"
     if session is not None:
         device = local_device(cfg.device, session.env.local_rank)
@@ -234,10 +234,11 @@ def _bench(args: argparse.Namespace, cfg: WorkloadConfig, choices: Any, argv: li
         info.update(peer_host=peer["host"], peer_device=peer["device"],
                     master=f"{session.env.master_addr}:{session.env.master_port}")
 
-        def execute(index: int, run: Any, run_cfg: WorkloadConfig, until: float,
-                    on_progress: Any) -> RunOutcome:
+        def run_remote(index: int, run: Any, run_cfg: WorkloadConfig, until: float,
+                       on_progress: Any) -> RunOutcome:
             return session.run(index, run.series.key, run.series.impl, run_cfg, device,
                                until, on_progress)
+        execute = run_remote
 
     print(header(series, cfg, info, device), flush=True)
     progress = Progress(sum(count_steps(r.series.impl, cfg) for r in runs),
