@@ -99,7 +99,7 @@ def _group(rank, world_size, _init_method, rpc_port, coord_port):
         coord.wait(["w0-saw-back", "w2-saw-back"])
         rpc.shutdown()
         coord.set("w1-done", "1")
-        del held, ctx_id
+        del held
     else:
         coord.wait(["w1-up"])
         _join(2, rpc_port)
