@@ -28,6 +28,7 @@ import pytest
 
 from tests.faults import _common as c
 from tests.workers import run_with_victim
+from ucxrpc.transport.canary import FIFO_TRANSPORTS
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -57,6 +58,7 @@ def _survivor(rank, world_size, init_method, full_world, direction, stamp_path):
     out = {}
     if rank == 0:
         victim_pid = rpc.rpc_sync(c.VICTIM, c.pid)  # the pipe is open and works
+        out["victim_transports"] = rpc.get_pipe_info(c.VICTIM)[0]["transports"]
         if direction == "upload":
             big = torch.full((NBYTES // 4,), 3.0)
             fut = rpc.rpc_async(c.VICTIM, c.echo, args=(big,))
@@ -75,7 +77,8 @@ def _survivor(rank, world_size, init_method, full_world, direction, stamp_path):
         # The pipe to worker1 was not touched: small and large calls still
         # work, unless the victim left our receive queue stuck.
         out["third"] = c.failure(time.monotonic(), c.check_third, THIRD_NBYTES)
-        out["fifo_stuck"] = rpc._get_debug_info()["fifo_stuck"]
+        info = rpc._get_debug_info()
+        out["fifo_checks"], out["fifo_stuck"] = info["fifo_checks"], info["fifo_stuck"]
     return c.finish(rank, out, go_file=stamp_path + ".go")
 
 
@@ -89,6 +92,9 @@ def test_peer_killed_during_large_transfer(direction, tmp_path):
         f"the call finished before the kill, so nothing was tested: {res[0]['in_flight']}"
     c.check_failure(res[0]["in_flight"], c.VICTIM, "call in flight")
     c.check_failure(res[0]["later"], c.VICTIM, "later call", bound=1.0)
+    # The death of a peer reached through a shared-memory FIFO ran the check.
+    if FIFO_TRANSPORTS & set(res[0]["victim_transports"]):
+        assert res[0]["fifo_checks"] >= 1, res[0]
     third, stuck = res[0]["third"], res[0]["fifo_stuck"]
     if stuck is None:
         assert third["type"] is None, f"the pipe to worker1 failed: {third}"

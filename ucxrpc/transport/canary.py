@@ -52,6 +52,12 @@ class Canary:
     def _on_error(self, exc: BaseException) -> None:
         self._failed = exc
 
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the canary's own endpoint failed, if it did: then its silence
+        says nothing about the queue."""
+        return self._failed
+
     def send(self) -> None:
         self._sent = [r for r in self._sent if not r.done]
         self._sent.append(self._ep.tag_send(self._byte, self._tag))
@@ -60,5 +66,6 @@ class Canary:
         self._worker.progress()
 
     def close(self) -> None:
-        self._ep.close()
+        if self._failed is None:  # closing a failed endpoint crashed ucxx
+            self._ep.close()
         self._worker.close()

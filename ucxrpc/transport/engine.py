@@ -231,6 +231,7 @@ class Transport:
         self._canary_cause = ""
         self._canary_rx: list[Request] = []
         self.fifo_stuck: str | None = None  # why no local peer can reach us, once so
+        self.fifo_checks = 0
         self._thread = threading.Thread(target=self._run, name=f"ucxrpc-progress-{my_id}",
                                         daemon=True)
 
@@ -818,7 +819,8 @@ class Transport:
     def _check_fifo(self, cause: str) -> None:
         """A peer that may have been copying into our shared-memory receive
         queue failed: find out whether the queue still moves (canary.py)."""
-        if self._canary_at or self.fifo_stuck or self._closing:
+        if self._canary_at or self.fifo_stuck or self._closing or \
+                (self._canary is not None and self._canary.failed is not None):
             return
         try:
             if self._canary is None:
@@ -829,6 +831,7 @@ class Transport:
             return
         self._canary_at = time.monotonic()
         self._canary_cause = cause
+        self.fifo_checks += 1
 
     def _poll_canary(self) -> None:
         assert self._canary is not None
@@ -840,6 +843,10 @@ class Transport:
             self._canary_at = 0.0
             logger.debug("shared-memory receive queue still moves after %s failed",
                          self._canary_cause)
+        elif self._canary.failed is not None:
+            logger.warning("cannot check the shared-memory receive queue: %s",
+                           self._canary.failed)
+            self._canary_at = 0.0
         elif time.monotonic() - self._canary_at > canary.WAIT_S:
             self._canary_at = 0.0
             self._fifo_is_stuck()
@@ -897,4 +904,4 @@ class Transport:
         return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
                 "staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
-                "fifo_stuck": self.fifo_stuck}
+                "fifo_checks": self.fifo_checks, "fifo_stuck": self.fifo_stuck}
