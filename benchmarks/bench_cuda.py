@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import time
@@ -28,12 +27,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def _size(text):
-    return int(text[:-1]) * _SUFFIX[text[-1].upper()] if text[-1].upper() in _SUFFIX else int(text)
-
+from ucxrpc.bench.launch import free_port  # noqa: E402  (after the path)
+from ucxrpc.bench.plan import parse_sizes  # noqa: E402
 
 def device_of(t):
     return str(t.device) if not isinstance(t, list) else str(t[0].device)
@@ -118,9 +113,7 @@ def _d2d(sizes, repeat):
 def _run(impl, variant, sizes, repeat):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(impl, variant, r, port, sizes, repeat, out),
                          daemon=True) for r in (0, 1)]
     for p in procs:
@@ -142,7 +135,7 @@ def main(argv=None):
     import torch
     if not torch.cuda.is_available():
         sys.exit("bench_cuda needs a CUDA GPU")
-    sizes = [_size(s) for s in args.sizes.split(",")]
+    sizes = list(parse_sizes(args.sizes))
     print(f"GPU: {torch.cuda.get_device_name(0)}; one-way GB/s, median of {args.repeat}")
     d2d = _d2d(sizes, args.repeat)
     ucx = _run("ucxrpc", "direct", sizes, args.repeat)

@@ -16,7 +16,6 @@ worker, within a bound.  Then (see :mod:`tests.faults._netns_worker`):
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -30,7 +29,7 @@ import pytest
 from tests.faults import _common as c
 from tests.faults import _netns
 from tests.faults._netns_worker import CUT_OFF_SHUTDOWN_TIMEOUT_S, write
-from tests.workers import free_port
+from tests.workers import _die_with_parent, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,12 +38,6 @@ REPO = Path(__file__).resolve().parents[2]
 STEP_WAIT_S = 30.0
 #: How long worker1's shutdown(timeout=5), cut off from the store, may take.
 CUT_OFF_SHUTDOWN_BOUND_S = CUT_OFF_SHUTDOWN_TIMEOUT_S + 10.0
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it if the test process dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 class _Job:

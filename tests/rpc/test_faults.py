@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from tests.faults import _common as c
 from tests.workers import run_with_victim, run_workers, spawn_worker, stop_worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,18 +46,12 @@ def die_after(seconds):
 
 # ------------------------------------------------------------ peer killed
 
-def _victim(rank, world_size, init_method):
-    import ucxrpc as rpc
-
-    _init(rank, world_size, init_method, peer_timeout=2.0)
-    time.sleep(60)  # killed long before this ends
-    rpc.shutdown()
 
 
 def _survivor(rank, world_size, init_method, full_world):
     import ucxrpc as rpc
 
-    _init(rank, full_world, init_method, peer_timeout=2.0)  # quick detection
+    c.init(rank, full_world, init_method)  # the fault tests' quick detection
     out = {}
     if rank == 0:
         assert rpc.rpc_sync("worker2", add, args=(1, 2)) == 3
@@ -78,7 +73,7 @@ def _survivor(rank, world_size, init_method, full_world):
 
 
 def test_peer_killed_mid_call_fails_fast_and_others_keep_working():
-    res = run_with_victim(_victim, _survivor, 3, args=(3,), timeout=100)
+    res = run_with_victim(c.victim_main, _survivor, 3, args=(3,), timeout=100)
     # rpc_timeout is 60 s: failing in seconds proves detection, not a timeout
     assert res[0]["detect_s"] < 15, res[0]
     assert "unreachable" in res[0]["error"]

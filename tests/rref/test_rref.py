@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 
+from tests.faults import _common as c
 from tests.workers import run_with_victim, run_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -223,12 +224,6 @@ def test_owner_frees_the_value_after_every_user_drops_it():
     run_workers(_refcount, 3, timeout=110)
 
 
-def _doomed_owner(rank, world_size, init_method):
-    import ucxrpc as rpc
-
-    _init(rank, world_size, init_method, peer_timeout=2.0)
-    time.sleep(60)  # killed before this ends
-    rpc.shutdown()
 
 
 def die_after(seconds):
@@ -239,7 +234,7 @@ def die_after(seconds):
 def _survivor(rank, world_size, init_method, full_world):
     import ucxrpc as rpc
 
-    _init(rank, full_world, init_method, peer_timeout=2.0)  # quick detection
+    c.init(rank, full_world, init_method)  # the fault tests' quick detection
     out = None
     if rank == 0:
         dead = rpc.remote("worker2", Counter, args=(1,))
@@ -259,5 +254,5 @@ def _survivor(rank, world_size, init_method, full_world):
 
 
 def test_rref_whose_owner_died_fails_naming_it():
-    res = run_with_victim(_doomed_owner, _survivor, 3, args=(3,), timeout=100)
+    res = run_with_victim(c.victim_main, _survivor, 3, args=(3,), timeout=100)
     assert res[0] < 15  # seconds: detection, not the 60 s RPC timeout

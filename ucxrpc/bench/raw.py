@@ -26,6 +26,7 @@ import os
 from typing import Any, Callable
 
 from ..transport.baseline import Pair, prepare_environment
+from ..transport.ucx import ucx_version
 from .plan import format_size
 from .workload import WorkloadConfig, percentile, size_stats
 
@@ -182,8 +183,7 @@ def raw_peer(rank: int, cfg: WorkloadConfig, device: str,
     driver = _Driver(pair, cfg, device)
     result = driver.run(progress or (lambda label: None))
     driver.stop()
-    major, minor, patch = pair._api.get_ucx_version()
     result["transports"] = pair.transports()
-    result["ucx_version"] = f"{major}.{minor}.{patch}"
+    result["ucx_version"] = ucx_version()
     result["settings"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     report(result)
