@@ -78,3 +78,16 @@ def test_finish_cuts_members_out_of_their_pack():
     got = staging.finish(received, descs, n)
     assert len(got) == n and all(torch.equal(a, b) for a, b in zip(got, bufs))
     assert len({t.data_ptr() for t in got}) == n  # tensors of their own, not views of the pack
+
+
+def test_receives_counts_the_messages_a_buffer_arrives_in():
+    """What a rejected message's drain must consume: nothing for inline and
+    packed buffers, every chunk of a staged one."""
+    from ucxrpc.transport.frame import NOT_INLINE
+
+    assert staging.receives(BufferDesc(10, 64, -1)) == 0                   # inline
+    assert staging.receives(BufferDesc(10, 0, -1, PACKED, 0)) == 0          # in a pack
+    assert staging.receives(BufferDesc(10, NOT_INLINE, -1)) == 1            # separate
+    assert staging.receives(BufferDesc(9 << 20 | 1, NOT_INLINE, 0, STAGED, 4096)) == 3
+    assert staging.receives(BufferDesc(0, NOT_INLINE, 0, STAGED, 4096)) == 1
+    assert staging.receives(BufferDesc(1 << 20, NOT_INLINE, 0, PACK, 0)) == 1

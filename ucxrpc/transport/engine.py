@@ -42,7 +42,8 @@ import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
 from . import auth, canary, staging
-from .frame import PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_seq
+from .frame import (PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_kind,
+                    peek_seq)
 from .pool import HostPool
 from .ucx import Endpoint, Request, Worker
 
@@ -284,16 +285,17 @@ class Transport:
     def _send_or_queue(self, pipe: Pipe, payload: bytes | memoryview,
                        buffers: list[torch.Tensor], kind: Kind, hint: int = 0,
                        devices: list[int] | None = None) -> None:
-        # Checked here, not only when encoding: a message queued behind the
-        # handshake is encoded later, with nobody left to tell.
-        check_limits(len(payload), len(buffers), sum(b.nbytes for b in buffers),
-                     self.limits, pipe.peer_max_frame, pipe.name)
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:
                 self._send_locked(pipe, payload, buffers, kind, hint, devices)
                 return
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
                 raise self._pipe_error(pipe)
+            # Checked before queueing, as _send_locked's encode would: a
+            # message queued behind the handshake is encoded later, with
+            # nobody left to tell.
+            check_limits(len(payload), len(buffers), sum(b.nbytes for b in buffers),
+                         self.limits, pipe.peer_max_frame, pipe.name)
             pipe.backlog.append((payload, buffers, kind, hint, devices))
             if pipe.out_state is OutState.NEW:
                 pipe.out_state = OutState.HELLO_SENT
@@ -363,7 +365,7 @@ class Transport:
                                      self.limits, out.ways, pipe.peer_max_frame)
             self.staged_bytes += out.staged_bytes
             self.packed_buffers += out.packed
-        if frame.nbytes > pipe.peer_max_frame:
+        if frame.nbytes > pipe.peer_max_frame:  # its header alone: inlining stays within
             raise FrameError(f"frame of {frame.nbytes} bytes exceeds max_frame_bytes="
                              f"{pipe.peer_max_frame} of the receiver ({pipe.name})")
         pipe.out_seq += 1
@@ -473,8 +475,8 @@ class Transport:
         sender = (tag >> ID_SHIFT) & ID_MASK
         kind = tag >> KIND_SHIFT
         pipe = self._pipes.get(sender)
-        if (kind == HANDSHAKE and self.on_unknown_peer is not None and buf.nbytes > 3
-                and buf[3] == Kind.HELLO):  # the prefix's kind byte
+        if (kind == HANDSHAKE and self.on_unknown_peer is not None
+                and peek_kind(buf) == Kind.HELLO):
             pipe = self._adopt(sender, pipe)
         if pipe is None:
             self.refused += 1
@@ -602,7 +604,7 @@ class Transport:
                 msg.error = exc
             if msg.error is not None:  # consume what comes, into nothing
                 target = torch.empty(0, dtype=torch.uint8)
-                count = len(staging.chunk_spans(d.nbytes, d.arg << 10)) if d.flags & STAGED else 1
+                count = staging.receives(d)
                 for _ in range(count):
                     self._watch.append((self._worker.tag_recv(target, tag), msg))
                 msg.waiting += count
@@ -626,7 +628,7 @@ class Transport:
         """Consume a rejected message's buffers (truncated into one byte) so
         they do not sit in UCX's unexpected queue; their errors are ignored."""
         for i, d in enumerate(frame.buffers):
-            if not d.inline:
+            for _ in range(staging.receives(d)):
                 sink = np.empty(1, dtype=np.uint8)
                 req = self._worker.tag_recv(sink, data_tag(pipe.peer_id, frame.seq, i))
                 self._watch.append((req, None))

@@ -192,10 +192,11 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
                 separate.append(i)
             continue
         total += n
-        if view is not None and device < 0 and n <= small and cursor + n <= budget:
+        end = (cursor + n + ALIGN - 1) & ~(ALIGN - 1)  # the frame ends aligned
+        if view is not None and device < 0 and n <= small and end <= budget:
             offs.append(cursor)
             inline.append((cursor, view))
-            cursor = (cursor + n + ALIGN - 1) & ~(ALIGN - 1)
+            cursor = end
         else:
             offs.append(NOT_INLINE)
             separate.append(i)
@@ -316,6 +317,11 @@ def _with_ways(frame: Frame) -> Frame:
                                  f"{d.inline_offset + d.nbytes}) on device {d.device} of a "
                                  f"{pack.nbytes}-byte pack on device {pack.device}")
     return Frame(frame.kind, frame.seq, frame.payload, descs, frame.raw, total, first_pack)
+
+
+def peek_kind(raw: np.ndarray) -> int | None:
+    """The kind byte of a frame not yet decoded (None if too short)."""
+    return int(raw[3]) if raw.nbytes > 3 else None
 
 
 def peek_seq(raw: np.ndarray) -> int | None:

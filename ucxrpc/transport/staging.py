@@ -32,7 +32,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +74,16 @@ def chunk_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, nbytes)) for s in range(0, nbytes, chunk)] or [(0, 0)]
 
 
+def receives(d: BufferDesc) -> int:
+    """How many data-tag messages buffer ``d`` arrives in: none inline or
+    inside a pack, one per chunk when staged, else one."""
+    if d.inline or d.flags == PACKED:
+        return 0
+    if d.flags & STAGED:
+        return max(1, -(-d.nbytes // (d.arg << 10)))  # an empty buffer is one chunk too
+    return 1
+
+
 def _can_pack(device: torch.device) -> bool:
     return device.type == "cpu" or _kernels.cuda_available()
 
@@ -90,7 +100,6 @@ class Outgoing:
     host_as_device: bool = False
     staged_bytes: int = 0
     packed: int = 0
-    keep: list[Any] = field(default_factory=list)
 
     def parts(self, i: int) -> Iterator[torch.Tensor]:
         """What to send for buffer ``i``: itself, or its host chunks in order,
