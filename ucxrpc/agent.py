@@ -30,6 +30,8 @@ from .serialization import Serializer
 from .transport import Limits, Transport
 
 logger = logging.getLogger(__name__)
+# A callee with no CUDA devices runs in no stream context (reusable, no cost).
+_NO_STREAMS = contextlib.nullcontext()
 
 
 class WorkerInfo:
@@ -315,13 +317,9 @@ class RpcAgent:
             if to.id == self.info.id:
                 self._loopback(payload, pickled.buffers)
             else:
-                targets = None
-                if pickled.cuda:
-                    targets = devices.target_devices([b.device for b in pickled.buffers],
-                                                     self.device_maps.get(to.id), to.name)
-                    devices.settle(pickled.buffers)
                 self.transport.send(to.id, payload, pickled.buffers,
-                                    wire.hint(wire.MsgKind.REQUEST, msg_id), targets)
+                                    wire.hint(wire.MsgKind.REQUEST, msg_id),
+                                    self._cuda_targets(to.id, pickled))
                 self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:
             self._pop(msg_id)
@@ -546,7 +544,7 @@ class RpcAgent:
                 f"{self.info.name} cannot decode a request from {self.name_of(peer)}: {exc}"))
             return
         streams = (devices.callee_streams(self.devices, buffers) if self.devices
-                   else contextlib.nullcontext())
+                   else _NO_STREAMS)
         with streams:  # the reply's CUDA tensors are settled on these streams too
             try:
                 result = func(*(args or ()), **(kwargs or {}))
@@ -566,6 +564,18 @@ class RpcAgent:
                 return
             self._reply(peer, msg_id, result, func)
 
+    def _cuda_targets(self, peer: int, pickled: Any, replying: bool = False) -> list[int] | None:
+        """Where each of a message's buffers lands on ``peer`` (None: host
+        only), its CUDA buffers settled first; replies travel the reverse of
+        the caller's map."""
+        if not pickled.cuda:
+            return None
+        maps = self.reverse_device_maps if replying else self.device_maps
+        targets = devices.target_devices([b.device for b in pickled.buffers], maps.get(peer),
+                                         self.name_of(peer), replying=replying)
+        devices.settle(pickled.buffers)
+        return targets
+
     def _reply_future(self, peer: int, msg_id: int, fut: torch.futures.Future) -> None:
         try:
             value = fut.value()
@@ -584,15 +594,12 @@ class RpcAgent:
                 f"{type(exc).__name__}: {exc}"))
             return
         targets = None
-        if pickled.cuda and peer != self.info.id:
-            try:  # replies travel the reverse of the caller's map
-                targets = devices.target_devices([b.device for b in pickled.buffers],
-                                                 self.reverse_device_maps.get(peer),
-                                                 self.name_of(peer), replying=True)
+        if peer != self.info.id:
+            try:
+                targets = self._cuda_targets(peer, pickled, replying=True)
             except RpcError as exc:
                 self._reply_error(peer, msg_id, exc)
                 return
-            devices.settle(pickled.buffers)
         try:
             self._send(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload, pickled.buffers,
                        targets)

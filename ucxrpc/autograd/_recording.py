@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import api
+from .. import api, devices
 from ..agent import RpcAgent, WorkerInfo
 from ..functions import async_execution
 from ..serialization import GradCapture
@@ -38,7 +38,7 @@ def table(agent: RpcAgent | None = None) -> ContextTable:
 
 def _hook(agent: RpcAgent) -> ContextTable:
     tbl = ContextTable(agent.info.id)
-    agent.wrap_call = functools.partial(_wrap_call, tbl)
+    agent.wrap_call = functools.partial(_wrap_call, tbl, agent.devices)
     agent.debug_sources.append(functools.partial(_debug_info, tbl))
     agent.on_peer_failure.append(tbl.drop_created_by)
     return tbl
@@ -51,7 +51,7 @@ def _debug_info(tbl: ContextTable) -> dict[str, int]:
 
 # -- sender -------------------------------------------------------------------
 
-def _wrap_call(tbl: ContextTable, to: WorkerInfo, func: Any, args: tuple[Any, ...],
+def _wrap_call(tbl: ContextTable, devs: list[torch.device], to: WorkerInfo, func: Any, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
     context_id = CURRENT.get()
     if context_id is None or getattr(func, "_ucxrpc_plain", False):
@@ -67,13 +67,15 @@ def _wrap_call(tbl: ContextTable, to: WorkerInfo, func: Any, args: tuple[Any, ..
     # The capture goes before the function: a bound method's module
     # parameters are recorded too.
     wrapped_args = (context_id, tbl.me, send_id, capture, func, args, kwargs)
-    return runner, wrapped_args, {}, functools.partial(_unwrap_reply, tbl, to.id)
+    return runner, wrapped_args, {}, functools.partial(_unwrap_reply, tbl, devs, to.id)
 
 
-def _unwrap_reply(tbl: ContextTable, peer: int, fut: torch.futures.Future) -> torch.futures.Future:
+def _unwrap_reply(tbl: ContextTable, devs: list[torch.device], peer: int,
+                  fut: torch.futures.Future) -> torch.futures.Future:
     # Not fut.then(): a callback's exception would come out as a RuntimeError,
-    # and callers rely on the remote exception's own type.
-    out: torch.futures.Future = torch.futures.Future()
+    # and callers rely on the remote exception's own type.  Made as the
+    # agent makes its own: a caller with CUDA devices gets a CUDA-aware future.
+    out = devices.future(devs)
 
     def done(f: torch.futures.Future) -> None:
         try:
