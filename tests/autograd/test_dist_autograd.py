@@ -46,10 +46,12 @@ _PARAMS: dict[str, torch.Tensor] = {}
 
 
 def param(name, seed, *shape):
-    """A parameter of this worker, made once, the same on every run."""
-    if name not in _PARAMS:
-        _PARAMS[name] = seeded(seed, *shape)
-    return _PARAMS[name]
+    """A parameter of this worker, made once, the same on every run.
+
+    Calls served at once may make it at once: setdefault keeps the first,
+    so every caller (and every optimizer) gets the same tensor."""
+    p = _PARAMS.get(name)
+    return p if p is not None else _PARAMS.setdefault(name, seeded(seed, *shape))
 
 
 def add(a, b):
