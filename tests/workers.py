@@ -267,21 +267,21 @@ def spawn_worker(
 
 def run_with_victim(victim: Callable[..., object], target: Callable[..., object],
                     world_size: int, *, args: tuple[Any, ...] = (),
-                    timeout: float = 60.0) -> list[object]:
+                    timeout: float = 60.0, env: dict[str, str] | None = None) -> list[object]:
     """Run a job whose last rank is a process the test may kill.
 
     Ranks ``0 .. world_size - 2`` run ``target(rank, world_size - 1,
     init_method, *args)`` through :func:`run_workers` (so ``args`` usually
     carries the full world size); rank ``world_size - 1`` runs
     ``victim(rank, world_size, init_method)`` as a :func:`spawn_worker`
-    process on the same rendezvous, stopped in ``finally``.  Returns the
-    other ranks' results.
+    process on the same rendezvous, stopped in ``finally``.  ``env`` goes to
+    every process.  Returns the other ranks' results.
     """
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    proc = spawn_worker(victim, world_size - 1, world_size, init_method)
+    proc = spawn_worker(victim, world_size - 1, world_size, init_method, env=env)
     try:
         return run_workers(target, world_size - 1, args=args, init_method=init_method,
-                           timeout=timeout)
+                           timeout=timeout, env=env)
     finally:
         stop_worker(proc)
 

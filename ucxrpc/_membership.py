@@ -31,19 +31,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["join", "leave"]
 
 
-def join(agent: RpcAgent, timeout: float, welcome: Callable[[str], None],
+def join(agent: RpcAgent, timeout: float | None, welcome: Callable[[str], None],
          farewell: Callable[[int], None]) -> None:
     """Join ``agent``'s dynamic group.  ``welcome(record_json)`` and
     ``farewell(rank)`` are the functions the other workers run (by RPC) to
     add and remove a worker.
 
     Raises:
-        RpcError: the rank or name is taken, the job is static, or the group
+        RpcError: the rank or name is taken, or the group
             lock was not had within ``timeout``.
         ValueError: device maps that fail torch's checks.
     """
     store = agent.store
-    rendezvous.claim_mode(store, "dynamic")
     with rendezvous.GroupLock(store, _token(agent), timeout):
         present = {r: rendezvous.member(store, r) for r in rendezvous.group_ranks(store)}
         me = agent.info
@@ -66,7 +65,7 @@ def join(agent: RpcAgent, timeout: float, welcome: Callable[[str], None],
     logger.info("%s joined a group of %d workers", me, len(present) + 1)
 
 
-def leave(agent: RpcAgent, timeout: float, farewell: Callable[[int], None]) -> None:
+def leave(agent: RpcAgent, timeout: float | None, farewell: Callable[[int], None]) -> None:
     """Leave the group: every present worker forgets this one first."""
     store = agent.store
     me = agent.info.id
@@ -86,14 +85,14 @@ def _token(agent: RpcAgent) -> str:
 
 
 def _tell(agent: RpcAgent, ranks: list[int], func: Callable[..., Any], args: tuple[Any, ...],
-          timeout: float) -> None:
+          timeout: float | None) -> None:
     futures = []
     for r in ranks:
         to = agent.workers.get(r)
         if to is None or agent.is_broken(r):
             continue
         try:
-            futures.append((to, agent.call(to, func, args, {}, timeout)))
+            futures.append((to, agent.call(to, func, args, {}, timeout or 0)))
         except RpcError as exc:
             logger.warning("%s: could not reach %s: %s", agent.info, to.name, exc)
     for to, fut in futures:

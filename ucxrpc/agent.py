@@ -99,12 +99,13 @@ def rebuild_exception(body: memoryview) -> BaseException:
     return rebuilt
 
 
-def _bounded(fn: Callable[[float], None], timeout: float, what: str) -> None:
+def _bounded(fn: Callable[[float | None], None], timeout: float | None, what: str) -> None:
     """``fn(timeout)`` on a daemon thread, waited for ``timeout`` seconds at
-    most, plus the 5 s the shutdown barriers' second step may take."""
+    most (None: for as long as it takes), plus the 5 s the shutdown
+    barriers' second step may take."""
     t = threading.Thread(target=fn, args=(timeout,), name="ucxrpc-shutdown", daemon=True)
     t.start()
-    t.join(timeout + 6.0)
+    t.join(None if timeout is None else timeout + 6.0)
     if t.is_alive():
         logger.warning("%s: gave up after %.1f s (the store is out of reach?)", what, timeout)
 
@@ -142,7 +143,7 @@ class RpcAgent:
                                    on_broken=self._on_broken, limits=limits,
                                    transports=options.transports,
                                    spin_while=self._spin_while,
-                                   peer_timeout=options.peer_timeout)
+                                   host_timeout=options.peer_timeout)
         self._pool.on_quiet = self.transport.wake
         self.workers: dict[int, WorkerInfo] = {}
         # Set at join: where this worker's tensors land on each peer, by peer
@@ -156,7 +157,7 @@ class RpcAgent:
         # agent must not import: per-agent state, and hooks it calls.
         self.extensions: dict[str, Any] = {}
         self._extensions_lock = threading.Lock()
-        self.before_shutdown: list[Callable[[float], None]] = []
+        self.before_shutdown: list[Callable[[float | None], None]] = []
         self.on_peer_failure: list[Callable[[int], None]] = []
         self.debug_sources: list[Callable[[], dict[str, Any]]] = []
         # Rewrites an outgoing call: (to, func, args, kwargs) -> None to send
@@ -167,7 +168,7 @@ class RpcAgent:
                                  Any] | None = None
         self._dest = threading.local()
         # Dynamic membership: tells the group this worker leaves (set at join).
-        self.leave_group: Callable[[float], None] | None = None
+        self.leave_group: Callable[[float | None], None] | None = None
 
     def extension(self, key: str, create: Callable[[RpcAgent], Any]) -> Any:
         """The per-agent state of a layer above, made by ``create(self)`` on
@@ -191,16 +192,17 @@ class RpcAgent:
                                   device_maps={to: {str(k): str(v) for k, v in m.items()}
                                                for to, m in maps.items()},
                                   cuda_direct=self.transport.cuda_direct,
-                                  max_frame_bytes=self.transport.limits.max_frame_bytes)
+                                  max_frame_bytes=self.transport.limits.max_frame_bytes,
+                                  lifeline=self.transport.lifeline)
 
     def start(self) -> None:
         self.transport.start()
         self._timer.start()
 
-    def join(self, timeout: float) -> None:
-        """Publish our address, learn everyone's, then start serving."""
+    def join(self, timeout: float | None) -> None:
+        """Publish our address, learn everyone's, then start serving;
+        ``timeout`` bounds the wait for the others (None: no limit)."""
         assert self.world_size is not None
-        rendezvous.claim_mode(self.store, "static")
         self.publish()
         members = rendezvous.collect(self.store, self.world_size)
         self.check_device_maps(members)
@@ -229,8 +231,10 @@ class RpcAgent:
         self.reverse_device_maps = {ids[src]: mp for src, mp in reverse.items()}
         self.devices = all_devices[self.info.name] or devices.default_devices(mine, reverse)
 
-    def shutdown(self, graceful: bool, timeout: float) -> None:
-        """Stop serving; graceful waits for everyone's in-flight work first."""
+    def shutdown(self, graceful: bool, timeout: float | None) -> None:
+        """Stop serving; graceful waits for everyone's in-flight work first,
+        and for every live worker to reach shutdown, at most ``timeout``
+        seconds for each wait (None: as long as the job runs)."""
         if self._closed:
             return
         try:
@@ -248,25 +252,53 @@ class RpcAgent:
         finally:
             self._teardown()
 
-    def _leave(self, timeout: float) -> None:
+    def _leave(self, timeout: float | None) -> None:
         if self.leave_group is not None:
             self.leave_group(timeout)
 
-    def _barriers(self, timeout: float) -> None:
+    def _barriers(self, timeout: float | None) -> None:
         assert self.world_size is not None
+        me = self.info.id
         try:
-            rendezvous.barrier(self.store, "shutdown", self.info.id, self.world_size,
-                               timeout, gone=lambda: set(self._broken), poke=self._ping)
-            # The store lives in rank 0: keep it up until all have left.
-            rendezvous.barrier(self.store, "shutdown-done", self.info.id,
-                               self.world_size, min(timeout, 5.0),
-                               gone=lambda: set(self._broken))
+            # Dead workers are not waited for: the kernel tells us, and a
+            # worker never talked to is checked (its lifeline connected).
+            rendezvous.barrier(self.store, "shutdown", me, self.world_size, timeout,
+                               gone=lambda: set(self._broken), poke=self.transport.check)
+            if me == 0:
+                # The store lives in rank 0: keep it up until all have left
+                # it, then leave it clean for the next job.
+                rendezvous.barrier(self.store, "shutdown-done", me, self.world_size,
+                                   5.0 if timeout is None else min(timeout, 5.0),
+                                   gone=lambda: set(self._broken))
+                rendezvous.clear(self.store, self.world_size)
+            else:
+                rendezvous.arrive(self.store, "shutdown-done", me)
         except Exception as exc:  # a dead rank 0 takes the store with it
             logger.warning("%s: shutdown barrier incomplete: %s", self.info, exc)
+            return
+        self._drop_store()
+        if me != 0:
+            # Rank 0 clears the job from the store (and stops a server it
+            # hosts) before it says goodbye: returning earlier would let our
+            # next init_rpc read this job's keys, or join its server.
+            self._await_gone(0, 5.0 if timeout is None else min(timeout, 5.0))
 
-    def _drain(self, timeout: float) -> None:
-        """Wait for our outstanding calls and the requests we are serving."""
+    def _await_gone(self, peer: int, timeout: float) -> None:
+        """Wait until ``peer`` shut down (or died), ``timeout`` s at most."""
+        self.transport.check(peer)
         deadline = time.monotonic() + timeout
+        while peer not in self._broken and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _drop_store(self) -> None:
+        """Release our reference to the store: a client's connection closes,
+        and where this process hosts the store, its server stops (no other
+        reference is kept)."""
+        self.store = None
+
+    def _drain(self, timeout: float | None) -> None:
+        """Wait for our outstanding calls and the requests we are serving."""
+        deadline = float("inf") if timeout is None else time.monotonic() + timeout
         while (self._calls or self._serving) and time.monotonic() < deadline:
             time.sleep(0.005)
 
@@ -276,16 +308,10 @@ class RpcAgent:
             self._timer_cv.notify()
         self._pool.close()
         self.transport.close()
+        self._drop_store()
         err = ClosedError(f"RPC agent {self.info.name} shut down")
         for msg_id in list(self._calls):
             self._fail(msg_id, err)
-
-    def _ping(self, rank: int) -> None:
-        if rank != self.info.id and rank not in self._broken:
-            try:
-                self.transport.send(rank, wire.encode(wire.MsgKind.PING, 0, b""), [])
-            except RpcError:
-                pass
 
     # -------------------------------------------------------------- calling
 
@@ -471,7 +497,7 @@ class RpcAgent:
                 self.reverse_device_maps[m.rank] = {
                     dst: src for src, dst in devices.to_device_map(theirs).items()}
             self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct,
-                                    m.max_frame_bytes)
+                                    m.max_frame_bytes, m.lifeline)
             self._broken.pop(m.rank, None)
         wi = WorkerInfo(m.name, m.rank)
         self.workers[m.rank] = wi
@@ -494,13 +520,17 @@ class RpcAgent:
     def is_broken(self, peer: int) -> bool:
         return peer in self._broken
 
-    def lookup_member(self, peer: int) -> tuple[str, bytes, bool, int] | None:
+    def lookup_member(self, peer: int) -> tuple[str, bytes, bool, int, str | None] | None:
         """Where an unknown worker id lives, from its record in the store (the
         transport asks when such a worker opens a pipe to us)."""
-        m = rendezvous.find_member(self.store, peer)
-        return None if m is None else (m.name, m.address, m.cuda_direct, m.max_frame_bytes)
+        store = self.store
+        m = None if store is None else rendezvous.find_member(store, peer)
+        return None if m is None else (m.name, m.address, m.cuda_direct, m.max_frame_bytes,
+                                       m.lifeline)
 
     def _on_broken(self, peer: int, exc: BaseException) -> None:
+        if peer not in self.workers or peer in self._broken:
+            return  # it left the group, or its failure is known: keep the first cause
         self.counters["peer_failures"] += 1
         self._peer_gone(peer, exc)
 

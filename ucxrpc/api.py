@@ -64,19 +64,23 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             raise RpcError("RPC is already initialized")
         if dynamic:
             store = rendezvous.open_dynamic_store(opts.init_method, rank, opts.rpc_timeout)
+            # First: the keys a worker of the other kind would wait for (the
+            # job secret, ...) are not where it looks.
+            rendezvous.claim_mode(store, "dynamic")
             agent = RpcAgent(name, rank, None, opts, store)
         else:
             store, rank, world_size = rendezvous.open_store(opts.init_method, rank,
                                                             int(world_size or 0), opts.rpc_timeout)
+            rendezvous.claim_mode(store, "static")
             agent = RpcAgent(name, rank, world_size, opts, store)
         # Published before joining: peers may call us as soon as our
         # transport runs, and their functions may use the API.
         _agent = agent
         try:
             if dynamic:
-                _membership.join(agent, opts.rpc_timeout, _welcome, _farewell)
+                _membership.join(agent, opts.rpc_timeout or None, _welcome, _farewell)
             else:
-                agent.join(opts.rpc_timeout)
+                agent.join(opts.rpc_timeout or None)
         except BaseException:
             _agent = None
             agent.shutdown(graceful=False, timeout=0)
@@ -99,19 +103,30 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the job.
 
     ``graceful`` waits for this worker's outstanding calls, then for every
-    live worker to reach shutdown (dead peers are not waited for), then tears
-    down.  ``timeout`` bounds those waits (0: the RPC timeout).  Resources
+    live worker to reach shutdown, however long the job runs (a worker that
+    dies meanwhile is not waited for: the kernel tells us), then tears down.
+    ``timeout`` in seconds bounds each of those waits, as in torch: 0 (the
+    default) for no limit, a negative value for the RPC timeout.  Resources
     are always released; a second call raises "RPC has not been
     initialized", as torch's does.
     """
     global _agent
     with _lifecycle:
         agent = _current()
-        wait = timeout if timeout > 0 else (agent.options.rpc_timeout or 24 * 3600.0)
         try:
-            agent.shutdown(graceful, wait)
+            agent.shutdown(graceful, _shutdown_timeout(agent, timeout))
         finally:
             _agent = None
+
+
+def _shutdown_timeout(agent: RpcAgent, timeout: float | None) -> float | None:
+    """torch's rule: 0 (or None) waits for as long as the job runs; a
+    negative value (torch's UNSET_RPC_TIMEOUT) means the RPC timeout."""
+    if timeout is None or timeout == 0:
+        return None
+    if timeout < 0:
+        return agent.options.rpc_timeout or None
+    return float(timeout)
 
 
 def _timeout(agent: RpcAgent, timeout: float) -> float:

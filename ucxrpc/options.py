@@ -34,8 +34,13 @@ class UcxRpcBackendOptions:
             ...); ``None`` lets UCX choose (``UCX_TLS`` is honoured).
         max_buffers / max_frame_bytes / max_message_bytes: bounds every
             incoming frame is checked against before anything is allocated.
-        peer_timeout: seconds a peer in use may stay silent (with a ping
-            unanswered) before calls waiting on it fail, naming it.
+        peer_timeout: seconds a peer's *host* may leave TCP keepalive
+            unanswered (a machine that vanished, a network partition) before
+            calls waiting on that peer fail, naming it.  A peer's death on a
+            reachable host is known at once (its kernel closes its
+            lifeline), and a peer that is alive but silent (its GIL held,
+            stopped, overloaded) is never declared dead: its kernel answers
+            keepalive for it, and its calls fail only by their own timeout.
     """
 
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
@@ -47,7 +52,7 @@ class UcxRpcBackendOptions:
     max_buffers: int = 65535
     max_frame_bytes: int = 1 << 30
     max_message_bytes: int = 1 << 40
-    peer_timeout: float = 5.0
+    peer_timeout: float = 10.0
     _maps: dict[str, DeviceMap] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,13 @@ Dynamic membership (``world_size=None``) keeps the ranks present in one
 store key, changed only under a lock taken with ``compare_set``, so joins
 and leaves happen one at a time, as in torch.  A job is static or dynamic:
 the first worker claims the mode and a worker of the other kind is refused.
+
+A static job may be initialised again after a shutdown, on the same store
+address, by the same processes or new ones.  Rank 0 leaves the store last:
+it removes the job's keys (:func:`clear`), for a store that outlives the job
+(torchrun's agent store, a file), and lets go of a server it hosts, before
+it says goodbye; the other workers' shutdown waits for that goodbye, so no
+worker starts its next job on the last one's keys or server.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
 PREFIX = "ucxrpc/"
+#: The barriers of a static job (their keys are cleared with it).
+BARRIERS = ("init", "shutdown", "shutdown-done")
 
 
 def check_name(name: str) -> None:
@@ -57,13 +66,14 @@ class Member:
     device_maps: dict[str, dict[str, str]] = field(default_factory=dict)
     cuda_direct: bool = False  # its UCX takes device memory (else: staged)
     max_frame_bytes: int = 1 << 30  # its limit: senders check it first
+    lifeline: str | None = None  # where the kernel watches it for us (transport/lifeline.py)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),
                            "host": self.host, "pid": self.pid,
                            "device_count": self.device_count, "devices": list(self.devices),
                            "device_maps": self.device_maps, "cuda_direct": self.cuda_direct,
-                           "max_frame_bytes": self.max_frame_bytes})
+                           "max_frame_bytes": self.max_frame_bytes, "lifeline": self.lifeline})
 
     @staticmethod
     def from_json(raw: bytes) -> "Member":
@@ -74,7 +84,8 @@ class Member:
                       str(d["host"]), int(d["pid"]), int(d.get("device_count", 0)),
                       tuple(str(x) for x in d.get("devices", ())), maps,
                       bool(d.get("cuda_direct", False)),
-                      int(d.get("max_frame_bytes", 1 << 30)))
+                      int(d.get("max_frame_bytes", 1 << 30)),
+                      None if d.get("lifeline") is None else str(d["lifeline"]))
 
 
 def open_store(init_method: str, rank: int, world_size: int,
@@ -85,6 +96,17 @@ def open_store(init_method: str, rank: int, world_size: int,
                                                    world_size=world_size, timeout=td))
     store.set_timeout(td)
     return store, rank, world_size
+
+
+def clear(store: Any, world_size: int) -> None:
+    """Remove a finished static job's keys, so that a store which outlives
+    it serves the next job clean (its members' addresses and its barriers
+    are not read as the next job's)."""
+    keys = [PREFIX + "secret", PREFIX + "mode"]
+    keys += [f"{PREFIX}member/{r}" for r in range(world_size)]
+    keys += [f"{PREFIX}{b}/{r}" for b in BARRIERS for r in range(world_size)]
+    for key in keys:
+        store.delete_key(key)
 
 
 def open_dynamic_store(init_method: str, rank: int, timeout: float) -> Any:
@@ -121,10 +143,10 @@ class GroupLock:
 
     KEY = PREFIX + "group/lock"
 
-    def __init__(self, store: Any, token: str, timeout: float) -> None:
+    def __init__(self, store: Any, token: str, timeout: float | None) -> None:
         self.store = store
         self.token = token
-        self.timeout = timeout if timeout > 0 else 24 * 3600
+        self.timeout = timeout or float("inf")  # 0 and None: no limit
 
     def __enter__(self) -> "GroupLock":
         deadline = time.monotonic() + self.timeout
@@ -177,9 +199,10 @@ def job_secret(store: Any, rank: int) -> bytes:
 def publish(store: Any, rank: int, name: str, address: bytes, device_count: int = 0,
             devices: tuple[str, ...] = (),
             device_maps: dict[str, dict[str, str]] | None = None,
-            cuda_direct: bool = False, max_frame_bytes: int = 1 << 30) -> Member:
+            cuda_direct: bool = False, max_frame_bytes: int = 1 << 30,
+            lifeline: str | None = None) -> Member:
     me = Member(rank, name, address, socket.gethostname(), os.getpid(), device_count,
-                devices, dict(device_maps or {}), cuda_direct, max_frame_bytes)
+                devices, dict(device_maps or {}), cuda_direct, max_frame_bytes, lifeline)
     store.set(f"{PREFIX}member/{rank}", me.to_json())
     return me
 
@@ -197,18 +220,24 @@ def collect(store: Any, world_size: int) -> dict[int, Member]:
     return members
 
 
-def barrier(store: Any, key: str, rank: int, world_size: int, timeout: float,
+def arrive(store: Any, key: str, rank: int) -> None:
+    """Say rank ``rank`` reached barrier ``key`` (without waiting there)."""
+    store.set(f"{PREFIX}{key}/{rank}", "1")
+
+
+def barrier(store: Any, key: str, rank: int, world_size: int, timeout: float | None,
             gone: Callable[[], set[int]] = set, poke: Callable[[int], None] | None = None) -> None:
     """Wait until every rank reached ``key``, or is known to be gone.
 
     Ranks in ``gone()`` (dead peers) are not waited for; ``poke(rank)`` is
     called for missing ranks once a second, so a dead peer is noticed.
+    ``timeout``: seconds, None for no limit.
 
     Raises:
         RpcTimeoutError: some live rank did not arrive within ``timeout``.
     """
-    store.set(f"{PREFIX}{key}/{rank}", "1")
-    deadline = time.monotonic() + (timeout if timeout > 0 else 24 * 3600)
+    arrive(store, key, rank)
+    deadline = float("inf") if timeout is None else time.monotonic() + timeout
     missing = set(range(world_size))
     next_poke = time.monotonic() + 0.5
     while True:

@@ -177,7 +177,7 @@ class _Registry:
                 logger.debug("RRef deletions for worker %d not sent: %s", owner, exc)
         return futs
 
-    def _flush(self, timeout: float) -> None:
+    def _flush(self, timeout: float | None) -> None:
         """Before a graceful shutdown: tell owners about every dead user now."""
         import gc
 

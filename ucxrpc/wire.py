@@ -26,7 +26,6 @@ class MsgKind(enum.IntEnum):
     REQUEST = 1     # body: (func, args, kwargs)
     RESPONSE = 2    # body: the return value
     ERROR = 3       # body: a RemoteException description (see agent)
-    PING = 4        # body: empty; proves a pipe still works
 
 
 _KINDS = {int(k): k for k in MsgKind}

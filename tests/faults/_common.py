@@ -20,18 +20,20 @@ import threading
 import time
 from typing import Any, Callable
 
-#: Short, so the tests are fast: seconds a peer in use may stay silent.
+#: Short, so the partition tests are fast: seconds a peer's host may leave
+#: TCP keepalive unanswered before it is declared unreachable.
 PEER_TIMEOUT = 2.0
-#: Far above PEER_TIMEOUT: a call that fails before this failed because its
-#: peer was detected as gone, not because the call ran out of time.
+#: Far above every bound below: a call that fails before this failed because
+#: its peer was detected as gone, not because the call ran out of time.
 RPC_TIMEOUT = 60.0
-#: The correctness bound on "fails within a bounded time": detection takes
-#: about PEER_TIMEOUT (2x for a pipe still in its handshake) plus the ping
-#: interval; the margin absorbs a loaded 2-core machine.
-FAIL_BOUND_S = PEER_TIMEOUT + 10.0
-#: A survivor's graceful shutdown may have to notice a dead peer it never
-#: talked to (a handshake left unanswered for 2 x PEER_TIMEOUT) first.
-SHUTDOWN_BOUND_S = 2 * PEER_TIMEOUT + 10.0
+#: A killed peer's calls fail within this (the issue's promise, kept on a
+#: loaded 2-core machine too): its kernel closes its lifeline at once.
+FAIL_BOUND_S = 1.0
+#: A partition is seen by TCP keepalive: PEER_TIMEOUT, plus the first
+#: probe's idle time, plus margin for a loaded machine.
+PARTITION_BOUND_S = PEER_TIMEOUT + 10.0
+#: A survivor's graceful shutdown: nothing to wait for but live workers.
+SHUTDOWN_BOUND_S = 10.0
 
 WORLD = 3
 VICTIM = "worker2"      # run_with_victim makes the last rank the victim
@@ -135,6 +137,12 @@ def kill_self(stamp_path: str) -> None:
         f.write(repr(time.monotonic()))
     os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)  # never returns: no answer may leave for the caller
+
+
+def kill_self_after(seconds: float, stamp_path: str) -> None:
+    """Sleep, then :func:`kill_self` (a call that dies while its caller waits)."""
+    time.sleep(seconds)
+    kill_self(stamp_path)
 
 
 def read_stamp(stamp_path: str) -> float:

@@ -3,7 +3,8 @@
 worker0 (and the rendezvous store) run in namespace A, worker1 in B,
 joined by a veth pair, over TCP only.  Once both have exchanged calls, the
 link goes down: a call across it fails on each side, naming the other
-worker, within a bound.  Then (see :mod:`tests.faults._netns_worker`):
+worker, once TCP keepalive on the lifeline has gone unanswered for
+``peer_timeout`` (no FIN comes from a host that vanished).  Then (see :mod:`tests.faults._netns_worker`):
 
 * ``heal``: worker0 shuts down during the partition; the link comes back and
   worker1, whose store went away with worker0, shuts down too;
@@ -185,7 +186,9 @@ def test_partition_then_rejoin(sides, tmp_path):
 
 
 def _check_partition(r0: dict, r1: dict) -> None:
-    c.check_failure(r0["call"], "worker1", "worker0 -> worker1 across the partition")
-    c.check_failure(r1["call"], "worker0", "worker1 -> worker0 across the partition")
+    c.check_failure(r0["call"], "worker1", "worker0 -> worker1 across the partition",
+                    bound=c.PARTITION_BOUND_S)
+    c.check_failure(r1["call"], "worker0", "worker1 -> worker0 across the partition",
+                    bound=c.PARTITION_BOUND_S)
     c.check_failure(r0["later"], "worker1", "worker0 later call", bound=1.0)
     c.check_failure(r1["later"], "worker0", "worker1 later call", bound=1.0)

@@ -67,7 +67,7 @@ class _Net:
 class _FakeWorker:
     net: _Net
 
-    def __init__(self, transports: Any) -> None:
+    def __init__(self, transports: Any, host_timeout: float = 10.0) -> None:
         self.address = b"w%d" % next(self.net.addresses)
         self.net.queues[self.address] = []
         self.cuda_memory = False

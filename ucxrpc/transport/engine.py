@@ -15,6 +15,12 @@ device, and the receiver posts a receive for each straight into its final
 memory.  Distinct tags per buffer let concurrent large messages on one pipe
 proceed side by side.
 
+Peer death is the kernel's verdict, never silence's: each pipe that opens
+also connects a lifeline to the peer's lifeline port (:mod:`.lifeline`), which
+the peer's kernel closes when its process ends, and which its kernel keeps
+answering while the process is merely busy or stopped.  A silent peer's
+calls fail by their own timeouts, in the agent, as in torch.
+
 Progress strategy (measured, see benchmarks/RESULTS.md): one thread polls
 ``worker.progress()`` while there is work or for ``spin_s`` after the last
 event (yielding the CPU between idle polls), then arms the worker and sleeps
@@ -42,6 +48,7 @@ import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
 from . import auth, canary, staging
+from .lifeline import Lifelines, LineState
 from .frame import (PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_kind,
                     peek_seq)
 from .pool import HostPool
@@ -58,13 +65,9 @@ MAX_WORKER_ID = ID_MASK
 HINT_MASK = (1 << ID_SHIFT) - 1
 _PENDING_HANDSHAKES = 8
 _MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
-# A data send this large goes by rendezvous, which completes only once the
-# receiver has taken the bytes: its completion proves the peer alive (a small
-# eager send completes locally, even to a dead peer).
-_PROOF_OF_LIFE_BYTES = 1 << 20
 # A progress turn longer than this means we were not listening (an
-# overloaded machine, the GIL held elsewhere, a slow callback): a peer's
-# silence over that time proves nothing about the peer.
+# overloaded machine, the GIL held elsewhere, a slow callback): the canary's
+# silence over that time proves nothing about the queue it checks.
 _STALL_S = 0.5
 
 
@@ -86,25 +89,18 @@ class OutState(enum.Enum):
     CLOSED = "closed"
 
 
-class _BulkSend:
-    """The owner of a pipe's large data sends (see _PROOF_OF_LIFE_BYTES)."""
-
-    __slots__ = ("pipe",)
-
-    def __init__(self, pipe: "Pipe") -> None:
-        self.pipe = pipe
-
-
 class Pipe:
     """Both directions to one peer: our endpoint out, their frames in."""
 
-    def __init__(self, peer_id: int, name: str, address: bytes) -> None:
+    def __init__(self, peer_id: int, name: str, address: bytes,
+                 lifeline: str | None = None) -> None:
         self.peer_id = peer_id
         self.name = name
         self.address = address
+        self.lifeline = lifeline  # the peer's lifeline address, if it published one
+        self.watched = False      # its lifeline is (being) connected
         self.ep: Endpoint | None = None
         self.direct = False  # device memory goes to UCX as is (else: staged)
-        self.bulk = _BulkSend(self)
         self.lock = threading.Lock()
         self.out_state = OutState.NEW
         self.out_key = b""
@@ -122,11 +118,6 @@ class Pipe:
         self.error: BaseException | None = None
         self.sent = 0
         self.received = 0
-        now = time.monotonic()
-        self.last_heard = now     # any frame from the peer proves it alive
-        self.last_sent = 0.0      # pipes unused for a while are not pinged
-        self.ping_at = 0.0        # when an unanswered PING went out (0: none)
-        self.hello_at = now
 
 
 class _Incoming:
@@ -172,8 +163,10 @@ class Transport:
         spin_while: polling holds the GIL between UCX calls, which starves
             a thread running Python code: idle polling stops as soon as this
             returns False (call :meth:`wake` when it may turn True again).
-        peer_timeout: seconds of silence (with a PING unanswered) after which
-            a pipe in use is declared broken.
+        host_timeout: seconds a peer's host may leave TCP keepalive on its
+            lifeline unanswered (a vanished host, a partition) before its
+            pipe breaks.  A live process's kernel answers for it, however
+            busy or stopped the process is.
     """
 
     def __init__(self, *, my_id: int, secret: bytes, on_message: OnMessage,
@@ -181,7 +174,7 @@ class Transport:
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
                  allocator: Allocator | None = None, spin_s: float = 0.01,
                  spin_while: Callable[[], bool] | None = None,
-                 peer_timeout: float = 5.0) -> None:
+                 host_timeout: float = 10.0) -> None:
         if not 0 <= my_id <= MAX_WORKER_ID:
             raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
         self.my_id = my_id
@@ -196,13 +189,15 @@ class Transport:
         self._spin_while = spin_while
         # Dynamic membership: add_peer's arguments after the id for a worker
         # id we have no pipe for, or None; asked when such a worker says HELLO.
-        self.on_unknown_peer: Callable[[int], tuple[str, bytes, bool, int] | None] | None = None
-        self._peer_timeout = peer_timeout
+        self.on_unknown_peer: Callable[[int], tuple[str, bytes, bool, int, str | None] | None] \
+            | None = None
         self._data_spins = 8
-        self._ping_interval = min(1.0, peer_timeout / 3)
         self._transports = transports
-        self._worker = Worker(transports)
+        self._worker = Worker(transports, host_timeout)
         self.address = self._worker.address
+        self._lifelines = Lifelines(host_timeout)
+        #: What peers need to watch this process's lifeline (published).
+        self.lifeline = self._lifelines.address.encode()
         self._host_as_device = staging.debug_host_as_device()
         # Whether this side's UCX takes device memory; a pipe is GPU-direct
         # when both sides' do, and stages device buffers otherwise.
@@ -239,29 +234,41 @@ class Transport:
     # ------------------------------------------------------------------ API
 
     def start(self) -> None:
+        self._lifelines.start()
         self._thread.start()
 
     def add_peer(self, peer_id: int, name: str, address: bytes,
-                 cuda_direct: bool = False, max_frame_bytes: int | None = None) -> None:
+                 cuda_direct: bool = False, max_frame_bytes: int | None = None,
+                 lifeline: str | None = None) -> None:
         """Register a peer; its pipe opens on first use (ours or theirs).
 
         ``cuda_direct``: the peer's :attr:`cuda_direct`, as it published it;
         ``max_frame_bytes``: its limit, checked before sending (a frame over
-        it would be dropped unread, with nobody to tell).
+        it would be dropped unread, with nobody to tell); ``lifeline``: its
+        :attr:`lifeline` (without one, only UCX errors tell of its death).
         A peer known under another address (a worker that left and joined
         again) gets a new pipe; the old one's failures are ignored.
         """
         old = self._pipes.get(peer_id)
         if old is not None and old.address == address:
             return
-        pipe = Pipe(peer_id, name, address)
+        pipe = Pipe(peer_id, name, address, lifeline)
         pipe.direct = self.cuda_direct and cuda_direct
         if max_frame_bytes is not None:
             pipe.peer_max_frame = max_frame_bytes
         self._pipes[peer_id] = pipe
         if old is not None:
+            self._lifelines.forget(old)
             with old.lock:
                 old.out_state = OutState.CLOSED  # its endpoint dies with the process
+
+    def check(self, peer_id: int) -> None:
+        """Make sure the kernel watches ``peer_id`` for us (its lifeline is
+        connected), without opening the pipe: a peer that is already gone
+        is found at once, one we never talked to included."""
+        pipe = self._pipes.get(peer_id)
+        if pipe is not None:
+            self._watch_lifeline(pipe)
 
     def peer_ids(self) -> list[int]:
         return list(self._pipes)
@@ -317,12 +324,14 @@ class Transport:
                 # How CUDA tensors travel: GPU-direct needs both sides' UCX
                 # to take device memory; otherwise through pinned host chunks.
                 "cuda_path": "gpu-direct" if pipe.direct else "staged",
+                "lifeline": self._lifeline_state(pipe),
                 "messages_sent": pipe.sent, "messages_received": pipe.received,
             })
         return out
 
     def close(self) -> None:
-        """Stop progress and close every endpoint; idempotent."""
+        """Stop progress and close every endpoint; idempotent.  Peers
+        watching this process's lifeline are told it shut down."""
         if self._closing:
             return
         self._closing = True
@@ -339,6 +348,9 @@ class Transport:
         end = time.monotonic() + 0.05
         while time.monotonic() < end:  # let the close requests go out
             self._worker.progress()
+        # After the last replies went out: a peer told we shut down fails
+        # whatever it still waits for from us.
+        self._lifelines.close()
         self._worker.close()
         if self._canary is not None:
             self._canary.close()
@@ -370,15 +382,13 @@ class Transport:
                              f"{pipe.peer_max_frame} of the receiver ({pipe.name})")
         pipe.out_seq += 1
         seq = pipe.out_seq
-        pipe.last_sent = time.monotonic()
         assert pipe.ep is not None
         tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
-        reqs: list[tuple[Request, Pipe | _BulkSend]] = [(pipe.ep.tag_send(frame, tag), pipe)]
+        reqs: list[tuple[Request, Pipe]] = [(pipe.ep.tag_send(frame, tag), pipe)]
         for i in separate:
             tag = data_tag(self.my_id, seq, i)
             for part in (buffers[i],) if out is None else out.parts(i):
-                owner = pipe.bulk if part.numel() >= _PROOF_OF_LIFE_BYTES else pipe
-                reqs.append((pipe.ep.tag_send(part, tag), owner))
+                reqs.append((pipe.ep.tag_send(part, tag), pipe))
         pipe.sent += 1
         waking = False
         for r, owner in reqs:
@@ -402,15 +412,41 @@ class Transport:
                 self._call_soon(functools.partial(self._break, p, exc))
 
             pipe.ep = Endpoint(self._worker, pipe.address, failed)
+            pipe.fifo = canary.uses_fifo(pipe.ep.transports())
         return pipe.ep
 
     def _start_handshake(self, pipe: Pipe) -> None:
+        self._watch_lifeline(pipe)
         pipe.out_nonce = auth.new_nonce()
-        pipe.hello_at = time.monotonic()
         try:
+            self._endpoint(pipe)
+            if pipe.fifo and self.fifo_stuck:
+                # Its answers would come through our stuck receive queue.
+                raise BrokenError(self.fifo_stuck)
             self._send_handshake(pipe, Kind.HELLO, auth.hello(self.my_id, pipe.out_nonce))
         except Exception as exc:
             self._break(pipe, exc)
+
+    def _watch_lifeline(self, pipe: Pipe) -> None:
+        if pipe.lifeline is None or pipe.watched or self._closing:
+            return
+        pipe.watched = True
+        try:
+            self._lifelines.watch(pipe, pipe.name, pipe.lifeline,
+                                  functools.partial(self._lifeline_cut, pipe))
+        except ValueError as exc:
+            logger.warning("no lifeline to %s: %s", pipe.name, exc)
+
+    def _lifeline_cut(self, pipe: Pipe, reason: str, orderly: bool) -> None:
+        # On the lifeline thread, not the progress thread: the verdict must
+        # not wait for a loop that may itself be held up.
+        self._break(pipe, BrokenError(reason), orderly=orderly)
+
+    def _lifeline_state(self, pipe: Pipe) -> str:
+        if pipe.lifeline is None:
+            return LineState.NONE.value
+        state = self._lifelines.state(pipe)
+        return "not connected" if state is None else state.value
 
     # ----------------------------------------------------------- receiving
 
@@ -534,9 +570,6 @@ class Transport:
             with pipe.lock:
                 pipe.out_key = auth.session_key(self._secret, y, x, nx, ny)
                 pipe.out_state = OutState.OPEN
-                pipe.last_heard = time.monotonic()
-                if pipe.ep is not None:
-                    pipe.fifo = canary.uses_fifo(pipe.ep.transports())
                 backlog, pipe.backlog = pipe.backlog, []
                 for payload, buffers, kind, hint, devices in backlog:
                     try:
@@ -567,16 +600,8 @@ class Transport:
         if frame.seq <= pipe.in_seq:
             raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
         pipe.in_seq = frame.seq
-        pipe.last_heard = time.monotonic()
-        pipe.ping_at = 0.0
-        if frame.kind is Kind.PING:
-            try:
-                self._send_or_queue(pipe, b"", [], Kind.PONG)
-            except BrokenError:
-                pass
-            return
         if frame.kind is not Kind.MESSAGE:
-            return
+            return  # PING and PONG: once liveness checks, now unused
         if frame.total > self.limits.max_message_bytes:
             self._drain(pipe, frame)
             self.frame_errors += 1
@@ -672,9 +697,6 @@ class Transport:
                         err = exc
                 owner = owner.msg
             if isinstance(owner, _Incoming):
-                if err is None:  # data arriving proves the peer alive
-                    owner.pipe.last_heard = time.monotonic()
-                    owner.pipe.ping_at = 0.0
                 owner.waiting -= 1
                 if err is not None and owner.error is None:
                     owner.error = BrokenError(f"receiving a buffer from {owner.pipe.name} "
@@ -682,10 +704,7 @@ class Transport:
                 if owner.waiting == 0:
                     self._deliver(owner)
             elif err is not None and owner is not None:
-                self._break(owner.pipe if isinstance(owner, _BulkSend) else owner, err)
-            elif isinstance(owner, _BulkSend):  # the peer took a large send
-                owner.pipe.last_heard = time.monotonic()
-                owner.pipe.ping_at = 0.0
+                self._break(owner, err)
         self._watch = still
         return busy
 
@@ -696,55 +715,17 @@ class Transport:
             self._tasks.popleft()()
         return True
 
-    def _check_liveness(self, now: float) -> None:
-        """Ping pipes in use; break those whose peer stopped answering.
-
-        Shared-memory endpoints report no error when the peer process dies
-        (UCX keepalive does not cover them), so liveness is proven here: a
-        pipe used in the last minute that has heard nothing for a second gets
-        a PING; one silent for ``peer_timeout`` is broken.
-        """
-        for pipe in list(self._pipes.values()):
-            state = pipe.out_state
-            # A handshake queued behind a large transfer from that peer is
-            # late, not lost: count from the last sign of life.
-            if state is OutState.HELLO_SENT and \
-                    now - max(pipe.hello_at, pipe.last_heard) > 2 * self._peer_timeout:
-                why = f"; {self.fifo_stuck}" if self.fifo_stuck else ""
-                self._break(pipe, BrokenError(
-                    f"no answer to the handshake for {2 * self._peer_timeout:.1f} s{why}"))
-            if state is not OutState.OPEN or now - pipe.last_sent > 60.0:
-                continue
-            silent = now - pipe.last_heard
-            if pipe.ping_at and now - pipe.ping_at > self._peer_timeout \
-                    and silent > self._peer_timeout:
-                self._break(pipe, BrokenError(
-                    f"no response for {silent:.1f} s (process dead or stopped?)"))
-            elif not pipe.ping_at and silent > self._ping_interval:
-                with pipe.lock:
-                    if pipe.out_state is OutState.OPEN:
-                        last_sent = pipe.last_sent
-                        self._send_locked(pipe, b"", [], Kind.PING)
-                        pipe.last_sent = last_sent  # a PING is not use
-                        pipe.ping_at = now
-
     def _excuse_stall(self, seconds: float, now: float) -> None:
-        """Move every pipe's liveness clocks on by ``seconds`` we were not
-        listening, so a stall of ours is not taken for the peers' death."""
-        log = logger.warning if seconds > self._peer_timeout / 2 else logger.debug
+        """Move the canary's clock on by ``seconds`` we were not listening,
+        so a stall of ours is not taken for a stuck receive queue."""
+        log = logger.warning if seconds > canary.WAIT_S / 2 else logger.debug
         log("progress thread stalled for %.1f s (machine overloaded, or the GIL or a "
-            "callback held it); peers' silence over it is not held against them", seconds)
-        for pipe in list(self._pipes.values()):
-            pipe.last_heard = min(now, pipe.last_heard + seconds)
-            pipe.hello_at = min(now, pipe.hello_at + seconds)
-            if pipe.ping_at:
-                pipe.ping_at = min(now, pipe.ping_at + seconds)
+            "callback held it)", seconds)
         if self._canary_at:
             self._canary_at = min(now, self._canary_at + seconds)
 
     def _run(self) -> None:
-        idle_since = time.monotonic()
-        next_check = checked = idle_since
+        idle_since = checked = time.monotonic()
         while not self._closing:
             try:
                 self._worker.progress()
@@ -765,9 +746,6 @@ class Transport:
                 if now - checked > _STALL_S:
                     self._excuse_stall(now - checked, now)
                 checked = now
-                if now >= next_check:
-                    next_check = now + self._ping_interval / 2
-                    self._check_liveness(now)
             except Exception:
                 logger.exception("progress loop error (continuing)")
                 busy = True
@@ -862,10 +840,12 @@ class Transport:
             "where a job must outlive killed peers")
         logger.error("%s", self.fifo_stuck)
         for pipe in list(self._pipes.values()):
-            if pipe.fifo:
+            if pipe.fifo:  # open, or still waiting for its handshake's answer
                 self._break(pipe, BrokenError(self.fifo_stuck))
 
-    def _break(self, pipe: Pipe, exc: BaseException) -> None:
+    def _break(self, pipe: Pipe, exc: BaseException, orderly: bool = False) -> None:
+        """Fail ``pipe`` for good (once; any thread).  ``orderly``: the peer
+        shut down, nothing went wrong."""
         with pipe.lock:
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
                 return
@@ -875,8 +855,10 @@ class Transport:
             pipe.backlog.clear()
         if self._pipes.get(pipe.peer_id) is not pipe:
             return  # replaced: the worker came back under a new address
-        logger.warning("pipe to %s broke: %s", pipe.name, exc)
-        if pipe.fifo is not False and not isinstance(exc, ClosedError) and \
+        (logger.info if orderly else logger.warning)("pipe to %s broke: %s", pipe.name, exc)
+        # A peer that may have died mid-copy into our shared-memory receive
+        # queue; one that shut down was not copying anything.
+        if pipe.fifo is not False and not orderly and not isinstance(exc, ClosedError) and \
                 self.fifo_stuck is None:
             self._call_soon(functools.partial(self._check_fifo, pipe.name))
         try:
@@ -906,4 +888,5 @@ class Transport:
         return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
                 "staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
-                "fifo_checks": self.fifo_checks, "fifo_stuck": self.fifo_stuck}
+                "fifo_checks": self.fifo_checks, "fifo_stuck": self.fifo_stuck,
+                "lifeline_cuts": self._lifelines.cuts}

@@ -63,7 +63,10 @@ class Kind(enum.IntEnum):
     HELLO = 1
     CHALLENGE = 2
     PROOF = 3
-    PING = 4      # authenticated like MESSAGE; asks for a PONG
+    # Liveness frames of earlier versions, authenticated like MESSAGE; a
+    # peer's death is now the kernel's word (lifeline.py), and these are
+    # received and ignored.
+    PING = 4
     PONG = 5
 
 

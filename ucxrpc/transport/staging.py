@@ -46,9 +46,10 @@ __all__ = ["CHUNK_BYTES", "PACK_MAX_BYTES", "PACK_MIN_COUNT", "Outgoing", "Landi
 CHUNK_BYTES = 4 << 20
 PACK_MIN_COUNT = 8
 PACK_MAX_BYTES = 256 << 10
-# Host buffers over this go out in chunks too, sent in place (no copy): one
-# long transfer on a single-lane pipe (shared memory) holds up the PING that
-# proves the peer alive, and chunk completions prove it instead.
+# Host buffers over this go out in chunks too, sent in place (no copy).  The
+# chunks were introduced so that data arriving proved a sender alive; death
+# is now the kernel's word (lifeline.py), and whether chunking still pays for
+# itself is for the hot path's measurements to say.
 HOST_CHUNK_OVER = 32 << 20
 HOST_CHUNK_BYTES = 16 << 20
 

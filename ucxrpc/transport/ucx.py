@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -35,24 +36,29 @@ _TRANSPORT_ALIASES = {
 }
 
 
-def ucx_environment(transports: Sequence[str] | None,
+def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0,
                     environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
     """Return the ``UCX_*`` settings ucxrpc needs, without applying them.
 
     Shared memory only works with endpoint error handling when
     ``UCX_MM_ERROR_HANDLING=y`` (UCX-NOTES pitfall 1); without it UCX falls
-    back to TCP over loopback.  Keepalive is shortened so a killed peer is
-    noticed within seconds on every transport.  Variables the user already
-    set win, except ``UCX_TLS`` when ``transports=`` is given explicitly.
+    back to TCP over loopback.  UCX's keepalive checks what a peer's kernel
+    or hardware answers (a TCP segment acknowledged, a shared-memory peer's
+    process still there), never the peer's own code, so a busy peer passes;
+    its TCP keepalive gives up on a silent host after about
+    ``host_timeout``, as the lifelines do.  Variables the user already set
+    win, except ``UCX_TLS`` when ``transports=`` is given explicitly.
     """
+    idle = max(1, int(host_timeout / 3))
+    interval = max(1, int(host_timeout / 6))
     wanted = {
         "UCX_MM_ERROR_HANDLING": "y",
         "UCX_WARN_UNUSED_ENV_VARS": "n",  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
         "UCX_KEEPALIVE_INTERVAL": "1s",
         "UCX_KEEPALIVE_NUM_EPS": "inf",
-        "UCX_TCP_KEEPIDLE": "2s",
-        "UCX_TCP_KEEPINTVL": "1s",
-        "UCX_TCP_KEEPCNT": "3",
+        "UCX_TCP_KEEPIDLE": f"{idle}s",
+        "UCX_TCP_KEEPINTVL": f"{interval}s",
+        "UCX_TCP_KEEPCNT": str(max(1, math.ceil((host_timeout - idle) / interval))),
     }
     out = {k: v for k, v in wanted.items() if k not in environ}
     if transports:
@@ -195,8 +201,8 @@ class Worker:
     readable on the next UCX event, so an idle progress loop can sleep.
     """
 
-    def __init__(self, transports: Sequence[str] | None) -> None:
-        os.environ.update(ucx_environment(transports))
+    def __init__(self, transports: Sequence[str] | None, host_timeout: float = 10.0) -> None:
+        os.environ.update(ucx_environment(transports, host_timeout))
         import ucxx._lib.libucxx as ucx  # noqa: PLC0415  (lazy: env first)
         from ucxx._lib.arr import Array  # noqa: PLC0415
 

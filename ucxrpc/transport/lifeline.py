@@ -1,0 +1,544 @@
+"""Lifelines: the kernel tells us when a peer's process is gone.
+
+A peer that is alive but not running Python (its GIL held by a long native
+call, stopped by SIGSTOP, starved on an overloaded machine) is silent, and so
+is a dead one; silence cannot tell them apart.  The kernel can: it closes a
+process's sockets when the process ends, however it ends, and it answers TCP
+keepalive for a process that is alive, whatever that process is doing.
+
+So every transport listens on a TCP socket of its own (its *lifeline
+port*), published with its worker address, and a pipe that opens to a peer
+also connects to the peer's lifeline port.  The connection carries no data:
+on accept the listener sends its 16-byte token, which tells the connector it
+reached the right process (ports are reused; another host may hold the same
+loopback port), and on an orderly close it sends one goodbye byte.  Then:
+
+* the peer's process exits or is killed: its kernel closes the connection,
+  and we read EOF or a reset at once (on this host: microseconds);
+* nothing listens at the peer's port any more, or another process does: the
+  peer is gone (a connection refused, or the wrong token);
+* the peer's host vanishes (power, cable, partition; no FIN ever comes):
+  TCP keepalive probes go unanswered and the kernel gives up after
+  ``host_timeout`` seconds (``TCP_USER_TIMEOUT``);
+* the peer is alive, however busy: its kernel answers for it, and nothing
+  is ever concluded from time alone.
+
+One thread per process waits in ``epoll`` for all of this; it holds no GIL
+while it waits and wakes only when something happened.  Verdicts go to the
+``on_cut`` callback given to :meth:`Lifelines.watch`, from that thread.
+
+A lifeline that cannot be set up at all (no answer to the connection: a
+firewall, a route missing) gives no verdict: the peer's death is then noticed
+only through UCX's own errors, and a warning says so.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import fcntl
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+logger = logging.getLogger(__name__)
+
+TOKEN_BYTES = 16
+GOODBYE = b"B"
+LOOPBACK = "127.0.0.1"
+#: On Linux, TCP_USER_TIMEOUT (milliseconds); not in every Python's socket.
+_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
+_SIOCGIFFLAGS = 0x8913
+_SIOCGIFADDR = 0x8915
+_IFF_UP = 0x1
+_IFF_LOOPBACK = 0x8
+#: Errors of a connection attempt that are a kernel's definite answer: the
+#: port is closed at that address (the peer's process is gone).
+_REFUSED = {errno.ECONNREFUSED}
+_EVENTS_IN = select.EPOLLIN | select.EPOLLRDHUP
+OnCut = Callable[[str, bool], None]
+
+
+@dataclass(frozen=True)
+class LifelineAddress:
+    """Where a worker's lifeline port is, as published in its record.
+
+    ``host_key`` names the kernel and network namespace it runs in: a peer
+    with the same key reaches it over loopback, where a refused connection is
+    a certain answer; others try ``hosts``, its non-loopback addresses.
+    """
+
+    token: bytes
+    port: int
+    host_key: str
+    hosts: tuple[str, ...]
+
+    def encode(self) -> str:
+        return json.dumps({"token": self.token.hex(), "port": self.port,
+                           "host_key": self.host_key, "hosts": list(self.hosts)})
+
+    @staticmethod
+    def decode(text: str) -> "LifelineAddress":
+        """Raises ValueError on anything that is not a lifeline address."""
+        try:
+            d = json.loads(text)
+            addr = LifelineAddress(bytes.fromhex(d["token"]), int(d["port"]), str(d["host_key"]),
+                                   tuple(str(h) for h in d["hosts"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed lifeline address {text!r}: {exc}") from exc
+        if len(addr.token) != TOKEN_BYTES or not 0 < addr.port < 65536:
+            raise ValueError(f"malformed lifeline address {text!r}")
+        return addr
+
+    def candidates(self, here: str, mine: set[str]) -> list[str]:
+        """The addresses to try from a process whose host key is ``here``
+        and whose own addresses are ``mine`` (a peer address that is also
+        ours, such as a docker bridge present on every host, cannot reach
+        the peer)."""
+        if self.host_key == here:
+            return [LOOPBACK]
+        return [h for h in self.hosts if h not in mine]
+
+
+def host_key() -> str:
+    """This kernel's boot id and this process's network namespace: equal for
+    two processes exactly when one reaches the other over loopback."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = "?"
+    return f"{boot}/{netns}"
+
+
+def interface_addresses(only: set[str] | None = None) -> list[str]:
+    """IPv4 addresses of the interfaces that are up, loopback excluded;
+    ``only``: interface names to keep (as in ``UCX_NET_DEVICES``)."""
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            if only and name not in only:
+                continue
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack("H", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req)[16:18])[0]
+                if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
+                    continue
+                out.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24]))
+            except OSError:  # no IPv4 address on it
+                continue
+    return out
+
+
+def net_devices(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[str] | None:
+    """Interface names ``UCX_NET_DEVICES`` restricts UCX to (None: all), so
+    lifelines take the paths UCX's own traffic takes."""
+    value = environ.get("UCX_NET_DEVICES", "")
+    names = {d.strip() for d in value.split(",") if d.strip() and ":" not in d}
+    return None if not names or "all" in names else names
+
+
+def keepalive(sock: socket.socket, host_timeout: float) -> None:
+    """Have the kernel probe an idle connection and give up on it once the
+    other host has answered nothing for ``host_timeout`` seconds."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(host_timeout / 3)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(host_timeout / 6)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 16)  # TCP_USER_TIMEOUT decides
+    sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT, max(1, int(host_timeout * 1000)))
+
+
+class LineState(enum.Enum):
+    """Where the lifeline to one peer stands."""
+
+    CONNECTING = "connecting"  # connection attempts out, no identity proved yet
+    UP = "up"                  # connected to the peer's listener, its token checked
+    NONE = "none"              # could not be set up: no kernel verdict for this peer
+    CUT = "cut"                # the verdict was given (once)
+
+
+class _Attempt:
+    """One connection attempt to one candidate address."""
+
+    __slots__ = ("sock", "host", "connected", "got", "deadline")
+    # ``deadline``: when to give up on a connection nobody answered.
+
+    def __init__(self, sock: socket.socket, host: str, deadline: float) -> None:
+        self.sock = sock
+        self.host = host
+        self.connected = False
+        self.got = b""
+        self.deadline = deadline
+
+
+class _Line:
+    """The lifeline to one peer."""
+
+    def __init__(self, key: Hashable, name: str, addr: LifelineAddress, on_cut: OnCut) -> None:
+        self.key = key
+        self.name = name
+        self.addr = addr
+        self.on_cut = on_cut
+        self.state = LineState.CONNECTING
+        self.attempts: dict[int, _Attempt] = {}
+        self.sock: socket.socket | None = None
+        self.definite: list[str] = []    # kernels' answers that the peer is gone
+        self.indefinite: list[str] = []  # attempts that got no answer
+
+
+class Lifelines:
+    """The lifeline port of this process and its lifelines to peers.
+
+    Thread-safety: :meth:`watch`, :meth:`forget` and :meth:`close` may be
+    called from any thread; everything else runs on the lifeline thread.
+
+    Args:
+        host_timeout: seconds a peer's host may leave TCP keepalive
+            unanswered before its lifeline is cut.
+    """
+
+    def __init__(self, host_timeout: float) -> None:
+        self.host_timeout = host_timeout
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        keepalive(self._listener, host_timeout)  # accepted sockets inherit it
+        self._listener.bind(("0.0.0.0", 0))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self._host_key = host_key()
+        self._mine = set(interface_addresses())
+        self.address = LifelineAddress(os.urandom(TOKEN_BYTES), self._listener.getsockname()[1],
+                                       self._host_key,
+                                       tuple(interface_addresses(net_devices())))
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
+        self._requests: deque[tuple[str, Hashable, _Line | None]] = deque()
+        self._lines: dict[Hashable, _Line] = {}
+        self._by_fd: dict[int, tuple[_Line, _Attempt | None]] = {}
+        self._accepted: dict[int, socket.socket] = {}
+        self._accepting = True
+        self._closing = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ucxrpc-lifelines", daemon=True)
+        self.cuts = 0
+
+    # ------------------------------------------------------------------ API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def watch(self, key: Hashable, name: str, address: str, on_cut: OnCut) -> None:
+        """Connect to the lifeline at ``address`` (a peer's published
+        :meth:`LifelineAddress.encode`) and call ``on_cut(reason, orderly)``
+        once if the kernel says the peer is gone (``orderly``: it said
+        goodbye first).  A key already watched is left as it is.
+
+        Raises:
+            ValueError: ``address`` is malformed.
+        """
+        line = _Line(key, name, LifelineAddress.decode(address), on_cut)
+        self._request("watch", key, line)
+
+    def forget(self, key: Hashable) -> None:
+        """Stop watching ``key``; its callback will not be called."""
+        self._request("forget", key, None)
+
+    def state(self, key: Hashable) -> LineState | None:
+        line = self._lines.get(key)
+        return None if line is None else line.state
+
+    def close(self) -> None:
+        """Say goodbye on every accepted lifeline and close them all;
+        idempotent.  Callbacks are not called after this returns."""
+        if self._closing:
+            return
+        self._closing = True
+        self._poke()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)
+        if not self._thread.is_alive():
+            self._release()
+
+    # ------------------------------------------------------------ the loop
+
+    def _request(self, what: str, key: Hashable, line: _Line | None) -> None:
+        self._requests.append((what, key, line))
+        self._poke()
+
+    def _poke(self) -> None:
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:  # closed: the thread is gone too
+            pass
+
+    def _run(self) -> None:
+        while not self._closing:
+            try:
+                for fd, events in self._epoll.poll(self._wait()):
+                    self._dispatch(fd, events)
+                self._take_requests()
+                self._expire(time.monotonic())
+            except Exception:
+                logger.exception("lifeline loop error (continuing)")
+        self._release()
+
+    def _wait(self) -> float:
+        """Seconds until the next connection attempt runs out (-1: none)."""
+        deadlines = [a.deadline for line in self._lines.values() for a in line.attempts.values()
+                     if not a.connected]
+        if not deadlines:
+            return -1
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _dispatch(self, fd: int, events: int) -> None:
+        if fd == self._wake_fd:
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+        elif fd == self._listener.fileno():
+            self._accept()
+        elif fd in self._accepted:
+            self._on_accepted(fd)
+        elif fd in self._by_fd:
+            line, attempt = self._by_fd[fd]
+            if attempt is None:
+                self._on_line(line)
+            else:
+                self._on_attempt(line, attempt, events)
+
+    def _take_requests(self) -> None:
+        while self._requests:
+            what, key, line = self._requests.popleft()
+            if what == "forget":
+                old = self._lines.pop(key, None)
+                if old is not None:
+                    self._drop(old)
+            elif key not in self._lines and line is not None:
+                self._lines[key] = line
+                self._connect(line)
+
+    # ---------------------------------------------------- accepting side
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # out of descriptors: stop accepting for now
+                logger.warning("lifeline port: cannot accept (%s); peers may not see this "
+                               "worker die until a connection closes", exc)
+                self._epoll.unregister(self._listener.fileno())
+                self._accepting = False
+                return
+            sock.setblocking(False)
+            try:
+                sock.send(self.address.token)  # a fresh socket's buffer takes 16 bytes
+            except OSError:
+                sock.close()
+                continue
+            self._accepted[sock.fileno()] = sock
+            self._epoll.register(sock.fileno(), _EVENTS_IN)
+
+    def _on_accepted(self, fd: int) -> None:
+        """The connector closed its end (it shut down or died): let go."""
+        sock = self._accepted[fd]
+        try:
+            if sock.recv(64):
+                return  # nothing is expected from connectors; ignored
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._epoll.unregister(fd)
+        del self._accepted[fd]
+        sock.close()
+        if not self._accepting:
+            self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+            self._accepting = True
+
+    # --------------------------------------------------- connecting side
+
+    def _connect(self, line: _Line) -> None:
+        hosts = line.addr.candidates(self._host_key, self._mine)
+        deadline = time.monotonic() + self.host_timeout
+        for host in hosts:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            keepalive(sock, self.host_timeout)
+            err = sock.connect_ex((host, line.addr.port))
+            if err not in (0, errno.EINPROGRESS):
+                sock.close()
+                self._failed(line, host, os.strerror(err), err in _REFUSED)
+                continue
+            attempt = _Attempt(sock, host, deadline)
+            line.attempts[sock.fileno()] = attempt
+            self._by_fd[sock.fileno()] = (line, attempt)
+            self._epoll.register(sock.fileno(), select.EPOLLOUT | _EVENTS_IN)
+        self._settle(line)
+
+    def _on_attempt(self, line: _Line, attempt: _Attempt, events: int) -> None:
+        sock = attempt.sock
+        if not attempt.connected:
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._end_attempt(line, attempt)
+                self._failed(line, attempt.host, os.strerror(err), err in _REFUSED)
+                self._settle(line)
+                return
+            if not events & select.EPOLLOUT:
+                return
+            attempt.connected = True
+            self._epoll.modify(sock.fileno(), _EVENTS_IN)
+        try:
+            data = sock.recv(64)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            data, why = b"", exc.strerror or str(exc)
+        else:
+            why = "closed before saying who it is"
+        if not data:  # its process went away between listening and now
+            self._end_attempt(line, attempt)
+            self._failed(line, attempt.host, why, True)
+        else:
+            attempt.got += data
+            if len(attempt.got) < TOKEN_BYTES:
+                return
+            self._end_attempt(line, attempt)
+            if attempt.got[:TOKEN_BYTES] == line.addr.token:
+                self._up(line, attempt, GOODBYE in attempt.got[TOKEN_BYTES:])
+                return
+            attempt.sock.close()
+            self._failed(line, attempt.host, "another process holds that port now", True)
+        self._settle(line)
+
+    def _end_attempt(self, line: _Line, attempt: _Attempt) -> None:
+        fd = attempt.sock.fileno()
+        self._epoll.unregister(fd)
+        del self._by_fd[fd]
+        del line.attempts[fd]
+        if not attempt.connected or len(attempt.got) < TOKEN_BYTES:
+            attempt.sock.close()
+
+    def _failed(self, line: _Line, host: str, why: str, definite: bool) -> None:
+        where = f"{host}:{line.addr.port}: {why}"
+        (line.definite if definite else line.indefinite).append(where)
+
+    def _settle(self, line: _Line) -> None:
+        """Once every attempt ended without reaching the peer: a verdict if
+        a kernel answered, else no lifeline."""
+        if line.state is not LineState.CONNECTING or line.attempts:
+            return
+        if line.definite:
+            self._cut(line, "its process is gone: nothing listens at its lifeline port ("
+                      + "; ".join(line.definite) + ")", False)
+            return
+        line.state = LineState.NONE
+        logger.warning("no lifeline to %s (%s): its death will be noticed only through UCX "
+                       "errors", line.name, "; ".join(line.indefinite) or "no address to try")
+
+    def _expire(self, now: float) -> None:
+        for line in list(self._lines.values()):
+            for attempt in list(line.attempts.values()):
+                # A connected attempt reached a live kernel: its process may
+                # be stopped or busy, and keepalive watches its host.
+                if not attempt.connected and attempt.deadline <= now:
+                    self._end_attempt(line, attempt)
+                    attempt.sock.close()
+                    self._failed(line, attempt.host,
+                                 f"no answer within {self.host_timeout:g} s", False)
+                    self._settle(line)
+
+    def _up(self, line: _Line, attempt: _Attempt, goodbye: bool) -> None:
+        for other in list(line.attempts.values()):
+            self._end_attempt(line, other)
+            other.sock.close()
+        line.state = LineState.UP
+        line.sock = attempt.sock
+        self._by_fd[attempt.sock.fileno()] = (line, None)
+        self._epoll.register(attempt.sock.fileno(), _EVENTS_IN)
+        logger.debug("lifeline to %s up through %s", line.name, attempt.host)
+        if goodbye:
+            self._cut(line, "it shut down", True)
+
+    def _on_line(self, line: _Line) -> None:
+        assert line.sock is not None
+        try:
+            data = line.sock.recv(64)
+        except BlockingIOError:
+            return
+        except TimeoutError:
+            self._cut(line, f"its host answered no TCP keepalive for {self.host_timeout:g} s "
+                      "(host down, or the network between us partitioned)", False)
+            return
+        except OSError as exc:
+            self._cut(line, f"its process is gone: its kernel reset the lifeline "
+                      f"({exc.strerror or exc})", False)
+            return
+        if GOODBYE in data:
+            self._cut(line, "it shut down", True)
+        elif not data:
+            self._cut(line, "its process is gone: its kernel closed the lifeline "
+                      "(exited or killed)", False)
+
+    def _cut(self, line: _Line, reason: str, orderly: bool) -> None:
+        if line.state is LineState.CUT:
+            return
+        line.state = LineState.CUT
+        self._drop(line)
+        self.cuts += 1
+        if self._lines.get(line.key) is not line:
+            return  # forgotten meanwhile
+        try:
+            line.on_cut(reason, orderly)
+        except Exception:
+            logger.exception("lifeline callback for %s failed", line.name)
+
+    def _drop(self, line: _Line) -> None:
+        """Close every socket of ``line``; no callback."""
+        for attempt in list(line.attempts.values()):
+            self._end_attempt(line, attempt)
+            attempt.sock.close()
+        if line.sock is not None:
+            fd = line.sock.fileno()
+            if fd in self._by_fd:
+                self._epoll.unregister(fd)
+                del self._by_fd[fd]
+            line.sock.close()
+            line.sock = None
+
+    def _release(self) -> None:
+        """Close the port first (new connections are refused), then say
+        goodbye on every accepted lifeline and close everything."""
+        if self._closed:
+            return
+        self._closed = True
+        self._listener.close()
+        for sock in self._accepted.values():
+            try:
+                sock.send(GOODBYE)
+            except OSError:
+                pass
+            sock.close()
+        self._accepted.clear()
+        for line in self._lines.values():
+            line.state = LineState.CUT
+            self._drop(line)
+        self._epoll.close()
+        os.close(self._wake_fd)
