@@ -230,7 +230,8 @@ def barrier(store: Any, key: str, rank: int, world_size: int, timeout: float | N
     """Wait until every rank reached ``key``, or is known to be gone.
 
     Ranks in ``gone()`` (dead peers) are not waited for; ``poke(rank)`` is
-    called for missing ranks once a second, so a dead peer is noticed.
+    called for missing ranks at once and then once a second, so that a dead
+    peer is noticed.
     ``timeout``: seconds, None for no limit.
 
     Raises:
@@ -239,7 +240,7 @@ def barrier(store: Any, key: str, rank: int, world_size: int, timeout: float | N
     arrive(store, key, rank)
     deadline = float("inf") if timeout is None else time.monotonic() + timeout
     missing = set(range(world_size))
-    next_poke = time.monotonic() + 0.5
+    next_poke = time.monotonic()  # at once: a dead rank is found in milliseconds
     while True:
         keys = [f"{PREFIX}{key}/{r}" for r in sorted(missing)]
         if keys and store.check(keys):
