@@ -215,7 +215,7 @@ class Lifelines:
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         keepalive(self._listener, host_timeout)  # accepted sockets inherit it
         self._listener.bind(("0.0.0.0", 0))
-        self._listener.listen(128)
+        self._listener.listen(socket.SOMAXCONN)  # every peer may connect at once
         self._listener.setblocking(False)
         self._host_key = host_key()
         self._mine = set(interface_addresses())
@@ -223,6 +223,9 @@ class Lifelines:
                                        self._host_key,
                                        tuple(interface_addresses(net_devices())))
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Held to write to the eventfd and to close it: a write after the
+        # close could land in whatever file reused the descriptor number.
+        self._wake_lock = threading.Lock()
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._epoll.register(self._wake_fd, select.EPOLLIN)
@@ -280,10 +283,9 @@ class Lifelines:
         self._poke()
 
     def _poke(self) -> None:
-        try:
-            os.eventfd_write(self._wake_fd, 1)
-        except OSError:  # closed: the thread is gone too
-            pass
+        with self._wake_lock:
+            if not self._closed:
+                os.eventfd_write(self._wake_fd, 1)
 
     def _run(self) -> None:
         while not self._closing:
@@ -526,9 +528,10 @@ class Lifelines:
     def _release(self) -> None:
         """Close the port first (new connections are refused), then say
         goodbye on every accepted lifeline and close everything."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._listener.close()
         for sock in self._accepted.values():
             try:
@@ -541,4 +544,5 @@ class Lifelines:
             line.state = LineState.CUT
             self._drop(line)
         self._epoll.close()
-        os.close(self._wake_fd)
+        with self._wake_lock:
+            os.close(self._wake_fd)
