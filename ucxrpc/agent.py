@@ -385,31 +385,49 @@ class RpcAgent:
 
     def _arm(self, msg_id: int, timeout: float) -> None:
         # One FIFO per timeout value keeps deadlines sorted for free: a deque
-        # append per call instead of a heap push under a lock.
-        q = self._deadlines.get(timeout)
-        if q is None:
-            with self._timer_cv:
-                q = self._deadlines.setdefault(timeout, deque())
-        q.append((time.monotonic() + timeout, msg_id))
-        if len(q) == 1:
-            with self._timer_cv:
+        # append per call instead of a heap push.  Under the timer's lock,
+        # which the timer thread takes to compact a queue (see _expire).
+        entry = (time.monotonic() + timeout, msg_id)
+        with self._timer_cv:
+            q = self._deadlines.get(timeout)
+            if q is None:
+                q = self._deadlines[timeout] = deque()
+            q.append(entry)
+            if len(q) == 1:
                 self._timer_cv.notify()
 
     def _expire(self) -> None:
-        with self._timer_cv:
-            while not self._closed:
+        """Fail calls whose deadline passed; forget answered ones.
+
+        An answered call's entry would otherwise stay until its deadline:
+        at 20k calls/s with the 60 s default, over a million entries.  So
+        answered entries at a queue's head go at once, and a queue that
+        holds far more entries than calls are outstanding (answered calls
+        queued behind a slow one) is rebuilt without them.
+        """
+        while not self._closed:
+            expired: list[tuple[int, float]] = []
+            with self._timer_cv:
                 now = time.monotonic()
                 wait = 1.0
+                calls = self._calls
                 for timeout, q in list(self._deadlines.items()):
-                    while q and q[0][0] <= now:
+                    while q and (q[0][0] <= now or q[0][1] not in calls):
                         _, msg_id = q.popleft()
-                        if msg_id in self._calls:
-                            self.counters["timeouts"] += 1
-                            self._fail(msg_id, timeout_error(timeout))
+                        if msg_id in calls:
+                            expired.append((msg_id, timeout))
+                    if len(q) > 2 * len(calls) + 1024:
+                        q = self._deadlines[timeout] = deque(e for e in q if e[1] in calls)
                     if q:
-                        # Capped: an append racing the pop above is seen soon.
+                        # Capped: answered entries are dropped soon too.
                         wait = min(wait, q[0][0] - now, 0.1)
-                self._timer_cv.wait(max(wait, 0.0))
+                if not expired:
+                    self._timer_cv.wait(max(wait, 0.0))
+            # Failed outside the lock: a future's callbacks may make calls.
+            for msg_id, timeout in expired:
+                if msg_id in calls:
+                    self.counters["timeouts"] += 1
+                    self._fail(msg_id, timeout_error(timeout))
 
     def _pop(self, msg_id: int) -> _Call | None:
         with self._lock:
@@ -672,7 +690,8 @@ class RpcAgent:
     def debug_info(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out.update({"outstanding_calls": len(self._calls), "pending_requests": self._pool.pending(),
-                    "broken_peers": sorted(self._broken)})
+                    "broken_peers": sorted(self._broken),
+                    "armed_deadlines": sum(len(q) for q in list(self._deadlines.values()))})
         out.update(self.transport.stats())
         for source in list(self.debug_sources):
             out.update(source())

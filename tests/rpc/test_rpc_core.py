@@ -229,7 +229,25 @@ def _errors(rank: int, world_size: int, init_method: str) -> None:
         assert rpc.rpc_sync("worker1", sleep_then, args=(0.3, 7), timeout=0) == 7
         # the agent still serves after all of that
         assert rpc.rpc_sync("worker1", add, args=(1, 1)) == 2
+        # Answered calls leave no deadline behind, even queued behind a
+        # slow call (else ~1M entries at 20k calls/s with the 60 s default).
+        slow = rpc.rpc_async("worker1", sleep_then, args=(2, 0))
+        torch.futures.wait_all([rpc.rpc_async("worker1", add, args=(i, 1)) for i in range(3000)])
+        assert _armed_within(1, 10.0) <= 1  # the slow call's own
+        slow.wait()
+        assert _armed_within(0, 10.0) == 0
     rpc.shutdown()
+
+
+def _armed_within(most: int, seconds: float) -> int:
+    """Deadlines the agent holds, once at most ``most`` or ``seconds`` passed
+    (the timer drops answered ones on its next turn)."""
+    import ucxrpc as rpc
+
+    end = time.monotonic() + seconds
+    while (armed := rpc._get_debug_info()["armed_deadlines"]) > most and time.monotonic() < end:
+        time.sleep(0.05)
+    return armed
 
 
 def test_errors_and_timeouts():

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -257,7 +258,10 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
     head_len = PREFIX.size + DESC.size * nbuf + plen
     if head_len + MAC_LEN > n:
         raise FrameError(f"truncated frame: header declares {head_len + MAC_LEN} bytes, got {n}")
-    if key is not None and mac(key, data[:head_len], n) != bytes(data[n - MAC_LEN:]):
+    # In constant time: a byte-by-byte early exit would tell a forger, by
+    # timing, how much of a guessed MAC was right.
+    if key is not None and not hmac.compare_digest(mac(key, data[:head_len], n),
+                                                   bytes(data[n - MAC_LEN:])):
         raise FrameError("frame authentication failed (MAC mismatch)")
     payload = data[head_len - plen:head_len]
     if nbuf <= 8:  # numpy's fixed cost (~8 µs) only pays off for many buffers
