@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from ucxrpc.bench import build_parser, main
@@ -50,6 +53,7 @@ def test_bad_launch_environment_is_a_usage_error(monkeypatch, capsys):
     (["--repeat", "0"], "--repeat"),
     (["--time-per-size", "0"], "--time-per-size"),
     (["--device", "tpu"], "invalid choice"),
+    (["--load", "-1"], "--load must be 0 or more"),
 ])
 def test_bad_arguments(argv, message, capsys):
     assert main(argv) == 2
@@ -84,3 +88,24 @@ def test_rank0_without_rank1_gives_up_at_the_deadline(monkeypatch, capsys):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     assert main(["--quick", "--timeout", "2", "--no-json", "--no-plot"]) == 2
     assert "rank 1 did not join" in capsys.readouterr().err
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_busy_load_runs_busy_processes_and_ends_them():
+    from ucxrpc.bench.launch import busy_load
+
+    with busy_load(2) as pids:
+        assert len(pids) == 2
+        deadline = time.monotonic() + 30
+        while min(_cpu_seconds(p) for p in pids) < 0.2:  # they spin
+            assert time.monotonic() < deadline, "the busy processes used no CPU"
+            time.sleep(0.05)
+    for pid in pids:  # killed and reaped: gone from /proc
+        assert not os.path.exists(f"/proc/{pid}")
+    with busy_load(0) as pids:
+        assert pids == []

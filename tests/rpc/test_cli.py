@@ -31,10 +31,13 @@ def test_info_reports_ucx_transports_and_cuda():
 
 @pytest.mark.timeout(150)
 def test_quick_bench_compares_all_three_and_writes_json_and_plot(tmp_path):
-    out = _ucxrpc("bench", "--quick", "--compare", "torch", "--compare", "ucxx",
+    # On a busy host (one busy process beside the workers), as the figures
+    # that matter are taken.
+    out = _ucxrpc("bench", "--quick", "--compare", "torch", "--compare", "ucxx", "--load", "1",
                   "--json", "r.json", "--plot", "r.png", "--no-progress", "--local",
                   timeout=130, cwd=tmp_path)
     assert "ucxrpc/torch" in out and "ucxrpc/raw" in out
+    assert "load:        1 busy process (a Python loop each)" in out
     assert "ucxrpc pipe worker0 -> worker1:" in out and "raw ucxx endpoint lanes:" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]
     assert (tmp_path / "r.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
@@ -44,6 +47,10 @@ def test_quick_bench_compares_all_three_and_writes_json_and_plot(tmp_path):
     p50 = rows["latency_p50_us"]["values"]
     assert p50["ucxrpc"] > 0 and p50["torch"] > 0 and p50["ucxx"] > 0
     assert set(data["series"]) == {"ucxrpc", "torch", "ucxx"} and data["errors"] == {}
+    assert data["config"]["load"] == 1
+    # The busy process took its share: about one of the machine's CPUs.
+    cpus = os.cpu_count() or 1
+    assert all(run["cpu_others"] > 0.5 / cpus for runs in data["runs"].values() for run in runs)
     sizes = data["config"]["sizes"]
     for key in ("ucxrpc", "torch", "ucxx"):
         (result,) = data["results"][key]

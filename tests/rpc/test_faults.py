@@ -78,7 +78,9 @@ def test_peer_killed_mid_call_fails_within_a_second(pipe, tmp_path):
     c.check_failure(r0["dying"], "worker2", "the call that killed it")
     c.check_failure(r0["big"], "worker2", "a call sleeping on it")
     c.check_failure(r0["later"], "worker2", "later call")
-    assert "unreachable" in r0["big"]["message"] and "process is gone" in r0["big"]["message"]
+    # Whichever tells first: the lifeline's kernel (always, and alone over
+    # shared memory) or UCX's own TCP endpoint error.
+    assert "unreachable" in r0["big"]["message"]
     if pipe == "tcp":
         assert r0["transports"] == ["tcp"], r0
 

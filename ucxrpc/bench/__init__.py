@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from . import report
 from .hosts import HostSession, host_env, local_device
-from .launch import RunOutcome
+from .launch import RunOutcome, busy_load
 from .plan import (DEFAULT_MAX_SIZE, build_series, default_sizes, format_size,
                    parse_sizes, parse_transports)
 from .progress import Progress
@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
              "highest rate) (default: median)")
     add("--timeout", type=float, default=None,
         help="overall deadline in seconds (default: 600 per repeat, --quick: 180)")
+    add("--load", type=int, default=0, metavar="N",
+        help="run N CPU-bound busy processes beside the workers for the whole run, for "
+             "every implementation alike: a busy host, as a training node is (default: 0)")
     add("--local", action="store_true",
         help="run both ranks on this host even when RANK/WORLD_SIZE are set")
     add("--replot", metavar="JSON", default=None,
@@ -125,6 +128,8 @@ def _config(args: argparse.Namespace) -> WorkloadConfig:
         overrides["sizes"] = default_sizes(args.device)
     if args.repeat < 1:
         raise ValueError("--repeat must be at least 1")
+    if args.load < 0:
+        raise ValueError("--load must be 0 or more")
     if args.iters is not None:
         if args.iters < 1:
             raise ValueError("--iters must be at least 1")
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + timeout
     if env is None and args.device == "cuda" and (problem := _check_cuda()):
         return _fail(problem)
-    with _sigterm_as_exit():
+    with _sigterm_as_exit(), busy_load(args.load):
         if env is None:
             return _bench(args, cfg, choices, argv, deadline, None)
         try:
@@ -240,7 +245,7 @@ def _bench(args: argparse.Namespace, cfg: WorkloadConfig, choices: Any, argv: li
                                until, on_progress)
         execute = run_remote
 
-    print(header(series, cfg, info, device), flush=True)
+    print(header(series, cfg, info, device, args.load), flush=True)
     progress = Progress(sum(count_steps(r.series.impl, cfg) for r in runs),
                         enabled=args.progress)
     try:
@@ -274,7 +279,7 @@ def _report(args: argparse.Namespace, cfg: WorkloadConfig, series: Any,
     if raw is not None:
         info["ucx"] = raw.get("ucx_version")
     config = describe_config(cfg)
-    config.update(repeat=args.repeat, stat=args.stat, device=device,
+    config.update(repeat=args.repeat, stat=args.stat, device=device, load=args.load,
                   transport_choices=[list(c) if c else None for c in
                                      dict.fromkeys(s.transports for s in series
                                                    if s.impl != "torch")])

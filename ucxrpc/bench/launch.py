@@ -17,21 +17,26 @@ The child side (:func:`child_main`) is the same in both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
 import resource
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .workload import CALLER, PEER, WorkloadConfig, run_workload
 
-__all__ = ["ChildSpec", "RunOutcome", "StoreAddress", "child_main", "collect", "free_port",
+__all__ = ["ChildSpec", "RunOutcome", "StoreAddress", "busy_load", "child_main", "collect",
+           "free_port",
            "run_local", "start_children", "stop_children"]
 
 SHUTDOWN_GRACE_S = 30.0
@@ -257,6 +262,37 @@ class CpuMeter:
             return None
         busy, own, wall = (b - a for a, b in zip(self._start, end))
         return max(0.0, min(1.0, (busy - own) / (wall * (os.cpu_count() or 1))))
+
+
+# A busy process: killed with the bench even if the bench itself is killed
+# (PR_SET_PDEATHSIG; the ppid check covers a bench gone before the prctl).
+_BUSY = """import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit()
+while True:
+    pass
+"""
+
+
+@contextlib.contextmanager
+def busy_load(n: int) -> Iterator[list[int]]:
+    """Run ``n`` CPU-bound processes (a Python loop each) meanwhile: a busy
+    machine, as a training node always is, for every implementation alike.
+    Yields their pids; they are killed (by pid) and reaped on the way out.
+    """
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", _BUSY, str(os.getpid())],
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -96,6 +96,8 @@ def _title(doc: Mapping[str, Any]) -> str:
     if machine.get("peer_host"):
         parts[-1] += f" ↔ {machine['peer_host']}"
     parts.append(str(config.get("device", "cpu")))
+    if config.get("load"):
+        parts.append(f"load {config['load']}")
     if machine.get("timestamp"):
         parts.append(str(machine["timestamp"]))
     return " · ".join(parts)

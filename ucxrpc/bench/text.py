@@ -30,8 +30,9 @@ def _where(info: dict[str, Any], device: str) -> str:
 
 
 def header(series: Sequence[Series], cfg: WorkloadConfig, info: dict[str, Any],
-           device: str) -> str:
-    """What is about to run, how it is measured, and where."""
+           device: str, load: int = 0) -> str:
+    """What is about to run, how it is measured, and where (``load``: busy
+    processes running beside the workers)."""
     names = list(dict.fromkeys(s.label for s in series))
     lines = [f"ucxrpc bench: {names[0]} vs {', '.join(names[1:]) or 'nothing'}"]
     for s in series:
@@ -56,6 +57,9 @@ def header(series: Sequence[Series], cfg: WorkloadConfig, info: dict[str, Any],
         f"  dict echo:   {cfg.dict_tensors} x {format_size(cfg.dict_tensor_bytes)} "
         "tensors, rpc_sync(echo) p50",
         _where(info, device),
+        f"  load:        {load} busy process{'es' if load != 1 else ''} (a Python loop each) "
+        "beside the workers, for every implementation" if load else
+        "  load:        none (nothing else started; the runs report what other processes used)",
         f"  software:    {info['cpus_usable']} CPUs, torch {info['torch']}, "
         f"ucxx {info['ucxx']}, libucx {info['libucx']}",
     ]
