@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucxrpc.bench.launch import free_port  # noqa: E402
+from ucxrpc.bench.launch import busy_load, free_port  # noqa: E402
 
 #: ``transports=`` per pipe kind (None: UCX's choice, shared memory here).
 PIPES = {"shm": None, "tcp": ["tcp"]}
@@ -37,11 +37,6 @@ def _victim(init_method: str, transports: list[str] | None) -> None:
                  rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method,
                                                               transports=transports))
     time.sleep(600)  # killed long before
-
-
-def _busy() -> None:
-    while True:
-        pass
 
 
 def _sleep(seconds: float) -> None:
@@ -86,19 +81,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'pipe':12} {'load':>4} {'trials':>6} {'p50 ms':>8} {'max ms':>8}  first error")
     for pipe in args.pipe or ["shm"]:
         for load in args.load or [0]:
-            busy = [ctx.Process(target=_busy, daemon=True) for _ in range(load)]
-            for p in busy:
-                p.start()
-            try:
+            with busy_load(load):
                 times, first, lanes = [], "", []
                 for _ in range(args.trials):
                     elapsed, message, lanes = _trial(ctx, PIPES[pipe])
                     times.append(elapsed)
                     first = first or message
-            finally:
-                for p in busy:
-                    p.kill()
-                    p.join()
             print(f"{pipe + str(lanes):12} {load:>4} {len(times):>6} "
                   f"{1e3 * statistics.median(times):>8.2f} {1e3 * max(times):>8.2f}  {first}",
                   flush=True)

@@ -110,6 +110,14 @@ def _bounded(fn: Callable[[float | None], None], timeout: float | None, what: st
         logger.warning("%s: gave up after %.1f s (the store is out of reach?)", what, timeout)
 
 
+def _wait_until(done: Callable[[], bool], timeout: float | None) -> None:
+    """Poll ``done`` until it holds or ``timeout`` seconds passed (None: no
+    limit); shutdown's waits, where 5 ms of latency costs nothing."""
+    deadline = float("inf") if timeout is None else time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 class RpcAgent:
     """Sends calls, serves calls, and owns the transport and worker pool."""
 
@@ -286,9 +294,7 @@ class RpcAgent:
     def _await_gone(self, peer: int, timeout: float) -> None:
         """Wait until ``peer`` shut down (or died), ``timeout`` s at most."""
         self.transport.check(peer)
-        deadline = time.monotonic() + timeout
-        while peer not in self._broken and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_until(lambda: peer in self._broken, timeout)
 
     def _drop_store(self) -> None:
         """Release our reference to the store: a client's connection closes,
@@ -298,9 +304,7 @@ class RpcAgent:
 
     def _drain(self, timeout: float | None) -> None:
         """Wait for our outstanding calls and the requests we are serving."""
-        deadline = float("inf") if timeout is None else time.monotonic() + timeout
-        while (self._calls or self._serving) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_until(lambda: not (self._calls or self._serving), timeout)
 
     def _teardown(self) -> None:
         self._closed = True

@@ -150,12 +150,20 @@ def net_devices(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[
     return None if not names or "all" in names else names
 
 
+def keepalive_schedule(host_timeout: float) -> tuple[int, int]:
+    """TCP keepalive's idle time and probe interval, in whole seconds, for
+    a connection to be given up after ``host_timeout`` seconds of silence
+    (the lifelines' and UCX's own TCP endpoints alike)."""
+    return max(1, int(host_timeout / 3)), max(1, int(host_timeout / 6))
+
+
 def keepalive(sock: socket.socket, host_timeout: float) -> None:
     """Have the kernel probe an idle connection and give up on it once the
     other host has answered nothing for ``host_timeout`` seconds."""
+    idle, interval = keepalive_schedule(host_timeout)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(host_timeout / 3)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(host_timeout / 6)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 16)  # TCP_USER_TIMEOUT decides
     sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT, max(1, int(host_timeout * 1000)))
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import BrokenError, ConnectError
+from .lifeline import keepalive_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
     ``host_timeout``, as the lifelines do.  Variables the user already set
     win, except ``UCX_TLS`` when ``transports=`` is given explicitly.
     """
-    idle = max(1, int(host_timeout / 3))
-    interval = max(1, int(host_timeout / 6))
+    idle, interval = keepalive_schedule(host_timeout)
     wanted = {
         "UCX_MM_ERROR_HANDLING": "y",
         "UCX_WARN_UNUSED_ENV_VARS": "n",  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
