@@ -150,6 +150,7 @@ class RpcAgent:
                                    on_frame_error=self._on_frame_error,
                                    on_broken=self._on_broken, limits=limits,
                                    transports=options.transports,
+                                   progress_mode=options.progress or "adaptive",
                                    spin_while=self._spin_while,
                                    host_timeout=options.peer_timeout)
         self._pool.on_quiet = self.transport.wake

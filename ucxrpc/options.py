@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .devices import DeviceMap, check_devices, merge_device_map, to_device_map
+from .transport.progress import Mode
 
 DEFAULT_RPC_TIMEOUT = 60.0
 DEFAULT_INIT_METHOD = "env://"
@@ -41,6 +43,13 @@ class UcxRpcBackendOptions:
             lifeline), and a peer that is alive but silent (its GIL held,
             stopped, overloaded) is never declared dead: its kernel answers
             keepalive for it, and its calls fail only by their own timeout.
+        progress: how the progress thread waits for messages: ``"adaptive"``
+            (polls while it has a core to itself, sleeps in epoll as soon as
+            another thread or process wants that core), ``"polling"`` (polls
+            while a message is expected: lowest latency on an idle host,
+            worst on a busy one) or ``"blocking"`` (always sleeps in epoll:
+            no CPU while waiting, a wake-up per message).  Default:
+            ``UCXRPC_PROGRESS``, else ``"adaptive"``.
     """
 
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
@@ -53,6 +62,7 @@ class UcxRpcBackendOptions:
     max_frame_bytes: int = 1 << 30
     max_message_bytes: int = 1 << 40
     peer_timeout: float = 10.0
+    progress: str | None = None
     _maps: dict[str, DeviceMap] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +73,11 @@ class UcxRpcBackendOptions:
             raise ValueError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
         if self.peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be > 0 seconds, got {self.peer_timeout}")
+        if self.progress is None:
+            self.progress = os.environ.get("UCXRPC_PROGRESS", Mode.ADAPTIVE.value)
+        if self.progress not in {m.value for m in Mode}:
+            names = ", ".join(repr(m.value) for m in Mode)
+            raise ValueError(f"progress must be one of {names}, got {self.progress!r}")
         if not 1 <= self.max_buffers <= 65535:
             raise ValueError(f"max_buffers must be in [1, 65535], got {self.max_buffers}")
         if isinstance(self.transports, str):

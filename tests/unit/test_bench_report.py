@@ -264,3 +264,39 @@ def test_transport_matrix_compares_like_with_like():
     doc = report.build_json(table, results, {}, {})
     assert set(doc["table"][0]["ratios"]) == {"ucxrpc[tcp]/torch", "ucxrpc[tcp]/raw[tcp]",
                                               "ucxrpc[sm]/torch", "ucxrpc[sm]/raw[sm]"}
+
+
+def _with_cpu(doc: dict, us: float) -> dict:
+    doc = json.loads(json.dumps(doc))
+    doc["latency"]["cpu_us"] = us
+    doc["dict_echo"]["cpu_us"] = 10 * us
+    for entry in doc["one_way"]:
+        entry["cpu_us"] = 2 * us
+    return doc
+
+
+def test_cpu_per_call_goes_with_each_figure_and_its_own_columns():
+    results = {"ucxrpc": _with_cpu(RESULTS["ucxrpc"], 30.0),
+               "torch": _with_cpu(RESULTS["torch"], 120.0), "ucxx": RESULTS["ucxx"]}
+    flat = report.flatten(results["ucxrpc"])
+    assert flat[report.CPU_PREFIX + "latency_p50_us"] == 30.0
+    assert report.CPU_PREFIX + "latency_p99_us" not in flat   # one figure per timed run
+    assert flat[report.CPU_PREFIX + f"one_way_gbps/{MiB}"] == 60.0
+    assert report.lower_is_better(report.CPU_PREFIX + f"one_way_gbps/{MiB}")
+
+    table = report.build_table(results, primary="ucxrpc", impls=["ucxrpc", "torch", "ucxx"])
+    assert _row(table, "dict_echo_p50_us").cpu == {"ucxrpc": 300.0, "torch": 1200.0,
+                                                   "ucxx": None}
+    assert _row(table, f"round_trip_gbps/{MiB}").cpu["ucxrpc"] is None  # not measured
+    text = report.render_table(table)
+    header = text.splitlines()[0]
+    assert header.endswith("CPU µs/call ucxrpc  CPU µs/call torch")  # raw measured none
+    assert "user + system time of both processes" in text
+    latency_line = next(line for line in text.splitlines() if "latency p50" in line)
+    assert latency_line.split()[-2:] == ["30.0", "120"]
+    doc = report.build_json(table, results, {})
+    row = next(r for r in doc["table"] if r["metric"] == "latency_p50_us")
+    assert row["cpu_us_per_call"]["torch"] == 120.0
+    # Repeated runs: the best CPU figure is the lowest.
+    best = report.combine_runs([results["ucxrpc"], _with_cpu(RESULTS["ucxrpc"], 20.0)], "best")
+    assert best[report.CPU_PREFIX + "latency_p50_us"] == 20.0

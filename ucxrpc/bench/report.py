@@ -41,6 +41,7 @@ import platform
 import shlex
 import socket
 import sys
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -48,6 +49,7 @@ from .plan import (IMPL_LABELS, format_size, parse_size, parse_sizes, ratio_pair
                    series_label, series_short, split_key)
 
 __all__ = [
+    "CPU_PREFIX",
     "IMPL_LABELS",
     "Metric",
     "Row",
@@ -69,6 +71,8 @@ __all__ = [
 ]
 
 EMPTY = "—"
+#: Prefix of the flattened keys holding a figure's CPU µs per call.
+CPU_PREFIX = "cpu_us/"
 
 #: Per-size sections in display order, with their row labels.
 _SIZED = {"one_way": "one-way bandwidth", "round_trip": "round-trip bandwidth",
@@ -94,6 +98,7 @@ class Row:
     metric: Metric
     values: Mapping[str, float | None]                # series -> value
     ratios: Mapping[tuple[str, str], float | None]    # (numerator, denominator) -> ratio
+    cpu: Mapping[str, float | None] = dataclasses.field(default_factory=dict)  # µs per call
 
 
 @dataclass(frozen=True)
@@ -120,21 +125,27 @@ def flatten(measurements: Mapping[str, Any] | None) -> dict[str, float]:
 
     Keys: ``latency_p50_us``, ``latency_p99_us``, ``async_calls_per_s``,
     ``<section>_gbps/<bytes>`` for each per-size section (``one_way``,
-    ``round_trip``, ``bidirectional``), ``dict_echo_p50_us``. Absent or
-    ``None`` values are left out.
+    ``round_trip``, ``bidirectional``), ``dict_echo_p50_us``; and
+    ``cpu_us/<key>``, the CPU µs per call behind a figure, where measured
+    (the latency's goes with its p50).  Absent or ``None`` values are left
+    out.
     """
     out: dict[str, float] = {}
-    for key, path in (("latency_p50_us", ("latency", "p50_us")),
-                      ("latency_p99_us", ("latency", "p99_us")),
-                      ("async_calls_per_s", ("async", "calls_per_s")),
-                      ("dict_echo_p50_us", ("dict_echo", "p50_us"))):
-        value = _get(measurements, *path)
+    for key, part in (("latency_p50_us", "latency"), ("latency_p99_us", "latency"),
+                      ("async_calls_per_s", "async"), ("dict_echo_p50_us", "dict_echo")):
+        value = _get(measurements, part, key[len(part) + 1:])
         if value is not None:
             out[key] = float(value)
+            cpu = _get(measurements, part, "cpu_us")
+            if cpu is not None and key != "latency_p99_us":
+                out[CPU_PREFIX + key] = float(cpu)
     for section in _SIZED:
         for entry in _get(measurements, section) or ():
             if entry.get("gbps") is not None:
-                out[f"{section}_gbps/{int(entry['bytes'])}"] = float(entry["gbps"])
+                key = f"{section}_gbps/{int(entry['bytes'])}"
+                out[key] = float(entry["gbps"])
+                if entry.get("cpu_us") is not None:
+                    out[CPU_PREFIX + key] = float(entry["cpu_us"])
     return out
 
 
@@ -160,8 +171,9 @@ def ratio(primary: float | None, other: float | None) -> float | None:
 
 
 def lower_is_better(key: str) -> bool:
-    """Whether a smaller value of metric ``key`` is better (times: ``*_us``)."""
-    return key.endswith("_us")
+    """Whether a smaller value of metric ``key`` is better (times: ``*_us``,
+    and CPU per call)."""
+    return key.endswith("_us") or key.startswith(CPU_PREFIX)
 
 
 def combine_runs(runs: Sequence[Mapping[str, Any] | None], stat: str = "median") -> dict[str, float]:
@@ -220,7 +232,8 @@ def build_table(results: Mapping[str, Any], primary: str, impls: Sequence[str],
     for metric in _metrics_for(list(flat.values())):
         values = {key: flat[key].get(metric.key) for key in order}
         ratios = {pair: ratio(values[pair[0]], values[pair[1]]) for pair in pairs}
-        rows.append(Row(metric, values, ratios))
+        cpu = {key: flat[key].get(CPU_PREFIX + metric.key) for key in order}
+        rows.append(Row(metric, values, ratios, cpu))
     return Table(primary=primary, impls=order, ratio_pairs=pairs, rows=tuple(rows))
 
 
@@ -252,11 +265,14 @@ def render_table(table: Table) -> str:
 
     Ends with a legend line saying how to read the ratio columns.
     """
+    cpu_cols = [i for i in table.impls if any(r.cpu.get(i) is not None for r in table.rows)]
     header = (["metric", "unit", "better"] + [series_label(i) for i in table.impls]
-              + [table.ratio_header(pair) for pair in table.ratio_pairs])
+              + [table.ratio_header(pair) for pair in table.ratio_pairs]
+              + [f"CPU µs/call {series_short(i)}" for i in cpu_cols])
     body = [[r.metric.label, r.metric.unit, r.metric.better]
             + [format_value(r.values.get(i)) for i in table.impls]
             + [format_ratio(r.ratios.get(pair)) for pair in table.ratio_pairs]
+            + [format_value(r.cpu.get(i)) for i in cpu_cols]
             for r in table.rows]
     widths = [max(len(line[c]) for line in [header] + body) for c in range(len(header))]
 
@@ -270,6 +286,9 @@ def render_table(table: Table) -> str:
         p = series_short(table.primary)
         lines.append(f"ratios are {p} ÷ other: < 1 is better where 'better' says lower "
                      "(latency); > 1 is better where it says higher (bandwidth, throughput).")
+    if cpu_cols:
+        lines.append("CPU µs/call: user + system time of both processes over a figure's "
+                     "timed calls, per call (lower is better).")
     if not table.rows:
         lines.append("(no measurements)")
     return "\n".join(lines)
@@ -328,7 +347,8 @@ def build_json(table: Table, results: Mapping[str, Any], info: Mapping[str, Any]
         "implementations": list(table.impls),
         "table": [{"metric": r.metric.key, "label": r.metric.label, "unit": r.metric.unit,
                    "better": r.metric.better, "values": dict(r.values),
-                   "ratios": {table.ratio_header(pair): v for pair, v in r.ratios.items()}}
+                   "ratios": {table.ratio_header(pair): v for pair, v in r.ratios.items()},
+                   "cpu_us_per_call": dict(r.cpu)}
                   for r in table.rows],
         "results": dict(results),
         "errors": dict(errors or {}),

@@ -13,6 +13,11 @@ warmed up before it is timed, since the first large transfers page-fault.
 Per size the result keeps the minimum, median and maximum over the timed
 calls (:func:`size_stats`).
 
+CPU per call: every figure also carries ``cpu_us``, the CPU time (user +
+system, all threads) both processes spent over its timed calls, divided by
+the calls: what a busy node pays per call.  The peer's share is read with
+one extra call before and after the timed run, outside the timing.
+
 torch is imported inside the functions that use it; ucxx never is.
 """
 
@@ -36,6 +41,7 @@ __all__ = [
     "bidir_send",
     "consume",
     "count_steps",
+    "cpu_seconds",
     "describe_config",
     "echo",
     "noop",
@@ -148,6 +154,19 @@ def echo(x: Any) -> Any:
     return x
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time so far (user + system, every thread)."""
+    return time.process_time()
+
+
+def _cpu_both(rpc: Any) -> float:
+    return cpu_seconds() + rpc.rpc_sync(PEER, cpu_seconds)
+
+
+def _cpu_us(start: float, end: float, calls: int) -> float:
+    return (end - start) / max(1, calls) * 1e6
+
+
 # The bidirectional test's send tensor on worker1, kept across calls so that
 # only the first (warm-up) call of a size allocates; one size at a time.
 _peer_tensor: dict[tuple[int, str], Any] = {}
@@ -205,10 +224,13 @@ def _measure_latency(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
 
     _time_calls(call, cfg.latency_warmup)
     gc.collect()
+    cpu = _cpu_both(rpc)
     times = sorted(_time_calls(call, cfg.latency_iters))
+    cpu_us = _cpu_us(cpu, _cpu_both(rpc), len(times))
     return {"p50_us": percentile(times, 50) * 1e6, "p99_us": percentile(times, 99) * 1e6,
             "mean_us": sum(times) / len(times) * 1e6, "min_us": times[0] * 1e6,
-            "max_us": times[-1] * 1e6, "n": len(times), "what": "rpc_sync(noop)"}
+            "max_us": times[-1] * 1e6, "n": len(times), "what": "rpc_sync(noop)",
+            "cpu_us": cpu_us}
 
 
 def _measure_async(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
@@ -222,12 +244,16 @@ def _measure_async(rpc: Any, cfg: WorkloadConfig) -> dict[str, Any]:
 
     burst(max(1, cfg.async_outstanding // 10))   # warm-up
     runs = []
+    cpu = 0.0
     for _ in range(cfg.async_repeats):
         gc.collect()
+        before = _cpu_both(rpc)
         runs.append(burst(cfg.async_outstanding))
+        cpu += _cpu_both(rpc) - before
     ordered = sorted(runs)
     return {"calls_per_s": ordered[len(ordered) // 2], "runs": runs, "stat": "median",
-            "outstanding": cfg.async_outstanding}
+            "outstanding": cfg.async_outstanding,
+            "cpu_us": _cpu_us(0.0, cpu, cfg.async_outstanding * cfg.async_repeats)}
 
 
 def _sized_call(rpc: Any, section: str, tensor: Any, peer_device: str) -> Callable[[], None]:
@@ -256,7 +282,10 @@ def _measure_size(rpc: Any, cfg: WorkloadConfig, section: str, size: int, device
     call = _sized_call(rpc, section, filled_tensor(size, device), peer_device)
     count = _adaptive_count(call, cfg.target_s, cfg.min_iters, cfg.max_iters, cfg.warmup_iters)
     gc.collect()
-    return size_stats(_time_calls(call, count), size, SECTIONS[section])
+    cpu = _cpu_both(rpc)
+    stats = size_stats(_time_calls(call, count), size, SECTIONS[section])
+    stats["cpu_us"] = _cpu_us(cpu, _cpu_both(rpc), count)
+    return stats
 
 
 def _measure_dict_echo(rpc: Any, cfg: WorkloadConfig, device: str) -> dict[str, Any]:
@@ -272,9 +301,12 @@ def _measure_dict_echo(rpc: Any, cfg: WorkloadConfig, device: str) -> dict[str, 
     count = _adaptive_count(call, cfg.target_s, cfg.dict_min_iters, cfg.max_iters,
                             max(cfg.warmup_iters, 5))
     gc.collect()
+    cpu = _cpu_both(rpc)
     times = sorted(_time_calls(call, count))
+    cpu_us = _cpu_us(cpu, _cpu_both(rpc), count)
     return {"p50_us": percentile(times, 50) * 1e6, "p99_us": percentile(times, 99) * 1e6,
-            "n": count, "tensors": cfg.dict_tensors, "tensor_bytes": cfg.dict_tensor_bytes}
+            "n": count, "tensors": cfg.dict_tensors, "tensor_bytes": cfg.dict_tensor_bytes,
+            "cpu_us": cpu_us}
 
 
 def run_workload(rpc: Any, cfg: WorkloadConfig, device: str = "cpu",

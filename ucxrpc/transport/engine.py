@@ -21,14 +21,11 @@ the peer's kernel closes when its process ends, and which its kernel keeps
 answering while the process is merely busy or stopped.  A silent peer's
 calls fail by their own timeouts, in the agent, as in torch.
 
-Progress strategy (measured, see benchmarks/RESULTS.md): one thread polls
-``worker.progress()`` while there is work or for ``spin_s`` after the last
-event (yielding the CPU between idle polls), then arms the worker and sleeps
-in epoll, so an idle agent uses no CPU.  Idle polling also stops whenever the
-owner's ``spin_while`` says so: it holds the GIL between UCX calls, which
-starves any other thread running Python code.  Sleeping right away instead costs
-~180 µs per wake-up on this kind of machine (p50 363 µs vs 81 µs).  Senders call UCX directly from their own thread (no hand-off on the
-send path) and wake the loop only when a send is left in flight.
+Progress: one thread per transport turns the loop of :mod:`.progress`,
+whose strategy (``progress=``; adaptive by default) decides when it polls
+an idle worker and when it sleeps in epoll.  Senders call UCX directly from
+their own thread (no hand-off on the send path) and wake the loop only when
+a send is left in flight.
 """
 
 from __future__ import annotations
@@ -36,8 +33,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import os
-import select
 import threading
 import time
 from collections import deque
@@ -47,7 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
-from . import auth, canary, staging
+from . import auth, canary, progress, staging
 from .lifeline import Lifelines, LineState
 from .frame import (PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_kind,
                     peek_seq)
@@ -65,10 +60,6 @@ MAX_WORKER_ID = ID_MASK
 HINT_MASK = (1 << ID_SHIFT) - 1
 _PENDING_HANDSHAKES = 8
 _MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
-# A progress turn longer than this means we were not listening (an
-# overloaded machine, the GIL held elsewhere, a slow callback): the canary's
-# silence over that time proves nothing about the queue it checks.
-_STALL_S = 0.5
 
 
 def data_tag(sender: int, seq: int, index: int) -> int:
@@ -158,7 +149,9 @@ class Transport:
             authenticated peer that broke a limit; ``hint`` is what the sender
             passed to :meth:`send`, so the caller can answer that message.
         on_broken: ``(peer_id, error)`` once when a pipe fails.
-        spin_s: how long the progress thread polls after the last event
+        progress_mode: the progress thread's strategy
+            (:class:`.progress.Mode` or its name).
+        spin_s: how long the progress thread may poll after the last event
             before it sleeps in epoll.
         spin_while: polling holds the GIL between UCX calls, which starves
             a thread running Python code: idle polling stops as soon as this
@@ -172,8 +165,9 @@ class Transport:
     def __init__(self, *, my_id: int, secret: bytes, on_message: OnMessage,
                  on_frame_error: OnFrameError, on_broken: OnBroken,
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
-                 allocator: Allocator | None = None, spin_s: float = 0.01,
-                 spin_while: Callable[[], bool] | None = None,
+                 allocator: Allocator | None = None,
+                 progress_mode: progress.Mode | str = progress.Mode.ADAPTIVE,
+                 spin_s: float = 0.01, spin_while: Callable[[], bool] | None = None,
                  host_timeout: float = 10.0) -> None:
         if not 0 <= my_id <= MAX_WORKER_ID:
             raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
@@ -185,8 +179,6 @@ class Transport:
         self.limits = limits
         self.pool = HostPool()
         self._alloc = allocator or self._default_alloc
-        self._spin_s = spin_s
-        self._spin_while = spin_while
         # Dynamic membership: add_peer's arguments after the id for a worker
         # id we have no pipe for, or None; asked when such a worker says HELLO.
         self.on_unknown_peer: Callable[[int], tuple[str, bytes, bool, int, str | None] | None] \
@@ -209,12 +201,7 @@ class Transport:
         self._inflight: deque[tuple[Request, Any]] = deque()
         self._watch: list[tuple[Request, Any]] = []
         self._frames: list[tuple[Request, np.ndarray, int, int, str | None]] = []
-        self._sleeping = False
         self._closing = False
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._epoll = select.epoll()
-        self._epoll.register(self._worker.fd, select.EPOLLIN)
-        self._epoll.register(self._wake_fd, select.EPOLLIN)
         self.refused = 0
         self.frame_errors = 0
         self.staged_bytes = 0
@@ -228,14 +215,18 @@ class Transport:
         self._canary_rx: list[Request] = []
         self.fifo_stuck: str | None = None  # why no local peer can reach us, once so
         self.fifo_checks = 0
-        self._thread = threading.Thread(target=self._run, name=f"ucxrpc-progress-{my_id}",
-                                        daemon=True)
+        self._loop = progress.ProgressThread(
+            name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
+            in_flight=lambda: bool(self._watch or self._frames), awaited=spin_while,
+            spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
+            arm=self._worker.arm, fd=self._worker.fd, strategy=progress.strategy(progress_mode),
+            on_stall=self._excuse_stall)
 
     # ------------------------------------------------------------------ API
 
     def start(self) -> None:
         self._lifelines.start()
-        self._thread.start()
+        self._loop.start()
 
     def add_peer(self, peer_id: int, name: str, address: bytes,
                  cuda_direct: bool = False, max_frame_bytes: int | None = None,
@@ -335,9 +326,7 @@ class Transport:
         if self._closing:
             return
         self._closing = True
-        self._wake()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+        self._loop.stop()
         for pipe in self._pipes.values():
             with pipe.lock:
                 # Closing an endpoint whose peer already failed crashed ucxx.
@@ -355,8 +344,8 @@ class Transport:
         if self._canary is not None:
             self._canary.close()
         self.pool.clear()
-        self._epoll.close()
-        os.close(self._wake_fd)
+        if not self._loop.current:
+            self._loop.close()
 
     # ------------------------------------------------------------- sending
 
@@ -398,7 +387,7 @@ class Transport:
             elif (err := r.error()) is not None:
                 self._call_soon(functools.partial(self._break, pipe, err))
         if waking:
-            self._wake()
+            self._loop.wake()
 
     def _send_handshake(self, pipe: Pipe, kind: Kind, payload: bytes) -> None:
         frame, _ = encode(kind, 0, payload, [], b"", self.limits)
@@ -724,75 +713,30 @@ class Transport:
         if self._canary_at:
             self._canary_at = min(now, self._canary_at + seconds)
 
-    def _run(self) -> None:
-        idle_since = checked = time.monotonic()
-        while not self._closing:
-            try:
+    def _turn(self) -> bool:
+        """One turn of the progress loop after ``worker.progress()``:
+        whether it handled anything."""
+        if self._watch:
+            # Data in flight: UCX moves a few fragments per call, and the
+            # Python work between calls is what limits bandwidth.
+            for _ in range(self._data_spins):
                 self._worker.progress()
-                if self._watch:
-                    # Data in flight: UCX moves a few fragments per call, and
-                    # the Python work between calls is what limits bandwidth.
-                    for _ in range(self._data_spins):
-                        self._worker.progress()
-                busy = self._run_tasks()
-                busy = self._poll_frames() or busy
-                busy = self._poll_requests() or busy
-                if self._canary_at:
-                    self._poll_canary()
-                    busy = True
-                now = time.monotonic()
-                # Turns are measured from here to here, so a stall anywhere
-                # (UCX, a callback, an epoll wait, the GIL) is seen once.
-                if now - checked > _STALL_S:
-                    self._excuse_stall(now - checked, now)
-                checked = now
-            except Exception:
-                logger.exception("progress loop error (continuing)")
-                busy = True
-            now = time.monotonic()
-            if busy or self._watch or self._frames:
-                idle_since = now
-                continue
-            if now - idle_since < self._spin_s and (self._spin_while is None
-                                                     or self._spin_while()):
-                # Idle spinning still takes the GIL between UCX calls; yielding
-                # lets a thread just handed a result take it (p99 3.7 ms ->
-                # 0.3 ms on 2 cores, benchmarks/RESULTS.md).
-                os.sched_yield()
-                continue
-            self._sleep()
-            idle_since = time.monotonic()
-
-    def _sleep(self) -> None:
-        self._sleeping = True
-        try:
-            if self._tasks or self._inflight or self._closing:
-                return
-            if self._worker.arm():
-                # Bounded so UCX keepalive timers still run on an idle worker.
-                self._epoll.poll(0.1)
-        finally:
-            self._sleeping = False
-            try:
-                os.eventfd_read(self._wake_fd)
-            except BlockingIOError:
-                pass
+        busy = self._run_tasks()
+        busy = self._poll_frames() or busy
+        busy = self._poll_requests() or busy
+        if self._canary_at:
+            self._poll_canary()
+            busy = True
+        return busy
 
     def wake(self) -> None:
         """Make the progress thread poll again now if it sleeps (cheap when
         it does not): for a caller about to wait for a reply."""
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._sleeping:
-            try:
-                os.eventfd_write(self._wake_fd, 1)
-            except OSError:
-                pass
+        self._loop.wake()
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         self._tasks.append(fn)
-        self._wake()
+        self._loop.wake()
 
     # ------------------------------------------------------------- failure
 
@@ -889,4 +833,4 @@ class Transport:
                 "staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 "fifo_checks": self.fifo_checks, "fifo_stuck": self.fifo_stuck,
-                "lifeline_cuts": self._lifelines.cuts}
+                "lifeline_cuts": self._lifelines.cuts, "progress": self._loop.info()}

@@ -1,0 +1,285 @@
+"""The progress thread: the loop that makes UCX move, and how it waits.
+
+UCX moves bytes and completes requests only inside ``worker.progress()``.
+One thread per transport calls it, turn after turn; what it does between
+turns is the *strategy*:
+
+* :class:`Blocking` never polls an idle worker: it arms it and sleeps in
+  epoll, woken by UCX (a message, a rendezvous step) or by :meth:`wake`.
+  No CPU while waiting; every wake-up costs a context switch (tens to
+  hundreds of µs on a VM).
+* :class:`Polling` polls while a message is expected (data in flight, or a
+  reply or request due within ``spin_s``), yielding the CPU each idle turn,
+  then sleeps as :class:`Blocking` does.  Fastest on a quiet host; on a busy
+  one the polling thread takes the core the peer or the user's own threads
+  need, and every hand-off waits for a scheduler slice (measured: a 16 KiB
+  call took 4 ms instead of 0.2, benchmarks/RESULTS.md Run E/F).
+* :class:`Adaptive` (the default) polls as :class:`Polling` does while the
+  thread has a core to itself, and blocks as soon as it has not: each idle
+  turn yields the CPU and times the yield, and a yield that came back late
+  means another thread or process was waiting for this core (or for our
+  GIL).  It then blocks for a back-off that doubles while the contention
+  lasts, and tries polling again after it.
+
+The loop itself knows nothing of frames or pipes: the transport hands it a
+``turn`` (one round of work; True if anything happened), ``in_flight``
+(data is moving: poll), ``awaited`` (a reply or request is likely soon: poll
+for up to ``spin_s`` after the last event) and ``pending`` (work queued for
+the loop: do not sleep).  UCX progress and epoll waits run without the GIL.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import select
+import threading
+import time
+from typing import Any, Callable
+
+__all__ = ["Adaptive", "Blocking", "Mode", "Polling", "ProgressThread", "Strategy", "strategy"]
+
+logger = logging.getLogger(__name__)
+
+#: A yield longer than this means another runnable thread got this core (or
+#: our GIL) meanwhile: a quiet core returns from ``sched_yield`` in about a
+#: microsecond.
+CONTENDED_YIELD_S = 250e-6
+#: The first back-off after contention is seen, and the longest.
+BACKOFF_S = 0.02
+MAX_BACKOFF_S = 1.0
+#: Epoll waits are bounded so UCX's keepalive timers still run on an idle
+#: worker.
+SLEEP_S = 0.1
+#: A turn longer than this means the loop was not listening (an overloaded
+#: machine, the GIL held elsewhere, a slow callback).
+STALL_S = 0.5
+
+
+class Mode(enum.Enum):
+    """The progress strategies, by the name ``progress=`` takes."""
+
+    ADAPTIVE = "adaptive"
+    POLLING = "polling"
+    BLOCKING = "blocking"
+
+
+class Strategy:
+    """When the loop may poll an idle worker instead of sleeping.
+
+    Called on the progress thread only.
+    """
+
+    mode: Mode
+
+    def may_poll(self, now: float) -> bool:
+        """Whether to poll the next turn, given that a message is expected."""
+        raise NotImplementedError
+
+    def yielded(self, now: float, took: float) -> None:
+        """The loop gave up the CPU between two polls, for ``took`` seconds."""
+
+    def info(self) -> dict[str, Any]:
+        return {"mode": self.mode.value}
+
+
+class Blocking(Strategy):
+    mode = Mode.BLOCKING
+
+    def may_poll(self, now: float) -> bool:
+        return False
+
+
+class Polling(Strategy):
+    mode = Mode.POLLING
+
+    def may_poll(self, now: float) -> bool:
+        return True
+
+
+class Adaptive(Strategy):
+    mode = Mode.ADAPTIVE
+
+    def __init__(self, contended_s: float = CONTENDED_YIELD_S, backoff_s: float = BACKOFF_S,
+                 max_backoff_s: float = MAX_BACKOFF_S) -> None:
+        self._contended_s = contended_s
+        self._first = backoff_s
+        self._max = max_backoff_s
+        self._backoff = backoff_s
+        self._blocked_until = 0.0
+        self.contended = 0  # times contention was seen
+
+    def may_poll(self, now: float) -> bool:
+        return now >= self._blocked_until
+
+    def yielded(self, now: float, took: float) -> None:
+        if took <= self._contended_s:
+            return
+        self.contended += 1
+        # Contention again right after the last back-off: it lasts, so the
+        # probing (one lost slice each time) becomes rarer.
+        recent = now - self._blocked_until < self._backoff
+        self._backoff = min(self._backoff * 2, self._max) if recent else self._first
+        self._blocked_until = now + self._backoff
+
+    def info(self) -> dict[str, Any]:
+        return {"mode": self.mode.value, "contended": self.contended,
+                "blocking_for_s": round(max(0.0, self._blocked_until - time.monotonic()), 3)}
+
+
+def strategy(mode: Mode | str) -> Strategy:
+    """A new strategy object for ``mode`` (a :class:`Mode` or its name)."""
+    try:
+        mode = Mode(mode)
+    except ValueError:
+        names = ", ".join(repr(m.value) for m in Mode)
+        raise ValueError(f"unknown progress mode {mode!r}: expected one of {names}") from None
+    return {Mode.ADAPTIVE: Adaptive, Mode.POLLING: Polling, Mode.BLOCKING: Blocking}[mode]()
+
+
+class ProgressThread:
+    """One thread that runs ``turn`` until :meth:`stop`, sleeping in epoll
+    on ``fd`` (UCX's event fd, armed by ``arm``) when nothing is expected.
+
+    Args:
+        name: the thread's name.
+        progress: ``worker.progress`` (called first in every turn).
+        turn: the rest of a turn; returns True if it handled anything.
+        in_flight: whether data is moving (sends or receives incomplete).
+        awaited: whether a message is likely soon (a reply to a call in
+            flight, say), so that polling for ``spin_s`` after the last
+            event pays; None: always.
+        spin_s: how long after the last event an awaited message is polled for.
+        pending: whether work waits for the loop, so it must not sleep.
+        arm: arms the worker's event fd; False if events are already there.
+        fd: the worker's event fd.
+        strategy: when to poll rather than sleep.
+        on_stall: ``(seconds, now)`` after a turn that took over
+            :data:`STALL_S`.
+
+    Thread-safety: :meth:`wake` may be called from any thread.
+    """
+
+    def __init__(self, *, name: str, progress: Callable[[], None], turn: Callable[[], bool],
+                 in_flight: Callable[[], bool], awaited: Callable[[], bool] | None,
+                 spin_s: float, pending: Callable[[], bool],
+                 arm: Callable[[], bool], fd: int, strategy: Strategy,
+                 on_stall: Callable[[float, float], None]) -> None:
+        self.strategy = strategy
+        self._progress = progress
+        self._turn = turn
+        self._in_flight = in_flight
+        self._awaited = awaited
+        self._spin_s = spin_s
+        self._pending = pending
+        self._arm = arm
+        self._on_stall = on_stall
+        self._sleeping = False
+        self._stopping = False
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(fd, select.EPOLLIN)
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.turns = 0
+        self.sleeps = 0
+        self.arm_busy = 0
+
+    @property
+    def current(self) -> bool:
+        """Whether the caller runs on this thread."""
+        return threading.current_thread() is self._thread
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop and wait up to ``timeout`` for its turn to end;
+        idempotent.  Requests still in flight stay with UCX (the transport
+        closes them); from the loop's own thread it returns at once."""
+        self._stopping = True
+        self.wake(force=True)
+        if self._thread.is_alive() and not self.current:
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Release the epoll and wake descriptors, after :meth:`stop`."""
+        if self._thread.is_alive() and not self.current:
+            raise RuntimeError("ProgressThread.close() before its thread stopped")
+        self._epoll.close()
+        os.close(self._wake_fd)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def wake(self, force: bool = False) -> None:
+        """Make the loop turn again now if it sleeps (one flag test when it
+        does not)."""
+        if self._sleeping or force:
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except OSError:  # closed: the loop is gone
+                pass
+
+    def info(self) -> dict[str, Any]:
+        return {**self.strategy.info(), "turns": self.turns, "sleeps": self.sleeps,
+                "arm_busy": self.arm_busy}
+
+    def _run(self) -> None:
+        checked = last_event = time.monotonic()
+        while not self._stopping:
+            self.turns += 1
+            try:
+                self._progress()
+                busy = self._turn()
+            except Exception:
+                logger.exception("progress loop error (continuing)")
+                busy = True
+            now = time.monotonic()
+            # Turns are measured from here to here, so a stall anywhere (UCX,
+            # a callback, an epoll wait, the GIL) is seen once.
+            if now - checked > STALL_S:
+                self._on_stall(now - checked, now)
+            checked = now
+            if busy:
+                last_event = now
+                continue  # more may be there: look again before anything else
+            if self._expecting(now - last_event) and self.strategy.may_poll(now):
+                self._yield(now)
+                continue
+            self._sleep(now)
+            last_event = time.monotonic()
+
+    def _yield(self, now: float) -> None:
+        # Give the core to whoever wants it, and learn whether anyone did
+        # from how long that took.
+        before = time.monotonic()
+        os.sched_yield()
+        self.strategy.yielded(now, time.monotonic() - before)
+
+    def _expecting(self, idle_s: float) -> bool:
+        return self._in_flight() or (idle_s < self._spin_s and (self._awaited is None
+                                                                 or self._awaited()))
+
+    def _sleep(self, now: float) -> None:
+        self._sleeping = True
+        try:
+            if self._pending() or self._stopping:
+                return
+            if self._arm():
+                self.sleeps += 1
+                self._epoll.poll(SLEEP_S)
+            else:
+                # UCX has work to do before it can wait (a rendezvous moving
+                # fragment by fragment, say): turn again, but not before
+                # anyone else who wants this core had it.
+                self.arm_busy += 1
+                self._yield(now)
+        finally:
+            self._sleeping = False
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
