@@ -104,7 +104,7 @@ def _rebuild_vector(index: int, code: int, numel: int) -> torch.Tensor:
     if index == loader.used:  # a new buffer (each earlier one has its entry)
         loader.used = index + 1
         buffers = loader.buffers
-        buf = buffers[index] if index < len(buffers) else None
+        buf = buffers[index] if index < loader.nregular else None
         # The checks of _Loader.entry, in their cheapest form.
         if not (isinstance(buf, _Tensor) and buf.dtype is _UINT8 and buf.stride() == (1,)):
             buf, bits, nbytes = loader.entry(index, number)  # or raises
@@ -127,6 +127,21 @@ def _rebuild_vector(index: int, code: int, numel: int) -> torch.Tensor:
             t = loader.place(number, index, dtype, 0, (numel,), (1,))
     else:  # a buffer of another size, or misaligned: checked, maybe copied
         t = loader.place(number, index, dtype, 0, (numel,), (1,))
+    return _finish(t, flags, None, number) if flags else t
+
+
+def _rebuild_bundled(slot: int, flags: int = 0) -> torch.Tensor:
+    """Pickle's rebuild call for a tensor that travelled in a bundle
+    (:mod:`ucxrpc._bundle`): already cut out before the stream was read."""
+    loader = _LOCAL.loader
+    if loader is None:
+        raise SerializationError(_NOT_IN_LOADS)
+    number = loader.ntensors
+    loader.ntensors = number + 1
+    bundled = loader.bundled
+    if not (type(slot) is int and 0 <= slot < len(bundled)):
+        raise SerializationError(f"tensor {number} names bundle slot {slot!r} of {len(bundled)}")
+    t = bundled[slot]
     return _finish(t, flags, None, number) if flags else t
 
 
@@ -216,10 +231,13 @@ class _Loader:
     Also the iterator pickle draws its out-of-band buffers from.
     """
 
-    __slots__ = ("buffers", "used", "ntensors", "entries", "capture")
+    __slots__ = ("buffers", "used", "ntensors", "entries", "capture", "bundled", "nregular")
 
-    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(self, buffers: Sequence[torch.Tensor],
+                 bundled: Sequence[torch.Tensor] = (), nbundles: int = 0) -> None:
         self.buffers = buffers
+        self.bundled = bundled  # tensors by bundle slot (see _bundle)
+        self.nregular = len(buffers) - nbundles  # the bundles are the last buffers
         self.used = 0  # buffers introduced so far, in stream order
         self.ntensors = 0
         self.entries: dict[int, _Entry] = {}
@@ -267,10 +285,10 @@ class _Loader:
         ``number``: the tensor that needs it, or None for a pickle buffer.
         """
         buffers = self.buffers
-        if index >= len(buffers):
+        if index >= self.nregular:
             who = f"pickle buffer {index}" if number is None else f"tensor {number}"
             raise SerializationError(f"{who} needs buffer {index} but the message has only "
-                                     f"{len(buffers)} buffers")
+                                     f"{self.nregular} buffers{self._besides()}")
         buf = buffers[index]
         # stride() == (1,) is the cheaper test; the rest are 0- or 1-byte buffers.
         if not (isinstance(buf, _Tensor) and buf.dtype is _UINT8
@@ -295,6 +313,9 @@ class _Loader:
 
     def finish(self) -> None:
         """Check that the pickle used every buffer the message carried."""
-        if self.used != len(self.buffers):
-            raise SerializationError(f"message has {len(self.buffers)} buffers but its pickle "
-                                     f"uses {self.used}")
+        if self.used != self.nregular:
+            raise SerializationError(f"message has {self.nregular} buffers{self._besides()} "
+                                     f"but its pickle uses {self.used}")
+
+    def _besides(self) -> str:
+        return " besides its bundles" if self.nregular < len(self.buffers) else ""

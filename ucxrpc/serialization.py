@@ -21,6 +21,10 @@ What goes out of band:
 Sparse, quantized, nested and other exotic tensors fall back to torch's own
 pickling (correct, not zero-copy).
 
+Small host tensors are the exception to zero-copy: copied into one buffer
+per dtype (a *bundle*, :mod:`ucxrpc._bundle`), they cost the transport one
+buffer instead of one each.
+
 Wire forms: a plain 1-D tensor that is all of its storage (the common case)
 travels as ``_rebuild_vector(buffer, code, numel)``, ``code`` packing a dtype
 number from a fixed table with the autograd flags; every other tensor as
@@ -52,9 +56,10 @@ from typing import Any
 
 import torch
 
+from . import _bundle
 from ._tensor_codec import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER,
                             _REQUIRES_GRAD, GradCapture, _Loader, _device_name, _dtype_name,
-                            _rebuild_capture, _rebuild_tensor, _rebuild_vector)
+                            _rebuild_bundled, _rebuild_capture, _rebuild_tensor, _rebuild_vector)
 from .errors import SerializationError
 
 
@@ -72,6 +77,13 @@ _COMPACT_RATIO = 2
 # PickleBuffers (large numpy arrays) below this size stay inside the pickle:
 # one more transport buffer costs more than copying a few KiB.
 _OOB_MIN_BYTES = 64 * 1024
+
+
+
+def _compacted(storage_bytes: int, view_bytes: int) -> bool:
+    """torch's rule: whether a view travels as a compact copy of itself."""
+    return storage_bytes >= _COMPACT_MIN_BYTES and storage_bytes >= _COMPACT_RATIO * view_bytes
+
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -207,6 +219,8 @@ class _MessagePickler(pickle.Pickler):
         self._chunks: list[bytes] = []
         self._dispatch = serializer._dispatch
         self._hook = serializer._hook
+        self._bundling = serializer.bundle
+        self._pack: _bundle.Packer | None = None
         if self._hook is not None or self._dispatch:
             # pickle reads this attribute once, here: without extensions the
             # per-object call goes straight to the tensor code.
@@ -232,9 +246,13 @@ class _MessagePickler(pickle.Pickler):
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             if buffers:
                 buffers = _as_bytes(buffers)
+            if self._pack is not None:
+                payload, bundles = self._pack.finish(payload)
+                buffers = buffers + bundles if buffers else bundles
         finally:
             self.clear_memo()  # do not keep the message's objects alive
             self._chunks = []
+            self._pack = None
             self.buffers = []
             self._storage_index = {}
             self._capture = None
@@ -282,8 +300,23 @@ class _MessagePickler(pickle.Pickler):
             return self._reduce_tensor(t)
         nbytes = t.nbytes
         ptr = t.data_ptr()  # null for a ZeroTensor (it has no bytes) and empty ones
+        if not ptr:
+            return self._reduce_tensor(t)
         storage = t.untyped_storage()
-        if not ptr or storage.nbytes() != nbytes:
+        whole = storage.nbytes() == nbytes
+        if device < 0 and nbytes <= _bundle.MAX_TENSOR_BYTES and self._bundling:
+            # Bundled: its own storage, or a view that torch's rule would
+            # send as a compact copy anyway (a slice of a received bundle,
+            # say); either way nothing else in the message shares its bytes.
+            if (whole and _bundle.exclusive(storage) or not whole
+                    and _compacted(storage.nbytes(), nbytes)) and t.is_contiguous():
+                slot = self._bundle(t, nbytes)
+                if slot >= 0:
+                    flags = self._grad_flag(t) if t.requires_grad else 0
+                    if cls is _Parameter:
+                        flags |= _PARAMETER
+                    return (_rebuild_bundled, (slot, flags) if flags else (slot,))
+        if not whole:
             return self._reduce_tensor(t)
         # A stride-1 vector as large as its storage starts at offset 0.
         vector = t.stride() == (1,)
@@ -301,6 +334,11 @@ class _MessagePickler(pickle.Pickler):
         if vector:
             return (_rebuild_vector, (index, code | flags, nbytes // itemsize))
         return (_rebuild_tensor, (index, 0, _dtype_name(dtype), tuple(t.shape), t.stride(), flags))
+
+    def _bundle(self, t: torch.Tensor, nbytes: int) -> int:
+        if self._pack is None:
+            self._pack = _bundle.Packer()
+        return self._pack.add(t, nbytes)
 
     def _grad_flag(self, t: torch.Tensor) -> int:
         if self._capture is not None:
@@ -349,7 +387,7 @@ class _MessagePickler(pickle.Pickler):
         """Index of the buffer holding ``t``'s whole storage, or -1 to compact."""
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        if nbytes >= _COMPACT_MIN_BYTES and nbytes >= _COMPACT_RATIO * t.nbytes:
+        if _compacted(nbytes, t.nbytes):
             return -1
         # The device is part of the key so that empty storages (all at
         # address 0) on different devices stay apart.
@@ -388,11 +426,14 @@ class Serializer:
         max_buffers: most out-of-band buffers one message may have (the wire
             format allows 65535).
         dispatch: extra reducers by exact type.
+        bundle: gather small host tensors into one buffer per dtype
+            (:mod:`ucxrpc._bundle`); off, each travels as its own buffer.
     """
 
     def __init__(self, *, max_buffers: int = 65535,
-                 dispatch: Mapping[type, Reducer] | None = None) -> None:
+                 dispatch: Mapping[type, Reducer] | None = None, bundle: bool = True) -> None:
         self.max_buffers = max_buffers
+        self.bundle = bundle
         self._dispatch: dict[type, Reducer] = dict(dispatch or {})
         overridden = type(self).reducer_override is not Serializer.reducer_override
         self._hook: Reducer | None = self.reducer_override if overridden else None
@@ -444,7 +485,11 @@ class Serializer:
         if len(buffers) > self.max_buffers:
             raise SerializationError(f"message has {len(buffers)} buffers; the limit is "
                                      f"{self.max_buffers}")
-        loader = _Loader(buffers)
+        if payload[:1] == _bundle.MARK:
+            payload, bundled, nbundles = _bundle.unpack(payload, buffers)
+            loader = _Loader(buffers, bundled, nbundles)
+        else:
+            loader = _Loader(buffers)
         outer = _LOCAL.loader  # loads may nest via __setstate__
         _LOCAL.loader = loader
         try:

@@ -77,6 +77,12 @@ def _stats_after(rank, world_size, init_method):
     out = None
     if rank == 0:
         payloads = _payloads()
+        # Transposed, so not contiguous: small host tensors that are travel
+        # in one bundle buffer per dtype instead, as small CUDA tensors never
+        # do; these go one buffer each, as CUDA ones would, and get packed.
+        strided = {f"s{i}": (torch.arange(66.0) + i).view(2, 33).t()
+                   for i in range(42)}
+        rpc.rpc_sync("worker1", digest_and_echo, (strided,))
         rpc.rpc_sync("worker1", digest_and_echo, (payloads["many"],))
         rpc.rpc_sync("worker1", digest_and_echo, (payloads["large"],))
         out = [path_stats(), rpc.rpc_sync("worker1", path_stats)]

@@ -35,6 +35,7 @@ RANKS: dict[str, int] = {
     "ucxrpc.wire": 1,
     "ucxrpc.serialization": 1,
     "ucxrpc._tensor_codec": 1,  # tensor wire forms and the receiving side of serialization
+    "ucxrpc._bundle": 1,  # small host tensors packed one buffer per dtype, for serialization
     "ucxrpc.devices": 1,
     "ucxrpc.options": 1,  # UcxRpcBackendOptions: a value object agent and api read
     "ucxrpc.agent": 2,

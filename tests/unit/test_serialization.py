@@ -3,6 +3,10 @@
 ``_wire`` plays the transport: it copies every buffer into a fresh uint8
 tensor (optionally a slice of a bigger allocation) so nothing received
 aliases what was sent.
+
+These tests pin the per-buffer wire form, which carries large, CUDA and
+shared-storage tensors: ``dumps`` here bundles nothing.  Bundling of small
+host tensors (on by default) has its own tests in ``test_bundle.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch
 
 from ucxrpc import serialization
 from ucxrpc.errors import SerializationError
-from ucxrpc.serialization import BufferSpec, Pickled, Serializer, dumps, loads
+from ucxrpc.serialization import BufferSpec, Pickled, Serializer, loads
+
+dumps = Serializer(bundle=False).dumps
 
 ALL_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -643,7 +649,7 @@ def test_unpicklable_raises_the_original_exception_type(make):
 
 
 def test_too_many_buffers_on_dumps():
-    ser = Serializer(max_buffers=2)
+    ser = Serializer(max_buffers=2, bundle=False)
     ser.dumps([torch.ones(1), torch.ones(1)])
     with pytest.raises(SerializationError, match="3 buffers; the limit is 2"):
         ser.dumps([torch.ones(1), torch.ones(1), torch.ones(1)])

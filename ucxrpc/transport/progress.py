@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 #: A yield longer than this means another runnable thread got this core (or
 #: our GIL) meanwhile: a quiet core returns from ``sched_yield`` in about a
 #: microsecond.
-CONTENDED_YIELD_S = 250e-6
+CONTENDED_YIELD_S = 1e-3
 #: The first back-off after contention is seen, and the longest.
 BACKOFF_S = 0.02
 MAX_BACKOFF_S = 1.0

@@ -1,0 +1,174 @@
+"""Small host tensors of a message travel packed: one buffer per dtype.
+
+Every out-of-band buffer costs the transport a descriptor, a copy or a tag
+message and a tensor object on each side, a few microseconds of Python each:
+a dict of 100 tensors of 4 KiB spent more time on that than on its bytes.
+So :func:`ucxrpc.serialization.Serializer.dumps` gathers the small CPU
+tensors of a message into a :class:`Packer`: one ``torch.cat`` per dtype
+after the dump, and each such tensor pickles as ``_rebuild_bundled(slot)``.
+The receiver cuts every buffer with one ``split`` (:func:`unpack`), before
+the pickle stream is read, so each rebuild call is a list look-up.
+
+Bundled: a CPU tensor of at most :data:`MAX_TENSOR_BYTES` that is all of
+its storage, contiguous, and the only tensor using that storage (a storage
+shared by several tensors keeps the per-storage path, which makes it arrive
+shared), while the message's bundle stays under :data:`MAX_TOTAL_BYTES` (the
+bytes the transport would have copied into the frame anyway).  The bytes are
+copied at ``dumps``: a bundled tensor changed after ``dumps`` travels as it
+was then.  Received, a bundled tensor is a view of its bundle buffer, as an
+inlined one was a view of the frame.
+
+Wire form: the payload starts with :data:`MARK` (a pickle stream starts with
+``0x80``), a u32 table length, the table (a pickle of plain lists: per
+group its dtype code, per slot its group and element count, and the shape
+of each slot that is not 1-D), then the pickle stream.  The group buffers
+are the message's last buffers, in group order.  Everything in the table is
+checked against the buffers before any tensor is made.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+
+from ._tensor_codec import _CODE_SPECS, _DTYPE_CODES
+from .errors import SerializationError
+
+__all__ = ["MARK", "MAX_TENSOR_BYTES", "MAX_TOTAL_BYTES", "Packer", "exclusive", "unpack"]
+
+#: Largest tensor bundled (the transport's default inline threshold).
+MAX_TENSOR_BYTES = 64 << 10
+#: Most bytes one message bundles (the transport's default inline total):
+#: past it, tensors go zero-copy as their own buffers.
+MAX_TOTAL_BYTES = 4 << 20
+MARK = b"B"
+_LEN = struct.Struct("<I")
+_MAX_TABLE = 64 << 20
+_UINT8 = torch.uint8
+
+_use_count: Callable[[Any], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+# See serialization._UNTRACKED: split and view below it make plain tensors,
+# not autograd views of the bundle (a received tensor is a leaf).
+_UNTRACKED: Callable[[], Any] = torch._C._AutoDispatchBelowADInplaceOrView
+
+
+def exclusive(storage: torch.UntypedStorage) -> bool:
+    """Whether one tensor alone uses ``storage`` (the caller holding
+    ``storage`` accounts for the second reference)."""
+    return _use_count is not None and _use_count(storage._cdata) == 2
+
+
+class Packer:
+    """The small tensors of one message, in slot order (sending side)."""
+
+    __slots__ = ("tensors", "nbytes")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.nbytes = 0
+
+    def add(self, t: torch.Tensor, nbytes: int) -> int:
+        """The slot of ``t``, or -1 when the bundle is full."""
+        if self.nbytes + nbytes > MAX_TOTAL_BYTES:
+            return -1
+        self.nbytes += nbytes
+        self.tensors.append(t)
+        return len(self.tensors) - 1
+
+    def finish(self, stream: bytes) -> tuple[bytes, list[torch.Tensor]]:
+        """The payload (table, then ``stream``) and the group buffers."""
+        index: dict[torch.dtype, int] = {}  # group of each dtype
+        groups: list[list[torch.Tensor]] = []
+        codes: list[int] = []
+        slot_group = bytearray()
+        numels: list[int] = []
+        shapes: dict[int, tuple[int, ...]] = {}
+        for k, t in enumerate(self.tensors):
+            g = index.get(t.dtype)
+            if g is None:
+                g = index[t.dtype] = len(groups)
+                groups.append([])
+                codes.append(_DTYPE_CODES[t.dtype][0])
+            slot_group.append(g)
+            numels.append(t.numel())
+            if t.dim() != 1:
+                shapes[k] = tuple(t.shape)
+                t = t.view(-1)
+            groups[g].append(t)
+        with _UNTRACKED():
+            buffers = [torch.cat(members).view(_UINT8) for members in groups]
+        table = pickle.dumps((codes, bytes(slot_group), numels, shapes), protocol=5)
+        return MARK + _LEN.pack(len(table)) + table + stream, buffers
+
+
+def unpack(payload: bytes | memoryview,
+           buffers: Sequence[torch.Tensor]) -> tuple[memoryview, list[torch.Tensor], int]:
+    """Read a bundled payload: the pickle stream, the bundled tensors by
+    slot, and how many of ``buffers`` (the last ones) were bundles.
+
+    Raises:
+        SerializationError: a table that does not match the buffers.
+    """
+    view = memoryview(payload).cast("B")
+    if view.nbytes < 1 + _LEN.size:
+        raise SerializationError("bundled message too short for its table")
+    (size,) = _LEN.unpack_from(view, 1)
+    start = 1 + _LEN.size
+    if size > _MAX_TABLE or start + size > view.nbytes:
+        raise SerializationError(f"bundle table of {size} bytes does not fit the payload")
+    try:
+        codes, slot_group, numels, shapes = pickle.loads(view[start:start + size])
+        ngroups = len(codes)
+        if not (isinstance(slot_group, bytes) and len(slot_group) == len(numels)
+                and isinstance(shapes, dict)):
+            raise TypeError("malformed table")
+    except SerializationError:
+        raise
+    except Exception as exc:
+        raise SerializationError(f"corrupt bundle table: {type(exc).__name__}: {exc}") from exc
+    if not 0 < ngroups <= len(buffers):
+        raise SerializationError(f"bundle table names {ngroups} groups but the message has "
+                                 f"{len(buffers)} buffers")
+    first = len(buffers) - ngroups
+    sizes: list[list[int]] = [[] for _ in range(ngroups)]
+    for g, n in zip(slot_group, numels):
+        if g >= ngroups or not isinstance(n, int) or n < 0:
+            raise SerializationError(f"bundle slot names group {g} of {ngroups} or has "
+                                     f"{n!r} elements")
+        sizes[g].append(n)
+    parts: list[list[torch.Tensor]] = []
+    with _UNTRACKED():
+        for g, code in enumerate(codes):
+            spec = _CODE_SPECS.get(code) if isinstance(code, int) else None
+            if spec is None or spec[2]:
+                raise SerializationError(f"unknown tensor dtype code {code!r} in bundle {g}")
+            dtype, itemsize = spec[0], spec[1]
+            buf = buffers[first + g]
+            if not (isinstance(buf, torch.Tensor) and buf.dtype is _UINT8 and buf.dim() == 1
+                    and not buf.is_cuda):
+                raise SerializationError(f"bundle {g} (buffer {first + g}) is not a 1-D host "
+                                         "uint8 tensor")
+            if sum(sizes[g]) * itemsize != buf.numel():
+                raise SerializationError(f"bundle {g} holds {buf.numel()} bytes, its table "
+                                         f"{sum(sizes[g]) * itemsize}")
+            if buf.data_ptr() % itemsize or buf.stride() != (1,):
+                buf = buf.clone()  # misaligned in its frame: realigned once
+            parts.append(list(buf.view(dtype).split(sizes[g])))
+        taken = [0] * ngroups
+        out: list[torch.Tensor] = []
+        for k, g in enumerate(slot_group):
+            t = parts[g][taken[g]]
+            taken[g] += 1
+            shape = shapes.get(k)
+            if shape is not None:
+                try:
+                    t = t.view(shape)
+                except Exception as exc:
+                    raise SerializationError(f"bundle slot {k} of {t.numel()} elements cannot "
+                                             f"have shape {shape!r}") from exc
+            out.append(t)
+    return view[start + size:], out, ngroups
