@@ -35,7 +35,7 @@ PREFIX_FIELDS = {"magic": (0, 2, False), "version": (2, 1, False), "kind": (3, 1
 DESC_FIELDS = {"nbytes": (0, 8, False), "off": (8, 8, False), "device": (16, 2, True),
                "flags": (18, 1, False), "pad": (19, 1, False), "arg": (20, 4, False)}
 
-# Tag layout (engine.py's docstring): kind in bits 63-62, sender in 61-46.
+# Tag layout (ucxrpc/transport/tags.py): kind in bits 63-62, sender in 61-46.
 KIND_SHIFT, ID_SHIFT = 62, 46
 HANDSHAKE, FRAME = 0, 1
 HINT_MASK = (1 << ID_SHIFT) - 1

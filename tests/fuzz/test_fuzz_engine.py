@@ -29,8 +29,9 @@ from hypothesis import strategies as st
 from tests.fuzz.frames import (FRAME, HANDSHAKE, Shot, as_array, classify, handshake_frame,
                                rogue_corpus, tag_of)
 from ucxrpc.errors import FrameError
-from ucxrpc.transport import auth, engine
-from ucxrpc.transport.engine import OutState, Transport
+from ucxrpc.transport import auth, engine, tags
+from ucxrpc.transport.engine import Transport
+from ucxrpc.transport.pipe import OutState
 from ucxrpc.transport.frame import Kind, Limits
 from ucxrpc.transport.ucx import Probe
 
@@ -155,7 +156,7 @@ class Pair:
         queue = self.net.queues[peer.address]
         while queue:
             tag, data = queue.pop(0)
-            if tag >> engine.KIND_SHIFT in (HANDSHAKE, FRAME):
+            if tag >> tags.KIND_SHIFT in (HANDSHAKE, FRAME):
                 peer.tr._on_frame(tag, as_array(data))
                 return True
         return False

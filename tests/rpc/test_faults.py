@@ -108,7 +108,7 @@ def _rogue(address_hex, claimed_id, store_port):
     import numpy as np
 
     from ucxrpc.transport import Transport
-    from ucxrpc.transport.engine import FRAME, HANDSHAKE, ID_SHIFT, KIND_SHIFT
+    from ucxrpc.transport.tags import FRAME, HANDSHAKE, ID_SHIFT, KIND_SHIFT
     from ucxrpc.transport.frame import Kind, encode, Limits
 
     tr = Transport(my_id=claimed_id, secret=b"not-the-secret", on_message=lambda *a: None,

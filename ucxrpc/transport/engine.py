@@ -1,13 +1,6 @@
 """Pipes to peers over one UCX worker, and the loop that progresses them.
 
-Tags (64 bits) say what a tag message is and whom it claims to come from::
-
-    63-62 kind (0 handshake frame, 1 message frame, 2 data buffer)
-    61-46 sender worker id
-    45-0  message frames: the sender's opaque *hint* (the agent's message
-          id and kind), readable even when a frame is too large to receive
-    45-16 data buffers: message sequence number
-    15-0  data buffers: buffer index
+Tags (:mod:`.tags`) say what a tag message is and whom it claims to come from.
 
 Frames are found with ``tag_probe`` and received into memory of exactly
 their size; a frame then says how big each data buffer is and on which
@@ -30,10 +23,8 @@ a send is left in flight.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
-import threading
 import time
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -46,93 +37,22 @@ from . import auth, canary, progress, staging
 from .lifeline import Lifelines, LineState
 from .frame import (PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_kind,
                     peek_seq)
+from .pipe import Incoming, OutState, Piece, Pipe
 from .pool import HostPool
+from .tags import (CANARY, FRAME, HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT,
+                   MAX_WORKER_ID, data_tag)
 from .ucx import Endpoint, Request, Worker
 
 logger = logging.getLogger(__name__)
 
-KIND_SHIFT = 62
-HANDSHAKE, FRAME, DATA, CANARY = 0, 1, 2, 3
-ID_SHIFT = 46
-ID_MASK = 0xFFFF
-SEQ_MASK = (1 << 30) - 1
-MAX_WORKER_ID = ID_MASK
-HINT_MASK = (1 << ID_SHIFT) - 1
 _PENDING_HANDSHAKES = 8
 _MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
-
-
-def data_tag(sender: int, seq: int, index: int) -> int:
-    return (DATA << KIND_SHIFT) | (sender << ID_SHIFT) | ((seq & SEQ_MASK) << 16) | index
 
 
 OnMessage = Callable[[int, memoryview, list[torch.Tensor]], None]
 OnFrameError = Callable[[int, int, BaseException], None]
 OnBroken = Callable[[int, BaseException], None]
 Allocator = Callable[[int, int], torch.Tensor]
-
-
-class OutState(enum.Enum):
-    NEW = "new"
-    HELLO_SENT = "hello-sent"
-    OPEN = "open"
-    BROKEN = "broken"
-    CLOSED = "closed"
-
-
-class Pipe:
-    """Both directions to one peer: our endpoint out, their frames in."""
-
-    def __init__(self, peer_id: int, name: str, address: bytes,
-                 lifeline: str | None = None) -> None:
-        self.peer_id = peer_id
-        self.name = name
-        self.address = address
-        self.lifeline = lifeline  # the peer's lifeline address, if it published one
-        self.watched = False      # its lifeline is (being) connected
-        self.ep: Endpoint | None = None
-        self.direct = False  # device memory goes to UCX as is (else: staged)
-        self.lock = threading.Lock()
-        self.out_state = OutState.NEW
-        self.out_key = b""
-        self.out_seq = 0
-        self.out_nonce = b""
-        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind, int,
-                                 list[int] | None]] = []
-        # Handshakes answered and not yet proved, ny -> nx: several, so that a
-        # forged HELLO or PROOF cannot spoil a genuine one in progress.
-        self.in_nonces: dict[bytes, bytes] = {}
-        self.peer_max_frame = 1 << 62  # the receiver's max_frame_bytes, if known
-        self.fifo: bool | None = None  # whether it reaches us through a shared-memory FIFO
-        self.in_key: bytes | None = None
-        self.in_seq = 0
-        self.error: BaseException | None = None
-        self.sent = 0
-        self.received = 0
-
-
-class _Incoming:
-    """A message whose frame arrived and whose data buffers are in flight."""
-
-    __slots__ = ("pipe", "frame", "buffers", "hint", "waiting", "error")
-
-    def __init__(self, pipe: Pipe, frame: Frame, buffers: list[Any], hint: int) -> None:
-        self.pipe = pipe
-        self.frame = frame
-        self.buffers = buffers
-        self.hint = hint
-        self.waiting = 0
-        self.error: BaseException | None = None
-
-
-class _Piece:
-    """One chunk of a staged buffer: ``then`` copies it over once it landed."""
-
-    __slots__ = ("msg", "then")
-
-    def __init__(self, msg: _Incoming, then: Callable[[], None]) -> None:
-        self.msg = msg
-        self.then = then
 
 
 class Transport:
@@ -600,7 +520,7 @@ class Transport:
                 f"{self.limits.max_message_bytes}"))
             return
         bufs: list[Any] = []
-        msg = _Incoming(pipe, frame, bufs, hint)
+        msg = Incoming(pipe, frame, bufs, hint)
         for i, d in enumerate(frame.buffers):
             if d.inline:
                 bufs.append(torch.from_numpy(buf[d.inline_offset:d.inline_offset + d.nbytes]))
@@ -630,7 +550,7 @@ class Transport:
                     req = self._worker.tag_recv(landing.into, tag)
                     msg.waiting += 1
                     self._watch.append((req, msg if landing.then is None
-                                        else _Piece(msg, landing.then)))
+                                        else Piece(msg, landing.then)))
                 continue
             req = self._worker.tag_recv(target, tag)
             msg.waiting += 1
@@ -647,7 +567,7 @@ class Transport:
                 req = self._worker.tag_recv(sink, data_tag(pipe.peer_id, frame.seq, i))
                 self._watch.append((req, None))
 
-    def _deliver(self, msg: _Incoming) -> None:
+    def _deliver(self, msg: Incoming) -> None:
         msg.pipe.received += 1
         buffers = msg.buffers
         if msg.error is None and msg.frame.delivered >= 0:
@@ -678,14 +598,14 @@ class Transport:
                 continue
             busy = True
             err = req.error()
-            if isinstance(owner, _Piece):
+            if isinstance(owner, Piece):
                 if err is None:
                     try:
                         owner.then()
                     except Exception as exc:  # a failed copy fails its message
                         err = exc
                 owner = owner.msg
-            if isinstance(owner, _Incoming):
+            if isinstance(owner, Incoming):
                 owner.waiting -= 1
                 if err is not None and owner.error is None:
                     owner.error = BrokenError(f"receiving a buffer from {owner.pipe.name} "

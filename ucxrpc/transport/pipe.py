@@ -1,0 +1,86 @@
+"""A pipe: both directions to one peer, and a message being received.
+
+A pipe's outgoing side is a small state machine (:class:`OutState`): NEW
+until first used, HELLO_SENT while our handshake is answered, OPEN once the
+peer proved it holds the job secret, BROKEN when the peer or network failed
+(the error is kept and raised for every later send), CLOSED when we closed
+it.  The incoming side is authenticated when ``in_key`` is set.  All fields
+are guarded by ``lock`` where several threads reach them (sending); the
+rest belong to the progress thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .frame import Frame, Kind
+from .ucx import Endpoint
+
+__all__ = ["Incoming", "OutState", "Piece", "Pipe"]
+
+
+class OutState(enum.Enum):
+    NEW = "new"
+    HELLO_SENT = "hello-sent"
+    OPEN = "open"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class Pipe:
+    """Both directions to one peer: our endpoint out, their frames in."""
+
+    def __init__(self, peer_id: int, name: str, address: bytes,
+                 lifeline: str | None = None) -> None:
+        self.peer_id = peer_id
+        self.name = name
+        self.address = address
+        self.lifeline = lifeline  # the peer's lifeline address, if it published one
+        self.watched = False      # its lifeline is (being) connected
+        self.ep: Endpoint | None = None
+        self.direct = False  # device memory goes to UCX as is (else: staged)
+        self.lock = threading.Lock()
+        self.out_state = OutState.NEW
+        self.out_key = b""
+        self.out_seq = 0
+        self.out_nonce = b""
+        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind, int,
+                                 list[int] | None]] = []
+        # Handshakes answered and not yet proved, ny -> nx: several, so that a
+        # forged HELLO or PROOF cannot spoil a genuine one in progress.
+        self.in_nonces: dict[bytes, bytes] = {}
+        self.peer_max_frame = 1 << 62  # the receiver's max_frame_bytes, if known
+        self.fifo: bool | None = None  # whether it reaches us through a shared-memory FIFO
+        self.in_key: bytes | None = None
+        self.in_seq = 0
+        self.error: BaseException | None = None
+        self.sent = 0
+        self.received = 0
+
+
+class Incoming:
+    """A message whose frame arrived and whose data buffers are in flight."""
+
+    __slots__ = ("pipe", "frame", "buffers", "hint", "waiting", "error")
+
+    def __init__(self, pipe: Pipe, frame: Frame, buffers: list[Any], hint: int) -> None:
+        self.pipe = pipe
+        self.frame = frame
+        self.buffers = buffers
+        self.hint = hint
+        self.waiting = 0
+        self.error: BaseException | None = None
+
+
+class Piece:
+    """One chunk of a staged buffer: ``then`` copies it over once it landed."""
+
+    __slots__ = ("msg", "then")
+
+    def __init__(self, msg: Incoming, then: Callable[[], None]) -> None:
+        self.msg = msg
+        self.then = then
