@@ -38,23 +38,36 @@ def test_blocking_never_polls_and_polling_always_may():
     assert p.may_poll(0.0)
 
 
-def test_adaptive_backs_off_after_a_late_yield_and_longer_while_it_lasts():
-    a = Adaptive(contended_s=1e-3, backoff_s=0.1, max_backoff_s=0.4)
+def _late(a: Adaptive, now: float, times: int = 1) -> None:
+    for _ in range(times):
+        a.yielded(now, 5e-3)
+
+
+def test_adaptive_backs_off_after_late_yields_and_longer_while_they_last():
+    a = Adaptive(contended_s=1e-3, backoff_s=0.1, max_backoff_s=0.4, late=3, window=8)
     a.yielded(10.0, 1e-4)  # a prompt yield: the core was free
+    _late(a, 10.0, 2)      # two late ones in the window: not yet a pattern
     assert a.may_poll(10.0) and a.contended == 0
-    a.yielded(10.0, 5e-3)  # late: someone else wanted the core
+    _late(a, 10.0)         # the third: someone else wants the core
     assert a.contended == 1
     assert not a.may_poll(10.05) and a.may_poll(10.1)
     # Contended again right after the back-off: it doubles, up to the cap.
-    a.yielded(10.1, 5e-3)
+    _late(a, 10.1, 3)
     assert not a.may_poll(10.29) and a.may_poll(10.3)
-    a.yielded(10.3, 5e-3)
-    a.yielded(10.7, 5e-3)
+    _late(a, 10.3, 3)
+    _late(a, 10.7, 3)
     assert not a.may_poll(11.09) and a.may_poll(11.1)  # 0.4, the cap
     # Contention long after the last back-off starts from the first again.
-    a.yielded(100.0, 5e-3)
+    _late(a, 100.0, 3)
     assert not a.may_poll(100.09) and a.may_poll(100.1)
-    assert a.info()["mode"] == "adaptive"
+    assert a.info()["mode"] == "adaptive" and a.contended == 5
+
+
+def test_adaptive_forgives_a_lone_late_yield():
+    a = Adaptive(contended_s=1e-3, late=3, window=8)
+    for i in range(100):  # one late yield in every window of 8 (a GC pause, say)
+        a.yielded(float(i), 5e-3 if i % 8 == 0 else 1e-5)
+    assert a.contended == 0 and a.may_poll(100.0)
 
 
 def test_strategy_by_name_and_a_clear_error_for_an_unknown_one():
