@@ -47,6 +47,9 @@ MAX_TENSOR_BYTES = 64 << 10
 MAX_TOTAL_BYTES = 4 << 20
 MARK = b"B"
 _LEN = struct.Struct("<I")
+#: Elements below which torch copies on the calling thread (ATen's
+#: GRAIN_SIZE, the serial bound of cat and copy_).
+_SERIAL_MAX = 32768
 _MAX_TABLE = 64 << 20
 _UINT8 = torch.uint8
 
@@ -100,9 +103,38 @@ class Packer:
                 t = t.view(-1)
             groups[g].append(t)
         with _UNTRACKED():
-            buffers = [torch.cat(members).view(_UINT8) for members in groups]
+            buffers = [_gather(members) for members in groups]
         table = pickle.dumps((codes, bytes(slot_group), numels, shapes), protocol=5)
         return MARK + _LEN.pack(len(table)) + table + stream, buffers
+
+
+def _gather(members: list[torch.Tensor]) -> torch.Tensor:
+    """One buffer holding ``members`` (1-D, one dtype) back to back, copied
+    on this thread: torch's CPU copy kernels hand anything over
+    :data:`_SERIAL_MAX` elements to its intra-op thread pool, whose wake-up
+    cost 130 µs per 64 KiB message here (two processes on two cores) against
+    5 µs for the copy itself."""
+    total = sum(t.numel() for t in members)
+    if total < _SERIAL_MAX:
+        return torch.cat(members).view(_UINT8)
+    out = torch.empty(total, dtype=members[0].dtype)
+    start = end = 0
+    run: list[torch.Tensor] = []
+    for t in members + [None]:  # type: ignore[list-item]
+        n = t.numel() if t is not None else 0
+        if t is None or run and end - start + n >= _SERIAL_MAX:
+            if run:
+                torch.cat(run, out=out[start:end])
+            start, run = end, []
+        if t is None:
+            break
+        if n >= _SERIAL_MAX:  # alone too large for the serial kernel
+            out[start:start + n].view(_UINT8).numpy()[:] = t.view(_UINT8).numpy()
+            start = end = start + n
+            continue
+        run.append(t)
+        end += n
+    return out.view(_UINT8)
 
 
 def unpack(payload: bytes | memoryview,

@@ -232,3 +232,12 @@ def test_a_bundle_buffer_is_not_a_regular_one():
     payload = _bundled_payload(([_F32], b"\x00", [2], {}), pickle.dumps(Vec(), protocol=5))
     with pytest.raises(SerializationError, match="besides its bundles"):
         SER.loads(payload, [torch.zeros(8, dtype=torch.uint8)])
+
+
+def test_groups_past_torchs_serial_copy_bound_are_gathered_right():
+    # Runs of small tensors and tensors alone past 32768 elements, one dtype.
+    sizes = [100, 40_000, 7, 30_000, 5_000, 65_536, 1, 20_000, 20_000]
+    msg = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    back, p = _roundtrip(msg)
+    assert len(p.buffers) == 1 and p.buffers[0].numel() == sum(sizes)
+    assert all(torch.equal(a, b) for a, b in zip(back, msg))
