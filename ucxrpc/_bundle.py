@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -118,23 +118,31 @@ def _gather(members: list[torch.Tensor]) -> torch.Tensor:
     if total < _SERIAL_MAX:
         return torch.cat(members).view(_UINT8)
     out = torch.empty(total, dtype=members[0].dtype)
-    start = end = 0
-    run: list[torch.Tensor] = []
-    for t in members + [None]:  # type: ignore[list-item]
-        n = t.numel() if t is not None else 0
-        if t is None or run and end - start + n >= _SERIAL_MAX:
-            if run:
-                torch.cat(run, out=out[start:end])
-            start, run = end, []
-        if t is None:
-            break
-        if n >= _SERIAL_MAX:  # alone too large for the serial kernel
-            out[start:start + n].view(_UINT8).numpy()[:] = t.view(_UINT8).numpy()
-            start = end = start + n
-            continue
-        run.append(t)
-        end += n
+    at = 0
+    for run in _runs(members):
+        n = sum(t.numel() for t in run)
+        if n >= _SERIAL_MAX:  # one tensor, alone too large for the serial kernel
+            out[at:at + n].view(_UINT8).numpy()[:] = run[0].view(_UINT8).numpy()
+        else:
+            torch.cat(run, out=out[at:at + n])
+        at += n
     return out.view(_UINT8)
+
+
+def _runs(members: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of ``members`` under :data:`_SERIAL_MAX` elements
+    each; a tensor at or over it comes alone."""
+    run: list[torch.Tensor] = []
+    count = 0
+    for t in members:
+        n = t.numel()
+        if run and count + n >= _SERIAL_MAX:
+            yield run
+            run, count = [], 0
+        run.append(t)
+        count += n
+    if run:
+        yield run
 
 
 def unpack(payload: bytes | memoryview,

@@ -597,7 +597,7 @@ class Transport:
                 still.append((req, owner))
                 continue
             busy = True
-            err = req.error()
+            err: BaseException | None = req.error()
             if isinstance(owner, Piece):
                 if err is None:
                     try:

@@ -136,11 +136,15 @@ class Request:
     def done(self) -> bool:
         return bool(self.req.completed)
 
-    def error(self) -> BaseException | None:
+    def error(self) -> BrokenError | None:
+        """The request's failure, as a :class:`BrokenError` chained to
+        ucxx's exception (this module is where ucxx's errors stop)."""
         try:
             self.req.check_error()
         except Exception as exc:  # any ucxx error: the peer or pipe broke
-            return exc
+            err = BrokenError(f"UCX request failed: {exc}")
+            err.__cause__ = exc
+            return err
         return None
 
 
