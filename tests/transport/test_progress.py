@@ -175,12 +175,13 @@ def test_pending_work_keeps_it_awake():
         lp.close()
 
 
-def test_stop_from_its_own_thread_and_close_are_clean():
+def test_stop_and_close_from_its_own_thread_release_everything():
     lp = _Loop(Polling())
     stopped = threading.Event()
 
     def turn() -> bool:
         lp.loop.stop()  # as a callback on the loop may (a transport closing)
+        lp.loop.close()
         stopped.set()
         return False
 
@@ -189,8 +190,9 @@ def test_stop_from_its_own_thread_and_close_are_clean():
     assert stopped.wait(10)
     lp.loop._thread.join(10)
     assert not lp.loop._thread.is_alive()
-    lp.loop.close()
-    lp.loop.stop()  # idempotent
+    assert lp.loop._epoll.closed  # released by the loop as it left
+    lp.loop.close()  # idempotent
+    lp.loop.stop()
     os.close(lp.fd)
 
 

@@ -264,8 +264,7 @@ class Transport:
         if self._canary is not None:
             self._canary.close()
         self.pool.clear()
-        if not self._loop.current:
-            self._loop.close()
+        self._loop.close()
 
     # ------------------------------------------------------------- sending
 

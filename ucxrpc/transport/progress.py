@@ -209,6 +209,7 @@ class ProgressThread:
         self._epoll.register(fd, select.EPOLLIN)
         self._epoll.register(self._wake_fd, select.EPOLLIN)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._release_on_exit = False
         self.turns = 0
         self.sleeps = 0
         self.arm_busy = 0
@@ -231,11 +232,21 @@ class ProgressThread:
             self._thread.join(timeout)
 
     def close(self) -> None:
-        """Release the epoll and wake descriptors, after :meth:`stop`."""
-        if self._thread.is_alive() and not self.current:
-            raise RuntimeError("ProgressThread.close() before its thread stopped")
-        self._epoll.close()
-        os.close(self._wake_fd)
+        """Release the epoll and wake descriptors, after :meth:`stop`;
+        idempotent.  Called from the loop's own thread, the loop releases
+        them as it exits; a thread that did not stop in time keeps them
+        (closing them under it would hand their numbers to other files)."""
+        if self.current:
+            self._release_on_exit = True
+        elif self._thread.is_alive():
+            logger.warning("%s did not stop; its descriptors stay open", self._thread.name)
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        if not self._epoll.closed:
+            self._epoll.close()
+            os.close(self._wake_fd)
 
     @property
     def stopping(self) -> bool:
@@ -255,6 +266,13 @@ class ProgressThread:
                 "arm_busy": self.arm_busy}
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self._release_on_exit:
+                self._release()
+
+    def _loop(self) -> None:
         checked = last_event = time.monotonic()
         while not self._stopping:
             self.turns += 1
