@@ -42,9 +42,11 @@ __all__ = ["Adaptive", "Blocking", "Mode", "Polling", "ProgressThread", "Strateg
 
 logger = logging.getLogger(__name__)
 
-#: A yield longer than this means another runnable thread got this core (or
-#: our GIL) meanwhile: a quiet core returns from ``sched_yield`` in about a
-#: microsecond.
+#: A yield longer than this means another runnable thread held this core (or
+#: our GIL) for about a scheduler slice: a free core returns from
+#: ``sched_yield`` in a microsecond, and our own threads' Python between two
+#: calls (tens of µs) stays far below it (at 250 µs, that work alone counted
+#: as contention and a quiet host's latency doubled).
 CONTENDED_YIELD_S = 1e-3
 #: Contention: this many late yields within a window of that many.
 LATE_YIELDS = 4
