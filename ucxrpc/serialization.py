@@ -79,7 +79,6 @@ _COMPACT_RATIO = 2
 _OOB_MIN_BYTES = 64 * 1024
 
 
-
 def _compacted(storage_bytes: int, view_bytes: int) -> bool:
     """torch's rule: whether a view travels as a compact copy of itself."""
     return storage_bytes >= _COMPACT_MIN_BYTES and storage_bytes >= _COMPACT_RATIO * view_bytes
