@@ -192,9 +192,10 @@ def unpack(payload: bytes | memoryview,
                     and not buf.is_cuda):
                 raise SerializationError(f"bundle {g} (buffer {first + g}) is not a 1-D host "
                                          "uint8 tensor")
-            if sum(sizes[g]) * itemsize != buf.numel():
+            expected = sum(sizes[g]) * itemsize
+            if expected != buf.numel():
                 raise SerializationError(f"bundle {g} holds {buf.numel()} bytes, its table "
-                                         f"{sum(sizes[g]) * itemsize}")
+                                         f"{expected}")
             if buf.data_ptr() % itemsize or buf.stride() != (1,):
                 buf = buf.clone()  # misaligned in its frame: realigned once
             parts.append(list(buf.view(dtype).split(sizes[g])))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .devices import DeviceMap, check_devices, merge_device_map, to_device_map
-from .transport.progress import Mode
+from .transport.progress import Mode, mode_of
 
 DEFAULT_RPC_TIMEOUT = 60.0
 DEFAULT_INIT_METHOD = "env://"
@@ -75,9 +75,7 @@ class UcxRpcBackendOptions:
             raise ValueError(f"peer_timeout must be > 0 seconds, got {self.peer_timeout}")
         if self.progress is None:
             self.progress = os.environ.get("UCXRPC_PROGRESS", Mode.ADAPTIVE.value)
-        if self.progress not in {m.value for m in Mode}:
-            names = ", ".join(repr(m.value) for m in Mode)
-            raise ValueError(f"progress must be one of {names}, got {self.progress!r}")
+        self.progress = mode_of(self.progress).value  # or ValueError naming the modes
         if not 1 <= self.max_buffers <= 65535:
             raise ValueError(f"max_buffers must be in [1, 65535], got {self.max_buffers}")
         if isinstance(self.transports, str):

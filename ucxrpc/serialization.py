@@ -302,13 +302,14 @@ class _MessagePickler(pickle.Pickler):
         if not ptr:
             return self._reduce_tensor(t)
         storage = t.untyped_storage()
-        whole = storage.nbytes() == nbytes
+        storage_bytes = storage.nbytes()
+        whole = storage_bytes == nbytes
         if device < 0 and nbytes <= _bundle.MAX_TENSOR_BYTES and self._bundling:
             # Bundled: its own storage, or a view that torch's rule would
             # send as a compact copy anyway (a slice of a received bundle,
             # say); either way nothing else in the message shares its bytes.
             if (whole and _bundle.exclusive(storage) or not whole
-                    and _compacted(storage.nbytes(), nbytes)) and t.is_contiguous():
+                    and _compacted(storage_bytes, nbytes)) and t.is_contiguous():
                 slot = self._bundle(t, nbytes)
                 if slot >= 0:
                     flags = self._grad_flag(t) if t.requires_grad else 0

@@ -6,11 +6,11 @@ when a pipe cannot carry device memory."""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
+from tests.rpc._digest import digest as _digest
+from tests.rpc._digest import digest_and_echo
 from tests.workers import run_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -18,21 +18,6 @@ pytestmark = pytest.mark.timeout(120)
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
           torch.complex128]
-
-
-def _digest(obj):
-    if isinstance(obj, torch.Tensor):
-        data = obj.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        return (str(obj.dtype), tuple(obj.shape), hashlib.sha256(data).hexdigest())
-    if isinstance(obj, dict):
-        return {k: _digest(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_digest(v) for v in obj]
-    return obj
-
-
-def digest_and_echo(obj):
-    return _digest(obj), obj
 
 
 def _message():

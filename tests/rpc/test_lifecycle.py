@@ -26,13 +26,6 @@ RPC_TIMEOUT = 1.0
 JOB_S = 3.0  # 3 x RPC_TIMEOUT
 
 
-def _init(rank, world_size, init_method, **options):
-    import ucxrpc as rpc
-
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
-                 rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method, **options))
-
-
 def _work(seconds):
     """Calls to worker1 for ``seconds``; how many returned right."""
     import ucxrpc as rpc
@@ -46,7 +39,7 @@ def _work(seconds):
 
 
 def _passive_server(rank, world_size, init_method):
-    _init(rank, world_size, init_method, rpc_timeout=RPC_TIMEOUT)
+    c.init(rank, world_size, init_method, rpc_timeout=RPC_TIMEOUT)
     out = {}
     if rank == 0:
         out["calls"] = _work(JOB_S)
@@ -65,7 +58,7 @@ def test_shutdown_waits_for_a_job_longer_than_the_rpc_timeout():
 def _leaves_early(rank, world_size, init_method):
     import ucxrpc as rpc
 
-    _init(rank, world_size, init_method, rpc_timeout=30)
+    c.init(rank, world_size, init_method, rpc_timeout=30)
     out = {}
     if rank == 0:
         out["calls"] = _work(0.5)
@@ -109,7 +102,7 @@ def _rounds(rank, world_size, init_method):
     out = []
     for n in range(ROUNDS):
         t0 = time.monotonic()
-        _init(rank, world_size, init_method, rpc_timeout=20)
+        c.init(rank, world_size, init_method, rpc_timeout=20)
         t = torch.full((1 << 16,), float(n))
         assert rpc.rpc_sync(peer, c.add, args=(t, rank)).eq(n + rank).all()
         assert rpc.get_worker_info(peer).id == 1 - rank

@@ -6,31 +6,16 @@ tests run the CUDA copies themselves (tests/rpc/test_cuda_rpc.py)."""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
+from tests.rpc._digest import digest as _digest
+from tests.rpc._digest import digest_and_echo
 from tests.workers import run_workers
 
 pytestmark = pytest.mark.timeout(120)
 
 DEBUG = {"UCXRPC_DEBUG_HOST_AS_DEVICE": "1"}
-
-
-def _digest(obj):
-    if isinstance(obj, torch.Tensor):
-        return (str(obj.dtype), tuple(obj.shape),
-                hashlib.sha256(obj.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
-    if isinstance(obj, dict):
-        return {k: _digest(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_digest(v) for v in obj]
-    return obj
-
-
-def digest_and_echo(obj):
-    return _digest(obj), obj
 
 
 def _payloads():

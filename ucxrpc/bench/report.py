@@ -131,13 +131,16 @@ def flatten(measurements: Mapping[str, Any] | None) -> dict[str, float]:
     out.
     """
     out: dict[str, float] = {}
-    for key, part in (("latency_p50_us", "latency"), ("latency_p99_us", "latency"),
-                      ("async_calls_per_s", "async"), ("dict_echo_p50_us", "dict_echo")):
-        value = _get(measurements, part, key[len(part) + 1:])
+    # (key, section, field, whether the section's CPU per call goes with it)
+    for key, part, field, with_cpu in (("latency_p50_us", "latency", "p50_us", True),
+                                       ("latency_p99_us", "latency", "p99_us", False),
+                                       ("async_calls_per_s", "async", "calls_per_s", True),
+                                       ("dict_echo_p50_us", "dict_echo", "p50_us", True)):
+        value = _get(measurements, part, field)
         if value is not None:
             out[key] = float(value)
-            cpu = _get(measurements, part, "cpu_us")
-            if cpu is not None and key != "latency_p99_us":
+            cpu = _get(measurements, part, "cpu_us") if with_cpu else None
+            if cpu is not None:
                 out[CPU_PREFIX + key] = float(cpu)
     for section in _SIZED:
         for entry in _get(measurements, section) or ():

@@ -38,7 +38,8 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["Adaptive", "Blocking", "Mode", "Polling", "ProgressThread", "Strategy", "strategy"]
+__all__ = ["Adaptive", "Blocking", "Mode", "Polling", "ProgressThread", "Strategy", "mode_of",
+           "strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,14 +158,23 @@ class Adaptive(Strategy):
                 "blocking_for_s": round(max(0.0, self._blocked_until - time.monotonic()), 3)}
 
 
-def strategy(mode: Mode | str) -> Strategy:
-    """A new strategy object for ``mode`` (a :class:`Mode` or its name)."""
+def mode_of(name: Mode | str) -> Mode:
+    """The :class:`Mode` named ``name``.
+
+    Raises:
+        ValueError: no such mode, with the names there are.
+    """
     try:
-        mode = Mode(mode)
+        return Mode(name)
     except ValueError:
         names = ", ".join(repr(m.value) for m in Mode)
-        raise ValueError(f"unknown progress mode {mode!r}: expected one of {names}") from None
-    return {Mode.ADAPTIVE: Adaptive, Mode.POLLING: Polling, Mode.BLOCKING: Blocking}[mode]()
+        raise ValueError(f"unknown progress mode {name!r}: expected one of {names}") from None
+
+
+def strategy(mode: Mode | str) -> Strategy:
+    """A new strategy object for ``mode`` (a :class:`Mode` or its name)."""
+    return {Mode.ADAPTIVE: Adaptive, Mode.POLLING: Polling,
+            Mode.BLOCKING: Blocking}[mode_of(mode)]()
 
 
 class ProgressThread:
@@ -249,10 +259,6 @@ class ProgressThread:
         if not self._epoll.closed:
             self._epoll.close()
             os.close(self._wake_fd)
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
 
     def wake(self, force: bool = False) -> None:
         """Make the loop turn again now if it sleeps (one flag test when it
