@@ -21,9 +21,21 @@ _STOP = object()
 
 
 class WorkerPool:
-    """Lazily grown pool; ``size`` bounds runnable (non-blocked) threads."""
+    """Lazily grown pool; ``size`` bounds runnable (non-blocked) threads.
 
-    def __init__(self, size: int, name: str = "ucxrpc-worker") -> None:
+    Args:
+        on_quiet: called when no pool thread is left running Python code
+            (all idle or waiting on the network): the transport may poll again.
+        idle_wait: ``idle_wait(has_work)``, called by a thread that finished
+            a task and found none queued, before it blocks for the next one:
+            the transport may progress on that thread while polling pays, so
+            a request arriving meanwhile runs where it landed instead of
+            waking another thread.
+    """
+
+    def __init__(self, size: int, name: str = "ucxrpc-worker",
+                 on_quiet: Callable[[], None] | None = None,
+                 idle_wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
         if size < 1:
             raise ValueError(f"num_worker_threads must be positive, got {size}")
         self.size = size
@@ -35,11 +47,18 @@ class WorkerPool:
         self._blocked = 0
         self._active = 0  # tasks submitted and not finished
         self._closed = False
-        # Called when no pool thread is left running Python code (all idle or
-        # waiting on the network): the transport may spin again.
-        self.on_quiet: Callable[[], None] | None = None
+        self.on_quiet = on_quiet
+        self._idle_wait = idle_wait
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if getattr(_local, "waiting", None) is self and _local.task is None:
+            # Submitted by a pool thread in idle_wait (it progressed the
+            # transport and the request landed here): it runs it next, and
+            # no other thread is woken for it.
+            _local.task = (fn, args)
+            with self._lock:
+                self._active += 1
+            return
         self._queue.put((fn, args))
         with self._lock:
             self._active += 1
@@ -57,8 +76,9 @@ class WorkerPool:
 
     def _loop(self) -> None:
         _local.pool = self
+        _local.task = None
         while True:
-            item = self._queue.get()
+            item = self._next()
             with self._lock:
                 self._idle -= 1
             if item is _STOP:
@@ -75,8 +95,25 @@ class WorkerPool:
                 self._idle += 1
                 self._active -= 1
                 quiet = self._active == self._blocked
-            if quiet:
+            # A thread about to wait in idle_wait polls (or wakes the
+            # transport) itself.
+            if quiet and (self._idle_wait is None or not self._queue.empty()):
                 self._quiet()
+
+    def _next(self) -> Any:
+        if self._idle_wait is not None and self._queue.empty() and not self._closed:
+            _local.waiting = self
+            try:
+                self._idle_wait(self._has_work)
+            finally:
+                _local.waiting = None
+            task, _local.task = _local.task, None
+            if task is not None:
+                return task
+        return self._queue.get()
+
+    def _has_work(self) -> bool:
+        return _local.task is not None or not self._queue.empty() or self._closed
 
     def computing(self) -> bool:
         """Whether Python code is running or about to run on a pool thread

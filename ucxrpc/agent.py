@@ -128,7 +128,6 @@ class RpcAgent:
         self.info = WorkerInfo(name, rank)
         self.world_size = world_size  # None: dynamic membership (see _membership)
         self.serializer = Serializer(max_buffers=options.max_buffers)
-        self._pool = WorkerPool(options.num_worker_threads)
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         self._by_peer: dict[int, set[int]] = {}
@@ -153,7 +152,8 @@ class RpcAgent:
                                    progress_mode=options.progress or "adaptive",
                                    spin_while=self._spin_while,
                                    host_timeout=options.peer_timeout)
-        self._pool.on_quiet = self.transport.wake
+        self._pool = WorkerPool(options.num_worker_threads, on_quiet=self.transport.wake,
+                                idle_wait=self._drive)
         self.workers: dict[int, WorkerInfo] = {}
         # Set at join: where this worker's tensors land on each peer, by peer
         # id (requests), the reverse (replies), and the devices it uses.
@@ -321,11 +321,15 @@ class RpcAgent:
     # -------------------------------------------------------------- calling
 
     def call(self, to: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any], timeout: float) -> torch.futures.Future:
+             kwargs: dict[str, Any], timeout: float, waited: bool = False
+             ) -> torch.futures.Future:
         """Send ``func(*args, **kwargs)`` to ``to``; the future gets the result.
 
-        ``timeout`` in seconds, 0 for none.  Pickling errors raise here with
-        their own type; transport errors raise as :class:`RpcError`.
+        ``timeout`` in seconds, 0 for none.  ``waited``: the caller waits
+        for the reply with :meth:`wait` at once, which progresses the
+        transport itself, so the progress thread is not woken for it.
+        Pickling errors raise here with their own type; transport errors
+        raise as :class:`RpcError`.
         """
         if self._closed:
             raise ClosedError("RPC agent is shut down")
@@ -351,7 +355,8 @@ class RpcAgent:
                 self.transport.send(to.id, payload, pickled.buffers,
                                     wire.hint(wire.MsgKind.REQUEST, msg_id),
                                     self._cuda_targets(to.id, pickled))
-                self.transport.wake()  # to poll for the reply (see _spin_while)
+                if not waited:
+                    self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:
             self._pop(msg_id)
             raise
@@ -449,9 +454,23 @@ class RpcAgent:
             call.future.set_exception(exc)
 
     def wait(self, fut: torch.futures.Future) -> Any:
-        """``fut.wait()`` that lets the pool replace a thread blocked here."""
+        """``fut.wait()`` that lets the pool replace a thread blocked here,
+        and that handles the reply on this thread while polling pays."""
         with self._pool.blocking():
+            if not fut.done():
+                self._drive(fut.done)
             return fut.wait()
+
+    def _drive(self, done: Callable[[], bool]) -> None:
+        """Progress the transport on this thread until ``done()`` (see
+        :meth:`Transport.drive`): a reply or request is handled where it is
+        wanted, without a thread hand-off.  Not on a worker with CUDA
+        devices: completing a CUDA future records events on the completing
+        thread's current streams, which a user's thread may have changed,
+        and that path has not run on a GPU yet; the progress thread, whose
+        streams are the defaults, keeps doing it there."""
+        if (self.devices or not self.transport.drive(done)) and not done():
+            self.transport.wake()  # the progress thread's turn now
 
     # ------------------------------------------------------------ receiving
 

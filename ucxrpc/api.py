@@ -144,9 +144,14 @@ def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = 
     RuntimeError saying the RPC timed out.  Pickling errors raise here with
     their own type; an unknown ``to`` raises RuntimeError.
     """
-    agent = _current()
-    dest = agent.resolve(to)
-    return agent.call(dest, func, tuple(args or ()), dict(kwargs or {}), _timeout(agent, timeout))
+    return _call(_current(), to, func, args, kwargs, timeout)
+
+
+def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None,
+          kwargs: dict[str, Any] | None, timeout: float, waited: bool = False
+          ) -> torch.futures.Future:
+    return agent.call(agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
+                      _timeout(agent, timeout), waited=waited)
 
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
@@ -154,8 +159,7 @@ def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = N
     """Like :func:`rpc_async`, then wait: returns the result or raises the
     remote exception with its own type (remote traceback in the message)."""
     agent = _current()
-    fut = rpc_async(to, func, args, kwargs, timeout)
-    return agent.wait(fut)
+    return agent.wait(_call(agent, to, func, args, kwargs, timeout, waited=True))
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

@@ -8,6 +8,9 @@
   fires or :meth:`wake` is called, never sleeps with work pending, stops
   from another thread or its own, and its adaptive strategy sees a thread
   that holds the GIL as contention.
+* A thread waiting for a message drives the loop itself (one at a time,
+  never from inside a turn), the progress thread parks meanwhile and takes
+  over when it leaves; Ctrl-C in a driving main thread waits for the turn.
 * Every mode between two processes over real UCX pipes: small and large
   messages both ways, and a close with a large transfer still in flight.
 """
@@ -99,7 +102,9 @@ class _Loop:
         self.pending = False
         self.events = 0
         self.tasks: list[threading.Event] = []
+        self.calls: list = []  # run inside a turn, on whichever thread turns
         self.seen = threading.Event()
+        self.seen_on = ""  # the thread whose turn saw the last event
         self.loop = ProgressThread(
             name="test-progress", progress=lambda: None, turn=self._turn,
             in_flight=lambda: self.expect, awaited=None, spin_s=0.0,
@@ -112,7 +117,11 @@ class _Loop:
         except BlockingIOError:
             pass
         else:
+            self.seen_on = threading.current_thread().name
             self.seen.set()
+            return True
+        while self.calls:
+            self.calls.pop()()
             return True
         while self.tasks:
             self.tasks.pop().set()
@@ -216,6 +225,113 @@ def test_adaptive_sees_a_thread_holding_the_gil_as_contention():
         stop.set()
         hogger.join(10)
         lp.close()
+
+
+# ------------------------------------------------ a waiting thread drives
+
+def _started(strategy: progress.Strategy, expect: bool) -> _Loop:
+    lp = _Loop(strategy)
+    lp.expect = expect  # True: data "in flight", so a driver keeps polling
+    lp.loop.start()
+    return lp
+
+
+def _drive_on_thread(lp: _Loop, done, name: str = "waiter") -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        out["reached"] = lp.loop.drive(done)
+        out["seen_on"] = lp.seen_on
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_waiting_thread_turns_the_loop_and_the_progress_thread_parks():
+    lp = _started(Polling(), expect=True)
+    try:
+        t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
+        _wait_for(lambda: lp.loop.drives == 1 and lp.loop._parked, "the progress thread to park")
+        turns = lp.loop.turns
+        time.sleep(0.05)
+        assert lp.loop.turns == turns, "the progress thread turned while another thread drove"
+        lp.fire()
+        t.join(10)
+        # The event was handled on the thread that waited for it.
+        assert out == {"reached": True, "seen_on": "waiter"}
+        assert lp.loop.driven_turns > 0 and lp.loop.info()["drives"] == 1
+    finally:
+        lp.close()
+
+
+def test_one_driver_at_a_time_never_from_a_turn_nor_when_polling_may_not():
+    lp = _started(Polling(), expect=True)
+    release = threading.Event()
+    try:
+        t, out = _drive_on_thread(lp, release.is_set)
+        _wait_for(lambda: lp.loop.drives == 1, "the first driver")
+        assert lp.loop.drive(lambda: False) is False  # another thread drives
+        nested: list[bool] = []
+        lp.calls.append(lambda: nested.append(lp.loop.drive(lambda: False)))
+        _wait_for(lambda: nested, "the call inside the driver's turn")
+        assert nested == [False]  # turns do not nest
+        release.set()
+        t.join(10)
+        assert out["reached"] is True
+        # On the progress thread itself (a callback there): never.
+        lp.calls.append(lambda: nested.append(lp.loop.drive(lambda: False)))
+        _wait_for(lambda: len(nested) == 2, "the call on the progress thread")
+        assert nested == [False, False] and lp.loop.drives == 1
+    finally:
+        lp.close()
+    blocking = _started(Blocking(), expect=True)
+    try:
+        assert blocking.loop.drive(lambda: False) is False and blocking.loop.drives == 0
+    finally:
+        blocking.close()
+
+
+@pytest.mark.parametrize("reached", [False, True], ids=["gave-up", "done"])
+def test_the_progress_thread_takes_over_when_the_driver_leaves(reached):
+    # Nothing expected: a driver gives up after its first idle turn and
+    # hands the loop back at once; one that got what it waited for leaves
+    # the progress thread parked for LINGER_S, after which it turns alone.
+    lp = _started(Polling(), expect=False)
+    try:
+        assert lp.loop.drive(lambda: reached) is reached
+        lp.fire()
+        assert lp.seen.wait(10)
+        assert lp.seen_on == "test-progress"
+    finally:
+        lp.close()
+
+
+def test_ctrl_c_in_a_driving_main_thread_waits_for_the_turn_to_end():
+    import signal
+
+    assert threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT)
+    lp = _started(Polling(), expect=True)  # started here: it guards SIGINT
+    finished: list[str] = []
+
+    def in_turn() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10_000):  # bytecodes where Python would raise it
+            pass
+        finished.append("turn")
+
+    try:
+        lp.calls.append(in_turn)
+        with pytest.raises(KeyboardInterrupt):
+            lp.loop.drive(lambda: False)
+        assert finished == ["turn"]  # raised after the turn, not inside it
+        assert lp.loop._driver is None  # and the loop was handed back
+        lp.fire()
+        assert lp.seen.wait(10) and lp.seen_on == "test-progress"
+    finally:
+        lp.close()
+    assert signal.getsignal(signal.SIGINT) is before  # given back at close
 
 
 # ----------------------------------------------- modes over real UCX pipes

@@ -9,9 +9,8 @@ from ucxrpc._pool import WorkerPool
 
 
 def test_computing_from_submit_to_finish_and_not_while_blocked():
-    pool = WorkerPool(2)
     quiet = threading.Event()
-    pool.on_quiet = quiet.set
+    pool = WorkerPool(2, on_quiet=quiet.set)
     go, blocked, release = threading.Event(), threading.Event(), threading.Event()
 
     def task():

@@ -16,7 +16,8 @@ calls fail by their own timeouts, in the agent, as in torch.
 
 Progress: one thread per transport turns the loop of :mod:`.progress`,
 whose strategy (``progress=``; adaptive by default) decides when it polls
-an idle worker and when it sleeps in epoll.  Senders call UCX directly from
+an idle worker and when it sleeps in epoll; a thread waiting for a message
+may turn it itself (:meth:`Transport.drive`).  Senders call UCX directly from
 their own thread (no hand-off on the send path) and wake the loop only when
 a send is left in flight.
 """
@@ -59,7 +60,8 @@ class Transport:
     """Authenticated, framed messages to peers over UCX.
 
     Thread-safety: :meth:`send` may be called from any thread; callbacks run
-    on the progress thread and must not block.
+    on the progress thread, or on a thread in :meth:`drive`, and must not
+    block.
 
     Args:
         my_id: this worker's id (< 65536), carried in every tag.
@@ -372,21 +374,28 @@ class Transport:
             # A large frame (rendezvous) completes after a small one sent
             # behind it; frames are delivered in the order each sender sent
             # them, so a sender's frames wait behind its incomplete ones.
+            frames, self._frames = self._frames, []
             still = []
             waiting: set[int] = set()
-            for entry in self._frames:
-                req, buf, tag, length, drop = entry
-                sender = (tag >> ID_SHIFT) & ID_MASK
-                if sender in waiting or not req.done:
-                    waiting.add(sender)
-                    still.append(entry)
-                    continue
-                busy = True
-                if drop:
-                    self._on_dropped(tag, length, drop)
-                elif req.error() is None:
-                    self._on_frame(tag, buf)
-            self._frames = still
+            seen = 0
+            try:
+                for entry in frames:
+                    req, buf, tag, length, drop = entry
+                    sender = (tag >> ID_SHIFT) & ID_MASK
+                    seen += 1  # first: an entry is never handled twice
+                    if sender in waiting or not req.done:
+                        waiting.add(sender)
+                        still.append(entry)
+                        continue
+                    busy = True
+                    if drop:
+                        self._on_dropped(tag, length, drop)
+                    elif req.error() is None:
+                        self._on_frame(tag, buf)
+            finally:
+                # Whatever ends this turn, a KeyboardInterrupt in a driving
+                # thread included, what was not looked at stays watched.
+                self._frames[:0] = still + frames[seen:]
         return busy
 
     def _unwanted(self, tag: int, length: int) -> str | None:
@@ -590,31 +599,40 @@ class Transport:
         if not self._watch:
             return False
         busy = False
+        watch, self._watch = self._watch, []
         still = []
-        for req, owner in self._watch:
-            if not req.done:
-                still.append((req, owner))
-                continue
-            busy = True
-            err: BaseException | None = req.error()
-            if isinstance(owner, Piece):
-                if err is None:
-                    try:
-                        owner.then()
-                    except Exception as exc:  # a failed copy fails its message
-                        err = exc
-                owner = owner.msg
-            if isinstance(owner, Incoming):
-                owner.waiting -= 1
-                if err is not None and owner.error is None:
-                    owner.error = BrokenError(f"receiving a buffer from {owner.pipe.name} "
-                                              f"failed: {err}")
-                if owner.waiting == 0:
-                    self._deliver(owner)
-            elif err is not None and owner is not None:
-                self._break(owner, err)
-        self._watch = still
+        seen = 0
+        try:
+            for req, owner in watch:
+                seen += 1  # first: an entry is never handled twice
+                if not req.done:
+                    still.append((req, owner))
+                    continue
+                busy = True
+                self._completed(req, owner)
+        finally:
+            # As in _poll_frames: nothing unexamined is lost.
+            self._watch[:0] = still + watch[seen:]
         return busy
+
+    def _completed(self, req: Request, owner: Any) -> None:
+        err: BaseException | None = req.error()
+        if isinstance(owner, Piece):
+            if err is None:
+                try:
+                    owner.then()
+                except Exception as exc:  # a failed copy fails its message
+                    err = exc
+            owner = owner.msg
+        if isinstance(owner, Incoming):
+            owner.waiting -= 1
+            if err is not None and owner.error is None:
+                owner.error = BrokenError(f"receiving a buffer from {owner.pipe.name} "
+                                          f"failed: {err}")
+            if owner.waiting == 0:
+                self._deliver(owner)
+        elif err is not None and owner is not None:
+            self._break(owner, err)
 
     def _run_tasks(self) -> bool:
         if not self._tasks:
@@ -652,6 +670,13 @@ class Transport:
         """Make the progress thread poll again now if it sleeps (cheap when
         it does not): for a caller about to wait for a reply."""
         self._loop.wake()
+
+    def drive(self, done: Callable[[], bool]) -> bool:
+        """Progress on the calling thread until ``done()`` holds (True) or
+        polling stops paying (:meth:`.progress.ProgressThread.drive`):
+        messages are then handled, and callbacks run, on the caller's
+        thread."""
+        return self._loop.drive(done)
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         self._tasks.append(fn)

@@ -21,6 +21,16 @@ turns is the *strategy*:
   core (or for our GIL).  It then blocks for a back-off that doubles while
   the contention lasts, and tries polling again after it.
 
+A thread that waits for a message (a caller blocked in ``rpc_sync``, an idle
+pool thread expecting the next request) may :meth:`ProgressThread.drive`
+the loop itself: it takes the *baton* (the lock a turn runs under), turns
+on its own thread, and the progress thread parks until it is done.  The
+message is then handled on the thread that wants it, with no hand-off
+between threads: each costs a futex wake-up and, on a busy host, a
+scheduler slice.  One driver at a time; the strategy still decides
+whether polling pays, and a driver that may not poll returns to block as
+before while the progress thread takes over again.
+
 The loop itself knows nothing of frames or pipes: the transport hands it a
 ``turn`` (one round of work; True if anything happened), ``in_flight``
 (data is moving: poll), ``awaited`` (a reply or request is likely soon: poll
@@ -37,6 +47,8 @@ import select
 import threading
 import time
 from typing import Any, Callable
+
+from .interrupts import SigintGuard
 
 __all__ = ["Adaptive", "Blocking", "Mode", "Polling", "ProgressThread", "Strategy", "mode_of",
            "strategy"]
@@ -58,6 +70,16 @@ MAX_BACKOFF_S = 0.2
 #: Epoll waits are bounded so UCX's keepalive timers still run on an idle
 #: worker.
 SLEEP_S = 0.1
+#: Set on a thread while it drives the loop: a callback it runs must not
+#: drive again (turns do not nest), and Ctrl-C waits (interrupts.py).
+_turning = threading.local()
+_sigint = SigintGuard(lambda: getattr(_turning, "on", False))
+#: How long the progress thread stays parked after a driver left with
+#: nothing expected (its caller got its reply; a pool thread took the request
+#: it waited for): the same thread is likely back within microseconds, and
+#: waking the progress thread in between would take the core and the GIL
+#: from it.  Also the longest a message nobody waits for can wait then.
+LINGER_S = 0.002
 #: A turn longer than this means the loop was not listening (an overloaded
 #: machine, the GIL held elsewhere, a slow callback).
 STALL_S = 0.5
@@ -74,7 +96,9 @@ class Mode(enum.Enum):
 class Strategy:
     """When the loop may poll an idle worker instead of sleeping.
 
-    Called on the progress thread only.
+    Called by the thread that turns the loop: the progress thread, or a
+    thread driving it (their calls may overlap for a turn; the state is a
+    few counters, and a lost update only shifts a back-off).
     """
 
     mode: Mode
@@ -220,11 +244,24 @@ class ProgressThread:
         self._epoll = select.epoll()
         self._epoll.register(fd, select.EPOLLIN)
         self._epoll.register(self._wake_fd, select.EPOLLIN)
+        # Where the progress thread parks while another thread drives: the
+        # wake descriptor alone (UCX's stays readable while a driver, which
+        # never arms, consumes its events).
+        self._park_poll = select.epoll()
+        self._park_poll.register(self._wake_fd, select.EPOLLIN)
+        self._baton = threading.Lock()  # held for a turn, by whoever turns
+        self._driver_lock = threading.Lock()
+        self._driver: int | None = None  # the driving thread's ident
+        self._driver_left = 0.0
+        self._parked = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._release_on_exit = False
+        self._sigint_counted = False
         self.turns = 0
         self.sleeps = 0
         self.arm_busy = 0
+        self.drives = 0
+        self.driven_turns = 0
 
     @property
     def current(self) -> bool:
@@ -232,6 +269,7 @@ class ProgressThread:
         return threading.current_thread() is self._thread
 
     def start(self) -> None:
+        self._sigint_counted = _sigint.install()
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -248,6 +286,8 @@ class ProgressThread:
         idempotent.  Called from the loop's own thread, the loop releases
         them as it exits; a thread that did not stop in time keeps them
         (closing them under it would hand their numbers to other files)."""
+        if _sigint.uninstall(self._sigint_counted):
+            self._sigint_counted = False
         if self.current:
             self._release_on_exit = True
         elif self._thread.is_alive():
@@ -258,12 +298,13 @@ class ProgressThread:
     def _release(self) -> None:
         if not self._epoll.closed:
             self._epoll.close()
+            self._park_poll.close()
             os.close(self._wake_fd)
 
     def wake(self, force: bool = False) -> None:
         """Make the loop turn again now if it sleeps (one flag test when it
         does not)."""
-        if self._sleeping or force:
+        if self._sleeping or self._parked or force:
             try:
                 os.eventfd_write(self._wake_fd, 1)
             except OSError:  # closed: the loop is gone
@@ -271,7 +312,77 @@ class ProgressThread:
 
     def info(self) -> dict[str, Any]:
         return {**self.strategy.info(), "turns": self.turns, "sleeps": self.sleeps,
-                "arm_busy": self.arm_busy}
+                "arm_busy": self.arm_busy, "drives": self.drives,
+                "driven_turns": self.driven_turns}
+
+    def drive(self, done: Callable[[], bool]) -> bool:
+        """Turn the loop on the calling thread until ``done()`` holds, or
+        until polling no longer pays (nothing expected for ``spin_s``, or the
+        strategy saw contention): the caller then blocks as it would have,
+        and the progress thread takes over again.
+
+        Returns whether ``done()`` held; at once (False) where driving
+        cannot help: on the progress thread, inside a turn (a callback),
+        while another thread drives, or when the strategy may not poll now.
+        On the main thread, Ctrl-C ends the drive between two turns and
+        raises ``KeyboardInterrupt`` from here (interrupts.py).
+        """
+        if (self._stopping or self.current or getattr(_turning, "on", False)
+                or not self.strategy.may_poll(time.monotonic())):
+            return False
+        _turning.on = True  # first: nothing below may be cut short by Ctrl-C
+        try:
+            with self._driver_lock:
+                if self._driver is not None:
+                    return False
+                self._driver = threading.get_ident()
+            return self._drive_handing_back(done)
+        finally:
+            _turning.on = False
+            _sigint.deliver()
+
+    def _drive_handing_back(self, done: Callable[[], bool]) -> bool:
+        self.drives += 1
+        handed_back = True
+        try:
+            reached = self._drive(done)
+            handed_back = not reached or self._expecting(0.0) or self._pending()
+            return reached
+        finally:
+            self._driver_left = time.monotonic()
+            self._driver = None
+            # Parked, the progress thread lingers (LINGER_S) unless woken: a
+            # driver that gave up, or left work behind, hands the loop back
+            # at once.  (It reads _driver after setting _parked, and we read
+            # _parked after clearing _driver, so one of us sees the other.)
+            if handed_back and self._parked:
+                self.wake(force=True)
+
+    def _drive(self, done: Callable[[], bool]) -> bool:
+        """Turn until ``done()`` (True) or polling stops paying (False)."""
+        last_event = time.monotonic()
+        while not done():
+            if self._stopping or _sigint.held:
+                return False
+            busy = False
+            if self._baton.acquire(blocking=False):
+                try:
+                    self.driven_turns += 1
+                    self._progress()
+                    busy = self._turn()
+                except Exception:
+                    logger.exception("progress loop error (continuing)")
+                    busy = True
+                finally:
+                    self._baton.release()
+            now = time.monotonic()
+            if busy:
+                last_event = now
+                continue
+            if not (self._expecting(now - last_event) and self.strategy.may_poll(now)):
+                return False
+            self._yield(now)
+        return True
 
     def _run(self) -> None:
         try:
@@ -283,13 +394,18 @@ class ProgressThread:
     def _loop(self) -> None:
         checked = last_event = time.monotonic()
         while not self._stopping:
+            if self._driver is not None:
+                self._park()
+                checked = last_event = time.monotonic()
+                continue
             self.turns += 1
-            try:
-                self._progress()
-                busy = self._turn()
-            except Exception:
-                logger.exception("progress loop error (continuing)")
-                busy = True
+            with self._baton:
+                try:
+                    self._progress()
+                    busy = self._turn()
+                except Exception:
+                    logger.exception("progress loop error (continuing)")
+                    busy = True
             now = time.monotonic()
             # Turns are measured from here to here, so a stall anywhere (UCX,
             # a callback, an epoll wait, the GIL) is seen once.
@@ -304,6 +420,23 @@ class ProgressThread:
                 continue
             self._sleep(now)
             last_event = time.monotonic()
+
+    def _park(self) -> None:
+        """Wait while another thread drives, and for :data:`LINGER_S` after
+        it left, unless woken."""
+        self._parked = True
+        try:
+            while not self._stopping and (
+                    self._driver is not None
+                    or time.monotonic() - self._driver_left < LINGER_S):
+                if self._park_poll.poll(LINGER_S):
+                    break  # woken: work for the loop
+        finally:
+            self._parked = False
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
 
     def _yield(self, now: float) -> None:
         # Give the core to whoever wants it, and learn whether anyone did
