@@ -17,11 +17,16 @@ to the main worker, through that same queue.  If it has not arrived after
 
 from __future__ import annotations
 
-from typing import Sequence
+import enum
+import logging
+import time
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .ucx import Endpoint, Request, Worker
+
+logger = logging.getLogger(__name__)
 
 #: Transports whose receive side is such a FIFO (cma and knem only copy
 #: between address spaces; the FIFO that carries their requests is one of
@@ -69,3 +74,95 @@ class Canary:
         if self._failed is None:  # closing a failed endpoint crashed ucxx
             self._ep.close()
         self._worker.close()
+
+
+class CheckState(enum.Enum):
+    IDLE = "idle"            # no check running (none needed, or the last one passed)
+    WAITING = "waiting"      # a canary is on its way; its arrival proves the queue moves
+    STUCK = "stuck"          # it did not arrive: final, no local peer can reach us
+    UNAVAILABLE = "unavailable"  # the canary's own endpoint failed: no check can run
+
+
+class QueueCheck:
+    """The check for one worker, run from its progress loop.
+
+    :meth:`start` after a peer that may have been copying into our queue
+    failed; :meth:`poll` every turn while :attr:`state` is WAITING.  When
+    the canary does not arrive in :data:`WAIT_S` of listening,
+    ``on_stuck(reason)`` is called once and the state stays STUCK.
+
+    Args:
+        worker: the main worker, whose queue is checked.
+        transports: as the main worker's (the canary must take the same path).
+        tag: the canary's tag on the main worker.
+    """
+
+    def __init__(self, worker: Worker, transports: Sequence[str] | None, tag: int,
+                 on_stuck: Callable[[str], None]) -> None:
+        self._worker = worker
+        self._transports = transports
+        self._tag = tag
+        self._on_stuck = on_stuck
+        self._canary: Canary | None = None
+        self._rx: list[Request] = []
+        self.state = CheckState.IDLE
+        self._since = 0.0  # when the canary went out
+        self._cause = ""
+        self.stuck: str | None = None  # why no local peer can reach us, once so
+        self.checks = 0
+
+    def start(self, cause: str) -> None:
+        """Send a canary because ``cause`` failed; no-op unless IDLE."""
+        if self.state is not CheckState.IDLE:
+            return
+        if self._canary is not None and self._canary.failed is not None:
+            self.state = CheckState.UNAVAILABLE
+            return
+        try:
+            if self._canary is None:
+                self._canary = Canary(self._transports, self._worker.address, self._tag)
+            self._canary.send()
+        except Exception:  # a check that cannot run must not hurt the pipes
+            logger.exception("cannot check the shared-memory receive queue")
+            return
+        self.state = CheckState.WAITING
+        self._since = time.monotonic()
+        self._cause = cause
+        self.checks += 1
+
+    def excuse(self, seconds: float, now: float) -> None:
+        """Move the clock on by ``seconds`` the loop was not listening: a
+        stall of ours is not a stuck queue."""
+        if self.state is CheckState.WAITING:
+            self._since = min(now, self._since + seconds)
+
+    def poll(self) -> None:
+        """Look for the canary (WAITING only)."""
+        if self.state is not CheckState.WAITING:
+            return
+        assert self._canary is not None
+        self._canary.progress()
+        self._rx = [r for r in self._rx if not r.done]
+        probe = self._worker.probe(self._tag, (1 << 64) - 1)
+        if probe is not None:
+            self._rx.append(self._worker.recv_probed(np.empty(1, dtype=np.uint8), probe))
+            self.state = CheckState.IDLE
+            logger.debug("shared-memory receive queue still moves after %s failed", self._cause)
+        elif self._canary.failed is not None:
+            logger.warning("cannot check the shared-memory receive queue: %s",
+                           self._canary.failed)
+            self.state = CheckState.UNAVAILABLE
+        elif time.monotonic() - self._since > WAIT_S:
+            self.state = CheckState.STUCK
+            self.stuck = (
+                f"this worker's UCX shared-memory receive queue is stuck since {self._cause} "
+                "failed (a process killed while copying a message into it leaves a slot UCX "
+                "waits on for good), so no peer on this host can reach this worker any more; "
+                "restart it, or keep local traffic off shared memory with transports=['tcp'] "
+                "where a job must outlive killed peers")
+            logger.error("%s", self.stuck)
+            self._on_stuck(self.stuck)
+
+    def close(self) -> None:
+        if self._canary is not None:
+            self._canary.close()

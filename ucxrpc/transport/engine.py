@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
-from . import auth, canary, progress, staging
+from . import canary, handshake, progress, staging
 from .lifeline import Lifelines, LineState
 from .frame import (PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_kind,
                     peek_seq)
@@ -46,7 +46,6 @@ from .ucx import Endpoint, Request, Worker
 
 logger = logging.getLogger(__name__)
 
-_PENDING_HANDSHAKES = 8
 _MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
 
 
@@ -128,15 +127,10 @@ class Transport:
         self.frame_errors = 0
         self.staged_bytes = 0
         self.packed_buffers = 0
-        # The shared-memory receive queue check (canary.py): the canary, when
-        # its message went out (0: no check running), and for whose death.
-        self._canary: canary.Canary | None = None
-        self._canary_tag = (CANARY << KIND_SHIFT) | (my_id << ID_SHIFT)
-        self._canary_at = 0.0
-        self._canary_cause = ""
-        self._canary_rx: list[Request] = []
-        self.fifo_stuck: str | None = None  # why no local peer can reach us, once so
-        self.fifo_checks = 0
+        # Whether our shared-memory receive queue still moves (canary.py).
+        self._queue = canary.QueueCheck(self._worker, transports,
+                                        (CANARY << KIND_SHIFT) | (my_id << ID_SHIFT),
+                                        self._queue_stuck)
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
             in_flight=lambda: bool(self._watch or self._frames), awaited=spin_while,
@@ -263,8 +257,7 @@ class Transport:
         # whatever it still waits for from us.
         self._lifelines.close()
         self._worker.close()
-        if self._canary is not None:
-            self._canary.close()
+        self._queue.close()
         self.pool.clear()
         self._loop.close()
 
@@ -327,13 +320,12 @@ class Transport:
 
     def _start_handshake(self, pipe: Pipe) -> None:
         self._watch_lifeline(pipe)
-        pipe.out_nonce = auth.new_nonce()
         try:
             self._endpoint(pipe)
-            if pipe.fifo and self.fifo_stuck:
+            if pipe.fifo and self._queue.stuck:
                 # Its answers would come through our stuck receive queue.
-                raise BrokenError(self.fifo_stuck)
-            self._send_handshake(pipe, Kind.HELLO, auth.hello(self.my_id, pipe.out_nonce))
+                raise BrokenError(self._queue.stuck)
+            self._send_handshake(pipe, Kind.HELLO, handshake.hello(pipe, self.my_id))
         except Exception as exc:
             self._break(pipe, exc)
 
@@ -453,6 +445,19 @@ class Transport:
             self.frame_errors += 1
             logger.warning("dropped a frame from %s: %s", pipe.name, exc)
 
+    def _open(self, pipe: Pipe, key: bytes) -> None:
+        """Our direction is authenticated: send what waited for it."""
+        with pipe.lock:
+            pipe.out_key = key
+            pipe.out_state = OutState.OPEN
+            backlog, pipe.backlog = pipe.backlog, []
+            for payload, buffers, kind, hint, devices in backlog:
+                try:
+                    self._send_locked(pipe, payload, buffers, kind, hint, devices)
+                except FrameError as exc:
+                    logger.error("message to %s not sent: %s", pipe.name, exc)
+        logger.debug("pipe to %s open", pipe.name)
+
     def _adopt(self, sender: int, pipe: Pipe | None) -> Pipe | None:
         """A handshake from a worker we do not know, or from a new
         incarnation of one: ask :attr:`on_unknown_peer` where it lives.  The
@@ -468,45 +473,15 @@ class Transport:
         return self._pipes.get(sender)
 
     def _on_handshake(self, pipe: Pipe, frame: Frame) -> None:
-        x, y = pipe.peer_id, self.my_id
         if frame.kind is Kind.HELLO:
-            claimed, nx = auth.parse_hello(frame.payload)
-            if claimed != x:
-                raise AuthenticationError(f"HELLO claims worker {claimed} on worker {x}'s tag")
-            ny = auth.new_nonce()
-            pipe.in_nonces[ny] = nx
-            if len(pipe.in_nonces) > _PENDING_HANDSHAKES:
-                del pipe.in_nonces[next(iter(pipe.in_nonces))]
-            self._send_handshake(pipe, Kind.CHALLENGE, auth.challenge(self._secret, x, y, nx, ny))
+            self._send_handshake(pipe, Kind.CHALLENGE, handshake.challenge(
+                pipe, frame.payload, self._secret, self.my_id))
         elif frame.kind is Kind.CHALLENGE:
-            if pipe.out_state is not OutState.HELLO_SENT:
-                raise AuthenticationError(f"unexpected CHALLENGE from {pipe.name}")
-            nx = pipe.out_nonce
-            ny = auth.check_challenge(self._secret, frame.payload, y, x, nx)
-            self._send_handshake(pipe, Kind.PROOF, auth.proof(self._secret, y, x, nx, ny))
-            with pipe.lock:
-                pipe.out_key = auth.session_key(self._secret, y, x, nx, ny)
-                pipe.out_state = OutState.OPEN
-                backlog, pipe.backlog = pipe.backlog, []
-                for payload, buffers, kind, hint, devices in backlog:
-                    try:
-                        self._send_locked(pipe, payload, buffers, kind, hint, devices)
-                    except FrameError as exc:
-                        logger.error("message to %s not sent: %s", pipe.name, exc)
-            logger.debug("pipe to %s open", pipe.name)
+            proof, key = handshake.prove(pipe, frame.payload, self._secret, self.my_id)
+            self._send_handshake(pipe, Kind.PROOF, proof)  # before the backlog
+            self._open(pipe, key)
         elif frame.kind is Kind.PROOF:
-            if not pipe.in_nonces:
-                raise AuthenticationError(f"PROOF without HELLO from a peer claiming to be {pipe.name}")
-            for ny, nx in reversed(pipe.in_nonces.items()):
-                if auth.proof_matches(self._secret, frame.payload, x, y, nx, ny):
-                    break
-            else:
-                raise AuthenticationError(f"a peer claiming to be {pipe.name} failed "
-                                          "authentication (wrong job secret or replayed "
-                                          "handshake)")
-            pipe.in_nonces.clear()
-            pipe.in_key = auth.session_key(self._secret, x, y, nx, ny)
-            pipe.in_seq = 0
+            handshake.accept(pipe, frame.payload, self._secret, self.my_id)
             logger.debug("pipe from %s authenticated", pipe.name)
         else:
             raise FrameError(f"a {frame.kind.name} frame on the handshake tag")
@@ -647,8 +622,7 @@ class Transport:
         log = logger.warning if seconds > canary.WAIT_S / 2 else logger.debug
         log("progress thread stalled for %.1f s (machine overloaded, or the GIL or a "
             "callback held it)", seconds)
-        if self._canary_at:
-            self._canary_at = min(now, self._canary_at + seconds)
+        self._queue.excuse(seconds, now)
 
     def _turn(self) -> bool:
         """One turn of the progress loop after ``worker.progress()``:
@@ -661,8 +635,8 @@ class Transport:
         busy = self._run_tasks()
         busy = self._poll_frames() or busy
         busy = self._poll_requests() or busy
-        if self._canary_at:
-            self._poll_canary()
+        if self._queue.state is canary.CheckState.WAITING:
+            self._queue.poll()
             busy = True
         return busy
 
@@ -684,52 +658,16 @@ class Transport:
 
     # ------------------------------------------------------------- failure
 
-    def _check_fifo(self, cause: str) -> None:
-        """A peer that may have been copying into our shared-memory receive
-        queue failed: find out whether the queue still moves (canary.py)."""
-        if self._canary_at or self.fifo_stuck or self._closing or \
-                (self._canary is not None and self._canary.failed is not None):
-            return
-        try:
-            if self._canary is None:
-                self._canary = canary.Canary(self._transports, self.address, self._canary_tag)
-            self._canary.send()
-        except Exception:  # a check that cannot run must not hurt the pipes
-            logger.exception("cannot check the shared-memory receive queue")
-            return
-        self._canary_at = time.monotonic()
-        self._canary_cause = cause
-        self.fifo_checks += 1
+    def _check_queue(self, cause: str) -> None:
+        if not self._closing:
+            self._queue.start(cause)
 
-    def _poll_canary(self) -> None:
-        assert self._canary is not None
-        self._canary.progress()
-        self._canary_rx = [r for r in self._canary_rx if not r.done]
-        probe = self._worker.probe(self._canary_tag, (1 << 64) - 1)
-        if probe is not None:
-            self._canary_rx.append(self._worker.recv_probed(np.empty(1, dtype=np.uint8), probe))
-            self._canary_at = 0.0
-            logger.debug("shared-memory receive queue still moves after %s failed",
-                         self._canary_cause)
-        elif self._canary.failed is not None:
-            logger.warning("cannot check the shared-memory receive queue: %s",
-                           self._canary.failed)
-            self._canary_at = 0.0
-        elif time.monotonic() - self._canary_at > canary.WAIT_S:
-            self._canary_at = 0.0
-            self._fifo_is_stuck()
-
-    def _fifo_is_stuck(self) -> None:
-        self.fifo_stuck = (
-            f"this worker's UCX shared-memory receive queue is stuck since {self._canary_cause} "
-            "failed (a process killed while copying a message into it leaves a slot UCX "
-            "waits on for good), so no peer on this host can reach this worker any more; "
-            "restart it, or keep local traffic off shared memory with transports=['tcp'] "
-            "where a job must outlive killed peers")
-        logger.error("%s", self.fifo_stuck)
+    def _queue_stuck(self, reason: str) -> None:
+        """Our shared-memory receive queue is stuck (canary.py): every pipe
+        whose peer reaches us through it is broken for good."""
         for pipe in list(self._pipes.values()):
             if pipe.fifo:  # open, or still waiting for its handshake's answer
-                self._break(pipe, BrokenError(self.fifo_stuck))
+                self._break(pipe, BrokenError(reason))
 
     def _break(self, pipe: Pipe, exc: BaseException, orderly: bool = False) -> None:
         """Fail ``pipe`` for good (once; any thread).  ``orderly``: the peer
@@ -746,9 +684,8 @@ class Transport:
         (logger.info if orderly else logger.warning)("pipe to %s broke: %s", pipe.name, exc)
         # A peer that may have died mid-copy into our shared-memory receive
         # queue; one that shut down was not copying anything.
-        if pipe.fifo is not False and not orderly and not isinstance(exc, ClosedError) and \
-                self.fifo_stuck is None:
-            self._call_soon(functools.partial(self._check_fifo, pipe.name))
+        if pipe.fifo is not False and not orderly and not isinstance(exc, ClosedError):
+            self._call_soon(functools.partial(self._check_queue, pipe.name))
         try:
             self._on_broken(pipe.peer_id, self._pipe_error(pipe))
         except Exception:
@@ -776,5 +713,5 @@ class Transport:
         return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
                 "staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
-                "fifo_checks": self.fifo_checks, "fifo_stuck": self.fifo_stuck,
+                "fifo_checks": self._queue.checks, "fifo_stuck": self._queue.stuck,
                 "lifeline_cuts": self._lifelines.cuts, "progress": self._loop.info()}

@@ -1,0 +1,83 @@
+"""The handshake's per-pipe steps (ucxrpc/transport/handshake.py), between
+two in-memory pipes: worker 1 opens its direction to worker 2.
+
+The wire and UCX are not involved here (tests/rpc/test_faults.py and the
+fuzz tests drive the same steps over real pipes); this checks the state
+each step leaves on the pipe and every refusal.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ucxrpc.errors import AuthenticationError
+from ucxrpc.transport import handshake
+from ucxrpc.transport.pipe import OutState, Pipe
+
+SECRET = b"s" * 32
+
+
+def _pipes() -> tuple[Pipe, Pipe]:
+    """Worker 1's pipe to worker 2, and worker 2's pipe from worker 1."""
+    out = Pipe(2, "worker2", b"addr2")
+    inc = Pipe(1, "worker1", b"addr1")
+    out.out_state = OutState.HELLO_SENT  # as the engine sets it when it sends HELLO
+    return out, inc
+
+
+def _open(out: Pipe, inc: Pipe, secret_1: bytes = SECRET, secret_2: bytes = SECRET) -> bytes:
+    chal = handshake.challenge(inc, memoryview(handshake.hello(out, 1)), secret_2, 2)
+    proof, key = handshake.prove(out, memoryview(chal), secret_1, 1)
+    handshake.accept(inc, memoryview(proof), secret_2, 2)
+    return key
+
+
+def test_a_full_handshake_gives_both_ends_one_key():
+    out, inc = _pipes()
+    inc.in_seq = 7  # left from an earlier incarnation: restarts
+    key = _open(out, inc)
+    assert key == inc.in_key and len(key) == 32
+    assert inc.in_nonces == {} and inc.in_seq == 0
+    # Fresh nonces: a second handshake gives another key.
+    out2, inc2 = _pipes()
+    assert _open(out2, inc2) != key
+
+
+def test_a_wrong_secret_is_refused_on_both_sides():
+    # Either side's secret differing: the initiator finds the responder's
+    # CHALLENGE unproved.
+    for secrets in ((SECRET, b"other" * 8), (b"other" * 8, SECRET)):
+        out, inc = _pipes()
+        with pytest.raises(AuthenticationError, match="worker 2 failed authentication"):
+            _open(out, inc, *secrets)
+        assert out.out_key == b"" and inc.in_key is None
+    # A PROOF that proves nothing (made without the secret).
+    out, inc = _pipes()
+    handshake.challenge(inc, memoryview(handshake.hello(out, 1)), SECRET, 2)
+    with pytest.raises(AuthenticationError, match="worker1 failed authentication"):
+        handshake.accept(inc, memoryview(b"p" * 32), SECRET, 2)
+    assert inc.in_key is None
+
+
+def test_refusals_name_what_was_wrong():
+    out, inc = _pipes()
+    with pytest.raises(AuthenticationError, match="HELLO claims worker 3 on worker 1's tag"):
+        handshake.challenge(inc, memoryview(handshake.hello(out, 3)), SECRET, 2)
+    with pytest.raises(AuthenticationError, match="PROOF without HELLO"):
+        handshake.accept(inc, memoryview(b"p" * 32), SECRET, 2)
+    out.out_state = OutState.OPEN
+    with pytest.raises(AuthenticationError, match="unexpected CHALLENGE from worker2"):
+        handshake.prove(out, memoryview(b"c" * 100), SECRET, 1)
+
+
+def test_forged_hellos_do_not_spoil_a_genuine_handshake_and_proofs_do_not_replay():
+    out, inc = _pipes()
+    chal = handshake.challenge(inc, memoryview(handshake.hello(out, 1)), SECRET, 2)
+    forger = Pipe(2, "worker2", b"addr2")
+    for _ in range(handshake.PENDING - 1):  # a forger's HELLOs under worker 1's id
+        handshake.challenge(inc, memoryview(handshake.hello(forger, 1)), SECRET, 2)
+    proof, key = handshake.prove(out, memoryview(chal), SECRET, 1)
+    handshake.accept(inc, memoryview(proof), SECRET, 2)
+    assert inc.in_key == key
+    with pytest.raises(AuthenticationError, match="PROOF without HELLO"):
+        handshake.accept(inc, memoryview(proof), SECRET, 2)  # replayed
