@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
-from . import canary, handshake, progress, staging
+from . import batch, canary, handshake, progress, staging
 from .lifeline import Lifelines, LineState
-from .frame import (PACKED, STAGED, Frame, Kind, Limits, check_limits, decode, encode, peek_kind,
-                    peek_seq)
+from .frame import (PACKED, PREFIX, STAGED, Frame, Kind, Limits, check_limits, decode, encode,
+                    peek_kind, peek_seq)
 from .pipe import Incoming, OutState, Piece, Pipe
 from .pool import HostPool
 from .tags import (CANARY, FRAME, HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT,
@@ -127,6 +127,8 @@ class Transport:
         self.frame_errors = 0
         self.staged_bytes = 0
         self.packed_buffers = 0
+        self.batches = 0
+        self.batched_messages = 0
         # Whether our shared-memory receive queue still moves (canary.py).
         self._queue = canary.QueueCheck(self._worker, transports,
                                         (CANARY << KIND_SHIFT) | (my_id << ID_SHIFT),
@@ -245,6 +247,8 @@ class Transport:
         self._loop.stop()
         for pipe in self._pipes.values():
             with pipe.lock:
+                if pipe.outbox:  # before the endpoint closes
+                    self._flush(pipe)
                 # Closing an endpoint whose peer already failed crashed ucxx.
                 if pipe.out_state is not OutState.BROKEN:
                     pipe.out_state = OutState.CLOSED
@@ -266,6 +270,12 @@ class Transport:
     def _send_locked(self, pipe: Pipe, payload: bytes | memoryview,
                      buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE,
                      hint: int = 0, devices: list[int] | None = None) -> None:
+        if kind is Kind.MESSAGE and self._batchable(payload, buffers):
+            if ((pipe.outbox or pipe.last_frame is not None)
+                    and self._queue_small(pipe, payload, buffers, hint)):
+                return
+        elif pipe.outbox:
+            self._flush(pipe)  # what waits goes first
         out = None
         if buffers and (self._host_as_device or any(b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER
                                                     for b in buffers)):
@@ -287,18 +297,76 @@ class Transport:
         seq = pipe.out_seq
         assert pipe.ep is not None
         tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
-        reqs: list[tuple[Request, Pipe]] = [(pipe.ep.tag_send(frame, tag), pipe)]
+        pipe.last_frame = pipe.ep.tag_send(frame, tag)
+        reqs: list[tuple[Request, Pipe]] = [(pipe.last_frame, pipe)]
         for i in separate:
             tag = data_tag(self.my_id, seq, i)
             for part in (buffers[i],) if out is None else out.parts(i):
                 reqs.append((pipe.ep.tag_send(part, tag), pipe))
         pipe.sent += 1
+        self._track(pipe, reqs)
+
+    def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
+        """Whether a message may wait in an outbox: small, in host memory
+        and inline throughout (batch.py)."""
+        total = len(payload)
+        if total > batch.MAX_ITEM or self._host_as_device:
+            return False
+        for b in buffers:
+            n = b.numel()
+            total += n
+            if b.is_cuda or n > self.limits.inline_threshold or total > batch.MAX_ITEM:
+                return False
+        return total <= self.limits.inline_total
+
+    def _queue_small(self, pipe: Pipe, payload: bytes | memoryview,
+                     buffers: list[torch.Tensor], hint: int) -> bool:
+        """Put a message in ``pipe``'s outbox; sent at once if nothing is in
+        flight any more (or the outbox is full).  False if it cannot wait
+        (it would not go inline within the peer's limits): the outbox is
+        then sent, and the caller sends the message alone."""
+        views = [(b.numel(), b.numpy().data, -1) for b in buffers]
+        # The hint rides where a frame has its sequence number.
+        inner, separate = encode(Kind.MESSAGE, hint, payload, views, b"", self.limits,
+                                 peer_max_frame=pipe.peer_max_frame, seal=False)
+        cap = min(batch.MAX_BYTES, pipe.peer_max_frame, self.limits.max_frame_bytes) - 256
+        if separate or inner.nbytes > cap:
+            self._flush(pipe)
+            return False
+        if batch.size(pipe.outbox) + inner.nbytes + 64 > cap:
+            self._flush(pipe)
+        pipe.outbox.append(inner)
+        if len(pipe.outbox) >= batch.MAX_MESSAGES or pipe.last_frame is None:
+            self._flush(pipe)
+        return True
+
+    def _flush(self, pipe: Pipe) -> None:
+        """Send ``pipe``'s outbox as one BATCH frame (under its lock)."""
+        frames, pipe.outbox = pipe.outbox, []
+        if not frames or pipe.out_state is not OutState.OPEN:
+            return
+        assert pipe.ep is not None
+        frame, _ = encode(Kind.BATCH, pipe.out_seq + 1, batch.pack(frames), [], pipe.out_key,
+                          self.limits, peer_max_frame=pipe.peer_max_frame)
+        pipe.out_seq += 1
+        pipe.last_frame = pipe.ep.tag_send(frame, self._frame_tag)
+        pipe.sent += len(frames)
+        self.batches += 1
+        self.batched_messages += len(frames)
+        self._track(pipe, [(pipe.last_frame, pipe)])
+
+    def _track(self, pipe: Pipe, reqs: list[tuple[Request, Pipe]]) -> None:
+        """Watch the sends still in flight (waking the loop for them); a
+        send that failed at once breaks the pipe."""
         waking = False
         for r, owner in reqs:
             if not r.done:
                 self._inflight.append((r, owner))
                 waking = True
-            elif (err := r.error()) is not None:
+                continue
+            if r is pipe.last_frame:
+                pipe.last_frame = None  # it left at once: nothing waits behind it
+            if (err := r.error()) is not None:
                 self._call_soon(functools.partial(self._break, pipe, err))
         if waking:
             self._loop.wake()
@@ -492,15 +560,13 @@ class Transport:
         if frame.seq <= pipe.in_seq:
             raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
         pipe.in_seq = frame.seq
+        if frame.kind is Kind.BATCH:
+            self._on_batch(pipe, buf, frame)
+            return
         if frame.kind is not Kind.MESSAGE:
             return  # PING and PONG: once liveness checks, now unused
-        if frame.total > self.limits.max_message_bytes:
+        if self._too_big(pipe, frame, hint):
             self._drain(pipe, frame)
-            self.frame_errors += 1
-            pipe.received += 1
-            self._on_frame_error(pipe.peer_id, hint, FrameError(
-                f"message of {frame.total} bytes exceeds max_message_bytes="
-                f"{self.limits.max_message_bytes}"))
             return
         bufs: list[Any] = []
         msg = Incoming(pipe, frame, bufs, hint)
@@ -540,6 +606,35 @@ class Transport:
             self._watch.append((req, msg))
         if msg.waiting == 0:
             self._deliver(msg)
+
+    def _too_big(self, pipe: Pipe, frame: Frame, hint: int) -> bool:
+        """Refuse a message over max_message_bytes, telling the agent (which
+        answers or fails the call ``hint`` names)."""
+        if frame.total <= self.limits.max_message_bytes:
+            return False
+        self.frame_errors += 1
+        pipe.received += 1
+        self._on_frame_error(pipe.peer_id, hint, FrameError(
+            f"message of {frame.total} bytes exceeds max_message_bytes="
+            f"{self.limits.max_message_bytes}"))
+        return True
+
+    def _on_batch(self, pipe: Pipe, buf: np.ndarray, frame: Frame) -> None:
+        """Deliver each message of a BATCH frame (its MAC checked) in order;
+        the limits apply to each message, as if it had come alone."""
+        if frame.buffers:
+            raise FrameError(f"a batch frame from {pipe.name} has buffers of its own")
+        for raw in batch.unpack(buf, PREFIX.size, len(frame.payload)):
+            inner = decode(raw, None, self.limits)
+            if inner.kind is not Kind.MESSAGE or not all(d.inline for d in inner.buffers):
+                raise FrameError(f"a batch from {pipe.name} holds a message that is not "
+                                 "small (only inline buffers may be batched)")
+            hint = inner.seq & HINT_MASK
+            if self._too_big(pipe, inner, hint):
+                continue
+            bufs = [torch.from_numpy(raw[d.inline_offset:d.inline_offset + d.nbytes])
+                    for d in inner.buffers]
+            self._deliver(Incoming(pipe, inner, bufs, hint))
 
     def _drain(self, pipe: Pipe, frame: Frame) -> None:
         """Consume a rejected message's buffers (truncated into one byte) so
@@ -608,6 +703,15 @@ class Transport:
                 self._deliver(owner)
         elif err is not None and owner is not None:
             self._break(owner, err)
+        elif isinstance(owner, Pipe) and req is owner.last_frame:
+            # The frame messages waited behind has left: they go now.  (A
+            # sender reads last_frame, not the request, which would drop
+            # the GIL in ucxx and queue behind whoever holds it.)
+            with owner.lock:
+                if req is owner.last_frame:
+                    owner.last_frame = None
+                    if owner.outbox:
+                        self._flush(owner)
 
     def _run_tasks(self) -> bool:
         if not self._tasks:
@@ -679,6 +783,7 @@ class Transport:
             pipe.error = exc
             pipe.in_key = None
             pipe.backlog.clear()
+            pipe.outbox.clear()
         if self._pipes.get(pipe.peer_id) is not pipe:
             return  # replaced: the worker came back under a new address
         (logger.info if orderly else logger.warning)("pipe to %s broke: %s", pipe.name, exc)
@@ -712,6 +817,7 @@ class Transport:
     def stats(self) -> dict[str, Any]:
         return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
                 "staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
+                "batches": self.batches, "batched_messages": self.batched_messages,
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 "fifo_checks": self._queue.checks, "fifo_stuck": self._queue.stuck,
                 "lifeline_cuts": self._lifelines.cuts, "progress": self._loop.info()}

@@ -69,6 +69,9 @@ class Kind(enum.IntEnum):
     # received and ignored.
     PING = 4
     PONG = 5
+    # Several small messages in one frame (batch.py): queued to a pipe
+    # while its previous frame was still in flight.
+    BATCH = 6
 
 
 _KINDS = {int(k): k for k in Kind}  # a dict lookup is 10x cheaper than Kind(n)
@@ -164,7 +167,7 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
            buffers: Sequence[tuple[int, memoryview | None, int]], key: bytes,
            limits: Limits,
            ways: Sequence[tuple[int, int, int]] | None = None,
-           peer_max_frame: int = 1 << 62) -> tuple[np.ndarray, list[int]]:
+           peer_max_frame: int = 1 << 62, seal: bool = True) -> tuple[np.ndarray, list[int]]:
     """Build a frame; returns it and the indices of buffers sent separately.
 
     ``buffers`` holds (nbytes, host bytes view or None, device) triples; a
@@ -173,6 +176,8 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     and the frame within both sides' ``max_frame_bytes``.
     ``ways``, when given, holds (flags, arg, offset) per buffer; a buffer
     with flags set is never inlined, and PACKED ones are not sent at all.
+    ``seal=False`` leaves the MAC zero: a message inside a batch, whose
+    frame's MAC covers it whole.
 
     Raises:
         FrameError: the message breaks a limit (named in the message).
@@ -225,7 +230,10 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     out[pos:pos + len(payload)] = payload
     for off, view in inline:
         out[off:off + view.nbytes] = view
-    out[size - MAC_LEN:] = mac(key, out[:head_len], size)
+    if seal:
+        out[size - MAC_LEN:] = mac(key, out[:head_len], size)
+    else:
+        out[size - MAC_LEN:] = bytes(MAC_LEN)
     return arr, separate
 
 

@@ -15,10 +15,11 @@ import enum
 import threading
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .frame import Frame, Kind
-from .ucx import Endpoint
+from .ucx import Endpoint, Request
 
 __all__ = ["Incoming", "OutState", "Piece", "Pipe"]
 
@@ -50,6 +51,10 @@ class Pipe:
         self.out_nonce = b""
         self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind, int,
                                  list[int] | None]] = []
+        # Small messages waiting for the frame in flight (batch.py), and
+        # that frame's send request until the loop saw it complete.
+        self.outbox: list[np.ndarray] = []
+        self.last_frame: Request | None = None
         # Handshakes answered and not yet proved, ny -> nx: several, so that a
         # forged HELLO or PROOF cannot spoil a genuine one in progress.
         self.in_nonces: dict[bytes, bytes] = {}

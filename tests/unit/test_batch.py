@@ -1,0 +1,61 @@
+"""The BATCH frame's payload (ucxrpc/transport/batch.py): messages packed
+and cut apart again, each starting aligned, and tables that lie refused."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from ucxrpc.errors import FrameError
+from ucxrpc.transport import batch
+from ucxrpc.transport.frame import ALIGN, PREFIX, Kind, Limits, decode, encode
+
+KEY = b"k" * 32
+L = Limits()
+
+
+def _message(i: int) -> np.ndarray:
+    t = torch.arange(i, dtype=torch.float64)
+    views = [(t.numel() * 8, t.numpy().data.cast("B"), -1)] if i else []
+    frame, separate = encode(Kind.MESSAGE, 1000 + i, b"p" * i, views, b"", L, seal=False)
+    assert separate == []
+    return frame
+
+
+def test_messages_come_back_whole_in_order_and_aligned():
+    inner = [_message(i) for i in range(7)]
+    payload = batch.pack(inner)
+    assert len(payload) <= batch.size(inner)
+    frame, _ = encode(Kind.BATCH, 5, payload, [], KEY, L)
+    f = decode(frame, KEY, L)  # the batch's MAC covers every message
+    got = batch.unpack(f.raw, PREFIX.size, len(f.payload))
+    assert [m.tobytes() for m in got] == [m.tobytes() for m in inner]
+    for i, raw in enumerate(got):
+        assert (raw.ctypes.data - f.raw.ctypes.data) % ALIGN == 0
+        m = decode(raw, None, L)
+        assert (m.kind, m.seq, bytes(m.payload)) == (Kind.MESSAGE, 1000 + i, b"p" * i)
+        if i:
+            d = m.buffers[0]
+            t = torch.from_numpy(raw[d.inline_offset:d.inline_offset + d.nbytes]).view(torch.float64)
+            assert torch.equal(t, torch.arange(i, dtype=torch.float64))
+
+
+def test_a_tampered_message_fails_the_batch_mac():
+    frame, _ = encode(Kind.BATCH, 5, batch.pack([_message(3)]), [], KEY, L)
+    frame[PREFIX.size + 200] ^= 1  # a byte of the message's pickle
+    with pytest.raises(FrameError, match="MAC mismatch"):
+        decode(frame, KEY, L)
+
+
+@pytest.mark.parametrize("table, match", [
+    (b"", "no message count"),
+    (struct.pack("<I", 1000), "claims 1000 messages"),
+    (struct.pack("<III", 1, 8, 1 << 20), "claims bytes"),
+])
+def test_tables_that_do_not_fit_are_refused(table, match):
+    raw = np.frombuffer(bytes(PREFIX.size) + table + bytes(64), dtype=np.uint8)
+    with pytest.raises(FrameError, match=match):
+        batch.unpack(raw, PREFIX.size, len(table) if table else 2)
