@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import FrameError
 from .frame import ALIGN, PREFIX
 
-__all__ = ["MAX_BYTES", "MAX_ITEM", "MAX_MESSAGES", "pack", "unpack"]
+__all__ = ["BASE", "MAX_BYTES", "MAX_ITEM", "MAX_MESSAGES", "cost", "pack", "size", "unpack"]
 
 _COUNT = struct.Struct("<I")
 _ENTRY = struct.Struct("<II")
@@ -49,11 +49,19 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
+#: What a batch's payload costs besides its messages (an upper bound).
+BASE = _COUNT.size + ALIGN
+
+
+def cost(nbytes: int) -> int:
+    """What a message of ``nbytes`` adds to a batch's payload (an upper
+    bound: its table entry and its aligned frame)."""
+    return _ENTRY.size + _aligned(nbytes)
+
+
 def size(frames: Sequence[np.ndarray]) -> int:
-    """The payload :func:`pack` makes of ``frames``, in bytes (an upper
-    bound, with the alignment padding)."""
-    head = _COUNT.size + _ENTRY.size * len(frames)
-    return head + ALIGN + sum(_aligned(f.nbytes) for f in frames)
+    """An upper bound of the payload :func:`pack` makes of ``frames``."""
+    return BASE + sum(cost(f.nbytes) for f in frames)
 
 
 def pack(frames: Sequence[np.ndarray]) -> bytes:

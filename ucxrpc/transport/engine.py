@@ -333,8 +333,9 @@ class Transport:
         if separate or inner.nbytes > cap:
             self._flush(pipe)
             return False
-        if batch.size(pipe.outbox) + inner.nbytes + 64 > cap:
+        if (pipe.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes) > cap:
             self._flush(pipe)
+        pipe.outbox_bytes = (pipe.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes)
         pipe.outbox.append(inner)
         if len(pipe.outbox) >= batch.MAX_MESSAGES or pipe.last_frame is None:
             self._flush(pipe)
@@ -343,6 +344,7 @@ class Transport:
     def _flush(self, pipe: Pipe) -> None:
         """Send ``pipe``'s outbox as one BATCH frame (under its lock)."""
         frames, pipe.outbox = pipe.outbox, []
+        pipe.outbox_bytes = 0
         if not frames or pipe.out_state is not OutState.OPEN:
             return
         assert pipe.ep is not None
@@ -784,6 +786,7 @@ class Transport:
             pipe.in_key = None
             pipe.backlog.clear()
             pipe.outbox.clear()
+            pipe.outbox_bytes = 0
         if self._pipes.get(pipe.peer_id) is not pipe:
             return  # replaced: the worker came back under a new address
         (logger.info if orderly else logger.warning)("pipe to %s broke: %s", pipe.name, exc)

@@ -48,7 +48,7 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"UX"
-VERSION = 1
+VERSION = 2  # 2: the BATCH kind (a peer of version 1 could not read it)
 PREFIX = struct.Struct("<2sBBHHIQ")
 DESC = struct.Struct("<QQhBxI")
 MAC_LEN = 16

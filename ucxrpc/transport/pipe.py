@@ -54,6 +54,7 @@ class Pipe:
         # Small messages waiting for the frame in flight (batch.py), and
         # that frame's send request until the loop saw it complete.
         self.outbox: list[np.ndarray] = []
+        self.outbox_bytes = 0  # batch.BASE + batch.cost() of each, once not empty
         self.last_frame: Request | None = None
         # Handshakes answered and not yet proved, ny -> nx: several, so that a
         # forged HELLO or PROOF cannot spoil a genuine one in progress.
