@@ -196,7 +196,11 @@ class Transport:
         pipe = self._pipes.get(peer_id)
         if pipe is None:
             raise BrokenError(f"no pipe to worker id {peer_id}")
-        self._send_or_queue(pipe, payload, buffers, Kind.MESSAGE, hint & HINT_MASK, devices)
+        outer = progress.guard()  # Ctrl-C waits for the send to end
+        try:
+            self._send_or_queue(pipe, payload, buffers, Kind.MESSAGE, hint & HINT_MASK, devices)
+        finally:
+            progress.unguard(outer)
 
     def _send_or_queue(self, pipe: Pipe, payload: bytes | memoryview,
                        buffers: list[torch.Tensor], kind: Kind, hint: int = 0,
@@ -297,14 +301,16 @@ class Transport:
         seq = pipe.out_seq
         assert pipe.ep is not None
         tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
-        pipe.last_frame = pipe.ep.tag_send(frame, tag)
-        reqs: list[tuple[Request, Pipe]] = [(pipe.last_frame, pipe)]
-        for i in separate:
-            tag = data_tag(self.my_id, seq, i)
-            for part in (buffers[i],) if out is None else out.parts(i):
-                reqs.append((pipe.ep.tag_send(part, tag), pipe))
-        pipe.sent += 1
-        self._track(pipe, reqs)
+        sent = pipe.ep.tag_send(frame, tag)
+        reqs: list[tuple[Request, Pipe]] = [(sent, pipe)]
+        try:
+            for i in separate:
+                tag = data_tag(self.my_id, seq, i)
+                for part in (buffers[i],) if out is None else out.parts(i):
+                    reqs.append((pipe.ep.tag_send(part, tag), pipe))
+        finally:  # what went out is watched, whatever failed after it
+            pipe.sent += 1
+            self._track(pipe, reqs, sent)
 
     def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
         """Whether a message may wait in an outbox: small, in host memory
@@ -351,22 +357,26 @@ class Transport:
         frame, _ = encode(Kind.BATCH, pipe.out_seq + 1, batch.pack(frames), [], pipe.out_key,
                           self.limits, peer_max_frame=pipe.peer_max_frame)
         pipe.out_seq += 1
-        pipe.last_frame = pipe.ep.tag_send(frame, self._frame_tag)
+        sent = pipe.ep.tag_send(frame, self._frame_tag)
         pipe.sent += len(frames)
         self.batches += 1
         self.batched_messages += len(frames)
-        self._track(pipe, [(pipe.last_frame, pipe)])
+        self._track(pipe, [(sent, pipe)], sent)
 
-    def _track(self, pipe: Pipe, reqs: list[tuple[Request, Pipe]]) -> None:
+    def _track(self, pipe: Pipe, reqs: list[tuple[Request, Pipe]], frame: Request) -> None:
         """Watch the sends still in flight (waking the loop for them); a
-        send that failed at once breaks the pipe."""
+        send that failed at once breaks the pipe.  ``frame``, the frame's
+        own send, becomes the pipe's last frame while in flight (small
+        messages then wait for it: batch.py)."""
         waking = False
         for r, owner in reqs:
             if not r.done:
                 self._inflight.append((r, owner))
                 waking = True
+                if r is frame:
+                    pipe.last_frame = r
                 continue
-            if r is pipe.last_frame:
+            if r is frame:
                 pipe.last_frame = None  # it left at once: nothing waits behind it
             if (err := r.error()) is not None:
                 self._call_soon(functools.partial(self._break, pipe, err))

@@ -50,8 +50,8 @@ from typing import Any, Callable
 
 from .interrupts import SigintGuard
 
-__all__ = ["Adaptive", "Blocking", "Mode", "Polling", "ProgressThread", "Strategy", "mode_of",
-           "strategy"]
+__all__ = ["Adaptive", "Blocking", "Mode", "Polling", "ProgressThread", "Strategy", "guard",
+           "mode_of", "strategy", "unguard"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,27 @@ MAX_BACKOFF_S = 0.2
 #: Epoll waits are bounded so UCX's keepalive timers still run on an idle
 #: worker.
 SLEEP_S = 0.1
-#: Set on a thread while it drives the loop: a callback it runs must not
-#: drive again (turns do not nest), and Ctrl-C waits (interrupts.py).
+#: Set on a thread while it drives the loop or sends (:func:`guarded`): a
+#: callback it runs must not drive again (turns do not nest), and Ctrl-C
+#: waits until the section ends (interrupts.py).
 _turning = threading.local()
 _sigint = SigintGuard(lambda: getattr(_turning, "on", False))
+
+
+def guard() -> bool:
+    """Enter a section Ctrl-C must not cut in half (a send: a frame handed
+    to UCX but not yet watched would leave the pipe waiting for it for
+    good); returns what :func:`unguard` needs.  Nests."""
+    outer = getattr(_turning, "on", False)
+    _turning.on = True
+    return outer
+
+
+def unguard(outer: bool) -> None:
+    """Leave the section; the outermost one raises a Ctrl-C held meanwhile."""
+    _turning.on = outer
+    if not outer:
+        _sigint.deliver()
 #: How long the progress thread stays parked after a driver left with
 #: nothing expected (its caller got its reply; a pool thread took the request
 #: it waited for): the same thread is likely back within microseconds, and

@@ -47,13 +47,21 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
     or hardware answers (a TCP segment acknowledged, a shared-memory peer's
     process still there), never the peer's own code, so a busy peer passes;
     its TCP keepalive gives up on a silent host after about
-    ``host_timeout``, as the lifelines do.  Variables the user already set
-    win, except ``UCX_TLS`` when ``transports=`` is given explicitly.
+    ``host_timeout``, as the lifelines do.  Within a host, messages up to
+    512 KiB go eagerly (``UCX_RNDV_THRESH``).  Variables the user already
+    set win, except ``UCX_TLS`` when ``transports=`` is given explicitly.
     """
     idle, interval = keepalive_schedule(host_timeout)
     wanted = {
         "UCX_MM_ERROR_HANDLING": "y",
         "UCX_WARN_UNUSED_ENV_VARS": "n",  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
+        # Within a host, messages up to 512 KiB go eagerly through the peer's
+        # shared-memory FIFO instead of by rendezvous, whose extra handshake
+        # costs a scheduler slice per step on a busy host (256 KiB one-way
+        # beside one busy process: p90 3.5 -> 0.7 ms, CPU per call halved;
+        # unchanged on a quiet one; benchmarks/RESULTS.md, Run G).  Across
+        # hosts UCX keeps choosing.
+        "UCX_RNDV_THRESH": "intra:512K,inter:auto",
         "UCX_KEEPALIVE_INTERVAL": "1s",
         "UCX_KEEPALIVE_NUM_EPS": "inf",
         "UCX_TCP_KEEPIDLE": f"{idle}s",
