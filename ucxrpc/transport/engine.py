@@ -18,8 +18,13 @@ Progress: one thread per transport turns the loop of :mod:`.progress`,
 whose strategy (``progress=``; adaptive by default) decides when it polls
 an idle worker and when it sleeps in epoll; a thread waiting for a message
 may turn it itself (:meth:`Transport.drive`).  Senders call UCX directly from
-their own thread (no hand-off on the send path) and wake the loop only when
-a send is left in flight.
+their own thread (no hand-off on the send path; :mod:`.send`) and wake the
+loop only when a send is left in flight.
+
+Parts of their own: the handshake's steps (:mod:`.handshake`), sending and
+batching (:mod:`.send`, :mod:`.batch`), the shared-memory queue check
+(:mod:`.canary`), lifelines (:mod:`.lifeline`), pipes (:mod:`.pipe`) and
+the loop (:mod:`.progress`); this module receives and holds them together.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from .frame import (PACKED, PREFIX, STAGED, Frame, Kind, Limits, check_limits, d
                     peek_kind, peek_seq)
 from .pipe import Incoming, OutState, Piece, Pipe
 from .pool import HostPool
-from .tags import (CANARY, FRAME, HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT,
+from .send import Sender
+from .tags import (CANARY, HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT,
                    MAX_WORKER_ID, data_tag)
 from .ucx import Endpoint, Request, Worker
 
@@ -115,20 +121,17 @@ class Transport:
         # Whether this side's UCX takes device memory; a pipe is GPU-direct
         # when both sides' do, and stages device buffers otherwise.
         self.cuda_direct = self._worker.cuda_memory and not self._host_as_device
-        self._frame_base = (FRAME << KIND_SHIFT) | (my_id << ID_SHIFT)
-        self._frame_tag = self._worker.tag(self._frame_base)
         self._pipes: dict[int, Pipe] = {}
         self._tasks: deque[Callable[[], None]] = deque()
         self._inflight: deque[tuple[Request, Any]] = deque()
+        self._sender = Sender(my_id=my_id, worker=self._worker, limits=limits,
+                              host_as_device=self._host_as_device, inflight=self._inflight,
+                              wake=self.wake, failed=self._send_failed)
         self._watch: list[tuple[Request, Any]] = []
         self._frames: list[tuple[Request, np.ndarray, int, int, str | None]] = []
         self._closing = False
         self.refused = 0
         self.frame_errors = 0
-        self.staged_bytes = 0
-        self.packed_buffers = 0
-        self.batches = 0
-        self.batched_messages = 0
         # Whether our shared-memory receive queue still moves (canary.py).
         self._queue = canary.QueueCheck(self._worker, transports,
                                         (CANARY << KIND_SHIFT) | (my_id << ID_SHIFT),
@@ -207,7 +210,7 @@ class Transport:
                        devices: list[int] | None = None) -> None:
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:
-                self._send_locked(pipe, payload, buffers, kind, hint, devices)
+                self._sender.send(pipe, payload, buffers, kind, hint, devices)
                 return
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
                 raise self._pipe_error(pipe)
@@ -252,7 +255,7 @@ class Transport:
         for pipe in self._pipes.values():
             with pipe.lock:
                 if pipe.outbox:  # before the endpoint closes
-                    self._flush(pipe)
+                    self._sender.flush(pipe)
                 # Closing an endpoint whose peer already failed crashed ucxx.
                 if pipe.out_state is not OutState.BROKEN:
                     pipe.out_state = OutState.CLOSED
@@ -271,117 +274,8 @@ class Transport:
 
     # ------------------------------------------------------------- sending
 
-    def _send_locked(self, pipe: Pipe, payload: bytes | memoryview,
-                     buffers: list[torch.Tensor], kind: Kind = Kind.MESSAGE,
-                     hint: int = 0, devices: list[int] | None = None) -> None:
-        if kind is Kind.MESSAGE and self._batchable(payload, buffers):
-            if ((pipe.outbox or pipe.last_frame is not None)
-                    and self._queue_small(pipe, payload, buffers, hint)):
-                return
-        elif pipe.outbox:
-            self._flush(pipe)  # what waits goes first
-        out = None
-        if buffers and (self._host_as_device or any(b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER
-                                                    for b in buffers)):
-            out = staging.plan(buffers, devices, staged=not pipe.direct,
-                               host_as_device=self._host_as_device)
-        if out is None:
-            views = [(b.numel(), b.numpy().data, -1) for b in buffers]
-            frame, separate = encode(kind, pipe.out_seq + 1, payload, views, pipe.out_key,
-                                     self.limits, peer_max_frame=pipe.peer_max_frame)
-        else:  # the receiver allocates on the device each descriptor names
-            frame, separate = encode(kind, pipe.out_seq + 1, payload, out.views, pipe.out_key,
-                                     self.limits, out.ways, pipe.peer_max_frame)
-            self.staged_bytes += out.staged_bytes
-            self.packed_buffers += out.packed
-        if frame.nbytes > pipe.peer_max_frame:  # its header alone: inlining stays within
-            raise FrameError(f"frame of {frame.nbytes} bytes exceeds max_frame_bytes="
-                             f"{pipe.peer_max_frame} of the receiver ({pipe.name})")
-        pipe.out_seq += 1
-        seq = pipe.out_seq
-        assert pipe.ep is not None
-        tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
-        sent = pipe.ep.tag_send(frame, tag)
-        reqs: list[tuple[Request, Pipe]] = [(sent, pipe)]
-        try:
-            for i in separate:
-                tag = data_tag(self.my_id, seq, i)
-                for part in (buffers[i],) if out is None else out.parts(i):
-                    reqs.append((pipe.ep.tag_send(part, tag), pipe))
-        finally:  # what went out is watched, whatever failed after it
-            pipe.sent += 1
-            self._track(pipe, reqs, sent)
-
-    def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
-        """Whether a message may wait in an outbox: small, in host memory
-        and inline throughout (batch.py)."""
-        total = len(payload)
-        if total > batch.MAX_ITEM or self._host_as_device:
-            return False
-        for b in buffers:
-            n = b.numel()
-            total += n
-            if b.is_cuda or n > self.limits.inline_threshold or total > batch.MAX_ITEM:
-                return False
-        return total <= self.limits.inline_total
-
-    def _queue_small(self, pipe: Pipe, payload: bytes | memoryview,
-                     buffers: list[torch.Tensor], hint: int) -> bool:
-        """Put a message in ``pipe``'s outbox; sent at once if nothing is in
-        flight any more (or the outbox is full).  False if it cannot wait
-        (it would not go inline within the peer's limits): the outbox is
-        then sent, and the caller sends the message alone."""
-        views = [(b.numel(), b.numpy().data, -1) for b in buffers]
-        # The hint rides where a frame has its sequence number.
-        inner, separate = encode(Kind.MESSAGE, hint, payload, views, b"", self.limits,
-                                 peer_max_frame=pipe.peer_max_frame, seal=False)
-        cap = min(batch.MAX_BYTES, pipe.peer_max_frame, self.limits.max_frame_bytes) - 256
-        if separate or inner.nbytes > cap:
-            self._flush(pipe)
-            return False
-        if (pipe.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes) > cap:
-            self._flush(pipe)
-        pipe.outbox_bytes = (pipe.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes)
-        pipe.outbox.append(inner)
-        if len(pipe.outbox) >= batch.MAX_MESSAGES or pipe.last_frame is None:
-            self._flush(pipe)
-        return True
-
-    def _flush(self, pipe: Pipe) -> None:
-        """Send ``pipe``'s outbox as one BATCH frame (under its lock)."""
-        frames, pipe.outbox = pipe.outbox, []
-        pipe.outbox_bytes = 0
-        if not frames or pipe.out_state is not OutState.OPEN:
-            return
-        assert pipe.ep is not None
-        frame, _ = encode(Kind.BATCH, pipe.out_seq + 1, batch.pack(frames), [], pipe.out_key,
-                          self.limits, peer_max_frame=pipe.peer_max_frame)
-        pipe.out_seq += 1
-        sent = pipe.ep.tag_send(frame, self._frame_tag)
-        pipe.sent += len(frames)
-        self.batches += 1
-        self.batched_messages += len(frames)
-        self._track(pipe, [(sent, pipe)], sent)
-
-    def _track(self, pipe: Pipe, reqs: list[tuple[Request, Pipe]], frame: Request) -> None:
-        """Watch the sends still in flight (waking the loop for them); a
-        send that failed at once breaks the pipe.  ``frame``, the frame's
-        own send, becomes the pipe's last frame while in flight (small
-        messages then wait for it: batch.py)."""
-        waking = False
-        for r, owner in reqs:
-            if not r.done:
-                self._inflight.append((r, owner))
-                waking = True
-                if r is frame:
-                    pipe.last_frame = r
-                continue
-            if r is frame:
-                pipe.last_frame = None  # it left at once: nothing waits behind it
-            if (err := r.error()) is not None:
-                self._call_soon(functools.partial(self._break, pipe, err))
-        if waking:
-            self._loop.wake()
+    def _send_failed(self, pipe: Pipe, err: BaseException) -> None:
+        self._call_soon(functools.partial(self._break, pipe, err))
 
     def _send_handshake(self, pipe: Pipe, kind: Kind, payload: bytes) -> None:
         frame, _ = encode(kind, 0, payload, [], b"", self.limits)
@@ -533,7 +427,7 @@ class Transport:
             backlog, pipe.backlog = pipe.backlog, []
             for payload, buffers, kind, hint, devices in backlog:
                 try:
-                    self._send_locked(pipe, payload, buffers, kind, hint, devices)
+                    self._sender.send(pipe, payload, buffers, kind, hint, devices)
                 except FrameError as exc:
                     logger.error("message to %s not sent: %s", pipe.name, exc)
         logger.debug("pipe to %s open", pipe.name)
@@ -715,15 +609,8 @@ class Transport:
                 self._deliver(owner)
         elif err is not None and owner is not None:
             self._break(owner, err)
-        elif isinstance(owner, Pipe) and req is owner.last_frame:
-            # The frame messages waited behind has left: they go now.  (A
-            # sender reads last_frame, not the request, which would drop
-            # the GIL in ucxx and queue behind whoever holds it.)
-            with owner.lock:
-                if req is owner.last_frame:
-                    owner.last_frame = None
-                    if owner.outbox:
-                        self._flush(owner)
+        elif isinstance(owner, Pipe):
+            self._sender.frame_left(owner, req)
 
     def _run_tasks(self) -> bool:
         if not self._tasks:
@@ -829,8 +716,7 @@ class Transport:
 
     def stats(self) -> dict[str, Any]:
         return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
-                "staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
-                "batches": self.batches, "batched_messages": self.batched_messages,
+                **self._sender.stats(),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 "fifo_checks": self._queue.checks, "fifo_stuck": self._queue.stuck,
                 "lifeline_cuts": self._lifelines.cuts, "progress": self._loop.info()}

@@ -70,7 +70,17 @@ MAX_BACKOFF_S = 0.2
 #: Epoll waits are bounded so UCX's keepalive timers still run on an idle
 #: worker.
 SLEEP_S = 0.1
-#: Set on a thread while it drives the loop or sends (:func:`guarded`): a
+#: How long the progress thread stays parked after a driver left with
+#: nothing expected (its caller got its reply; a pool thread took the request
+#: it waited for): the same thread is likely back within microseconds, and
+#: waking the progress thread in between would take the core and the GIL
+#: from it.  Also the longest a message nobody waits for can wait then.
+LINGER_S = 0.002
+#: A turn longer than this means the loop was not listening (an overloaded
+#: machine, the GIL held elsewhere, a slow callback).
+STALL_S = 0.5
+
+#: Set on a thread while it drives the loop or sends (:func:`guard`): a
 #: callback it runs must not drive again (turns do not nest), and Ctrl-C
 #: waits until the section ends (interrupts.py).
 _turning = threading.local()
@@ -91,15 +101,6 @@ def unguard(outer: bool) -> None:
     _turning.on = outer
     if not outer:
         _sigint.deliver()
-#: How long the progress thread stays parked after a driver left with
-#: nothing expected (its caller got its reply; a pool thread took the request
-#: it waited for): the same thread is likely back within microseconds, and
-#: waking the progress thread in between would take the core and the GIL
-#: from it.  Also the longest a message nobody waits for can wait then.
-LINGER_S = 0.002
-#: A turn longer than this means the loop was not listening (an overloaded
-#: machine, the GIL held elsewhere, a slow callback).
-STALL_S = 0.5
 
 
 class Mode(enum.Enum):

@@ -1,0 +1,195 @@
+"""The sending side of a transport: frames onto a pipe's endpoint.
+
+A message is one frame (small buffers inline) and one tag message per
+separate buffer (:mod:`.frame`); CUDA buffers go GPU-direct, staged through
+host chunks, or packed (:mod:`.staging`).  A small message sent while the
+pipe's previous frame is still in flight waits in the pipe's outbox and
+leaves with the others as one BATCH frame (:mod:`.batch`).
+
+Every request left in flight goes to ``inflight`` for the progress loop to
+watch; the loop tells :meth:`Sender.frame_left` when a pipe's last frame
+completed, which sends what waited behind it.  All methods but
+:meth:`frame_left` run under the pipe's lock, held by the caller.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from ..errors import FrameError
+from . import batch, staging
+from .frame import Kind, Limits, encode
+from .pipe import OutState, Pipe
+from .tags import FRAME, ID_SHIFT, KIND_SHIFT, data_tag
+from .ucx import Request, Worker
+
+__all__ = ["Sender"]
+
+
+class Sender:
+    """Encodes and sends messages for one worker.
+
+    Args:
+        my_id: this worker's id, carried in every tag.
+        worker: the UCX worker (for tags).
+        limits: this side's limits (the peer's max frame is on its pipe).
+        host_as_device: the debug switch that treats host buffers as device
+            ones (staging.py).
+        inflight: where requests still in flight go (the loop's queue).
+        wake: makes the loop turn, for requests left in flight.
+        failed: ``(pipe, error)`` for a send that failed at once (the pipe
+            breaks; called later, not under its lock).
+    """
+
+    def __init__(self, *, my_id: int, worker: Worker, limits: Limits, host_as_device: bool,
+                 inflight: deque[tuple[Request, Any]], wake: Callable[[], None],
+                 failed: Callable[[Pipe, BaseException], None]) -> None:
+        self.my_id = my_id
+        self.limits = limits
+        self._worker = worker
+        self._host_as_device = host_as_device
+        self._inflight = inflight
+        self._wake = wake
+        self._failed = failed
+        self._frame_base = (FRAME << KIND_SHIFT) | (my_id << ID_SHIFT)
+        self._frame_tag = worker.tag(self._frame_base)
+        self.staged_bytes = 0
+        self.packed_buffers = 0
+        self.batches = 0
+        self.batched_messages = 0
+
+    def send(self, pipe: Pipe, payload: bytes | memoryview, buffers: list[torch.Tensor],
+             kind: Kind = Kind.MESSAGE, hint: int = 0, devices: list[int] | None = None) -> None:
+        """Send a message on an open pipe (under its lock).
+
+        Raises:
+            FrameError: it breaks a limit, this side's or the peer's.
+        """
+        if kind is Kind.MESSAGE and self._batchable(payload, buffers):
+            if ((pipe.outbox or pipe.last_frame is not None)
+                    and self._queue_small(pipe, payload, buffers, hint)):
+                return
+        elif pipe.outbox:
+            self.flush(pipe)  # what waits goes first
+        out = None
+        if buffers and (self._host_as_device or any(b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER
+                                                    for b in buffers)):
+            out = staging.plan(buffers, devices, staged=not pipe.direct,
+                               host_as_device=self._host_as_device)
+        if out is None:
+            views = [(b.numel(), b.numpy().data, -1) for b in buffers]
+            frame, separate = encode(kind, pipe.out_seq + 1, payload, views, pipe.out_key,
+                                     self.limits, peer_max_frame=pipe.peer_max_frame)
+        else:  # the receiver allocates on the device each descriptor names
+            frame, separate = encode(kind, pipe.out_seq + 1, payload, out.views, pipe.out_key,
+                                     self.limits, out.ways, pipe.peer_max_frame)
+            self.staged_bytes += out.staged_bytes
+            self.packed_buffers += out.packed
+        if frame.nbytes > pipe.peer_max_frame:  # its header alone: inlining stays within
+            raise FrameError(f"frame of {frame.nbytes} bytes exceeds max_frame_bytes="
+                             f"{pipe.peer_max_frame} of the receiver ({pipe.name})")
+        pipe.out_seq += 1
+        seq = pipe.out_seq
+        assert pipe.ep is not None
+        tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
+        sent = pipe.ep.tag_send(frame, tag)
+        reqs: list[tuple[Request, Pipe]] = [(sent, pipe)]
+        try:
+            for i in separate:
+                tag = data_tag(self.my_id, seq, i)
+                for part in (buffers[i],) if out is None else out.parts(i):
+                    reqs.append((pipe.ep.tag_send(part, tag), pipe))
+        finally:  # what went out is watched, whatever failed after it
+            pipe.sent += 1
+            self._track(pipe, reqs, sent)
+
+    def flush(self, pipe: Pipe) -> None:
+        """Send ``pipe``'s outbox as one BATCH frame (under its lock)."""
+        frames, pipe.outbox = pipe.outbox, []
+        pipe.outbox_bytes = 0
+        if not frames or pipe.out_state is not OutState.OPEN:
+            return
+        assert pipe.ep is not None
+        frame, _ = encode(Kind.BATCH, pipe.out_seq + 1, batch.pack(frames), [], pipe.out_key,
+                          self.limits, peer_max_frame=pipe.peer_max_frame)
+        pipe.out_seq += 1
+        sent = pipe.ep.tag_send(frame, self._frame_tag)
+        pipe.sent += len(frames)
+        self.batches += 1
+        self.batched_messages += len(frames)
+        self._track(pipe, [(sent, pipe)], sent)
+
+    def frame_left(self, pipe: Pipe, req: Request) -> None:
+        """From the loop: ``req``, a send on ``pipe``, completed.  If it was
+        the pipe's last frame, what waited behind it goes now.  (Senders
+        read ``last_frame``, not the request, which would drop the GIL in
+        ucxx and queue behind whoever holds it.)"""
+        if req is not pipe.last_frame:
+            return
+        with pipe.lock:
+            if req is pipe.last_frame:
+                pipe.last_frame = None
+                if pipe.outbox:
+                    self.flush(pipe)
+
+    def stats(self) -> dict[str, int]:
+        return {"staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
+                "batches": self.batches, "batched_messages": self.batched_messages}
+
+    def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
+        """Whether a message may wait in an outbox: small, in host memory
+        and inline throughout (batch.py)."""
+        total = len(payload)
+        if total > batch.MAX_ITEM or self._host_as_device:
+            return False
+        for b in buffers:
+            n = b.numel()
+            total += n
+            if b.is_cuda or n > self.limits.inline_threshold or total > batch.MAX_ITEM:
+                return False
+        return total <= self.limits.inline_total
+
+    def _queue_small(self, pipe: Pipe, payload: bytes | memoryview,
+                     buffers: list[torch.Tensor], hint: int) -> bool:
+        """Put a message in ``pipe``'s outbox; sent at once if nothing is in
+        flight any more (or the outbox is full).  False if it cannot wait
+        (it would not go inline within the peer's limits): the outbox is
+        then sent, and the caller sends the message alone."""
+        views = [(b.numel(), b.numpy().data, -1) for b in buffers]
+        # The hint rides where a frame has its sequence number.
+        inner, separate = encode(Kind.MESSAGE, hint, payload, views, b"", self.limits,
+                                 peer_max_frame=pipe.peer_max_frame, seal=False)
+        cap = min(batch.MAX_BYTES, pipe.peer_max_frame, self.limits.max_frame_bytes) - 256
+        if separate or inner.nbytes > cap:
+            self.flush(pipe)
+            return False
+        if (pipe.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes) > cap:
+            self.flush(pipe)
+        pipe.outbox_bytes = (pipe.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes)
+        pipe.outbox.append(inner)
+        if len(pipe.outbox) >= batch.MAX_MESSAGES or pipe.last_frame is None:
+            self.flush(pipe)
+        return True
+
+    def _track(self, pipe: Pipe, reqs: list[tuple[Request, Pipe]], frame: Request) -> None:
+        """Watch the sends still in flight (waking the loop for them); a
+        send that failed at once breaks the pipe.  ``frame``, the frame's
+        own send, becomes the pipe's last frame while in flight (small
+        messages then wait for it: batch.py)."""
+        waking = False
+        for r, owner in reqs:
+            if not r.done:
+                self._inflight.append((r, owner))
+                waking = True
+                if r is frame:
+                    pipe.last_frame = r
+                continue
+            if r is frame:
+                pipe.last_frame = None  # it left at once: nothing waits behind it
+            if (err := r.error()) is not None:
+                self._failed(pipe, err)
+        if waking:
+            self._wake()
