@@ -359,8 +359,9 @@ class Transport:
                     elif req.error() is None:
                         self._on_frame(tag, buf)
             finally:
-                # Whatever ends this turn, a KeyboardInterrupt in a driving
-                # thread included, what was not looked at stays watched.
+                # Whatever ends this turn (a BaseException from a callback,
+                # which the handlers' ``except Exception`` lets through),
+                # what was not looked at stays watched.
                 self._frames[:0] = still + frames[seen:]
         return busy
 

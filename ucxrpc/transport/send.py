@@ -182,10 +182,13 @@ class Sender:
         waking = False
         for r, owner in reqs:
             if not r.done:
+                if r is frame:
+                    # Before the loop can see it: a frame the loop saw
+                    # complete before it became last_frame would stay
+                    # last_frame, and small messages would wait for it.
+                    pipe.last_frame = r
                 self._inflight.append((r, owner))
                 waking = True
-                if r is frame:
-                    pipe.last_frame = r
                 continue
             if r is frame:
                 pipe.last_frame = None  # it left at once: nothing waits behind it
