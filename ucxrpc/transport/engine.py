@@ -41,13 +41,13 @@ import torch
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
 from . import batch, canary, handshake, progress, staging
 from .lifeline import Lifelines, LineState
-from .frame import (PACKED, PREFIX, STAGED, Frame, Kind, Limits, check_limits, decode, encode,
+from .frame import (PACKED, PREFIX, STAGED, BufferDesc, Frame, Kind, Limits, check_limits, decode, encode,
                     peek_kind, peek_seq)
 from .pipe import Incoming, OutState, Piece, Pipe
 from .pool import HostPool
 from .send import Sender
-from .tags import (CANARY, HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT,
-                   MAX_WORKER_ID, data_tag)
+from .tags import (CANARY, HANDSHAKE, HINT_MASK, MAX_WORKER_ID, data_tag, kind_base, kind_of,
+                   sender_of)
 from .ucx import Endpoint, Request, Worker
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,11 @@ OnMessage = Callable[[int, memoryview, list[torch.Tensor]], None]
 OnFrameError = Callable[[int, int, BaseException], None]
 OnBroken = Callable[[int, BaseException], None]
 Allocator = Callable[[int, int], torch.Tensor]
+
+
+def _inline(frame: np.ndarray, d: BufferDesc) -> torch.Tensor:
+    """A buffer that travelled inside its frame, as a view of the frame."""
+    return torch.from_numpy(frame[d.inline_offset:d.inline_offset + d.nbytes])
 
 
 class Transport:
@@ -134,7 +139,7 @@ class Transport:
         self.frame_errors = 0
         # Whether our shared-memory receive queue still moves (canary.py).
         self._queue = canary.QueueCheck(self._worker, transports,
-                                        (CANARY << KIND_SHIFT) | (my_id << ID_SHIFT),
+                                        kind_base(CANARY, my_id),
                                         self._queue_stuck)
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
@@ -280,7 +285,7 @@ class Transport:
     def _send_handshake(self, pipe: Pipe, kind: Kind, payload: bytes) -> None:
         frame, _ = encode(kind, 0, payload, [], b"", self.limits)
         ep = self._endpoint(pipe)
-        req = ep.tag_send(frame, (HANDSHAKE << KIND_SHIFT) | (self.my_id << ID_SHIFT))
+        req = ep.tag_send(frame, kind_base(HANDSHAKE, self.my_id))
         self._watch.append((req, pipe))
 
     def _endpoint(self, pipe: Pipe) -> Endpoint:
@@ -347,7 +352,7 @@ class Transport:
             try:
                 for entry in frames:
                     req, buf, tag, length, drop = entry
-                    sender = (tag >> ID_SHIFT) & ID_MASK
+                    sender = sender_of(tag)
                     seen += 1  # first: an entry is never handled twice
                     if sender in waiting or not req.done:
                         waiting.add(sender)
@@ -371,9 +376,9 @@ class Transport:
         size claimed would let them fill our memory."""
         if length > self.limits.max_frame_bytes:
             return f"exceeds max_frame_bytes={self.limits.max_frame_bytes}"
-        if tag >> KIND_SHIFT == HANDSHAKE:
+        if kind_of(tag) == HANDSHAKE:
             return "too large for a handshake" if length > _MAX_HANDSHAKE_FRAME else None
-        pipe = self._pipes.get((tag >> ID_SHIFT) & ID_MASK)
+        pipe = self._pipes.get(sender_of(tag))
         if pipe is None:
             return "from an unknown worker id"
         if pipe.in_key is None and not pipe.in_nonces:
@@ -389,11 +394,11 @@ class Transport:
         else:
             self.refused += 1
         logger.warning("dropped a %d-byte frame claiming to be from worker id %d: %s",
-                       length, (tag >> ID_SHIFT) & ID_MASK, why)
+                       length, sender_of(tag), why)
 
     def _on_frame(self, tag: int, buf: np.ndarray) -> None:
-        sender = (tag >> ID_SHIFT) & ID_MASK
-        kind = tag >> KIND_SHIFT
+        sender = sender_of(tag)
+        kind = kind_of(tag)
         pipe = self._pipes.get(sender)
         if (kind == HANDSHAKE and self.on_unknown_peer is not None
                 and peek_kind(buf) == Kind.HELLO):
@@ -479,7 +484,7 @@ class Transport:
         msg = Incoming(pipe, frame, bufs, hint)
         for i, d in enumerate(frame.buffers):
             if d.inline:
-                bufs.append(torch.from_numpy(buf[d.inline_offset:d.inline_offset + d.nbytes]))
+                bufs.append(_inline(buf, d))
                 continue
             if d.flags == PACKED:
                 bufs.append(None)  # cut out of its pack when that arrives
@@ -539,8 +544,7 @@ class Transport:
             hint = inner.seq & HINT_MASK
             if self._too_big(pipe, inner, hint):
                 continue
-            bufs = [torch.from_numpy(raw[d.inline_offset:d.inline_offset + d.nbytes])
-                    for d in inner.buffers]
+            bufs = [_inline(raw, d) for d in inner.buffers]
             self._deliver(Incoming(pipe, inner, bufs, hint))
 
     def _drain(self, pipe: Pipe, frame: Frame) -> None:

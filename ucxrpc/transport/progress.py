@@ -354,27 +354,25 @@ class ProgressThread:
                 if self._driver is not None:
                     return False
                 self._driver = threading.get_ident()
-            return self._drive_handing_back(done)
+            self.drives += 1
+            handed_back = True
+            try:
+                reached = self._drive(done)
+                handed_back = not reached or self._expecting(0.0) or self._pending()
+                return reached
+            finally:
+                self._driver_left = time.monotonic()
+                self._driver = None
+                # Parked, the progress thread lingers (LINGER_S) unless
+                # woken: a driver that gave up, or left work behind, hands
+                # the loop back at once.  (It reads _driver after setting
+                # _parked, and we read _parked after clearing _driver, so
+                # one of us sees the other.)
+                if handed_back and self._parked:
+                    self.wake(force=True)
         finally:
             _turning.on = False
             _sigint.deliver()
-
-    def _drive_handing_back(self, done: Callable[[], bool]) -> bool:
-        self.drives += 1
-        handed_back = True
-        try:
-            reached = self._drive(done)
-            handed_back = not reached or self._expecting(0.0) or self._pending()
-            return reached
-        finally:
-            self._driver_left = time.monotonic()
-            self._driver = None
-            # Parked, the progress thread lingers (LINGER_S) unless woken: a
-            # driver that gave up, or left work behind, hands the loop back
-            # at once.  (It reads _driver after setting _parked, and we read
-            # _parked after clearing _driver, so one of us sees the other.)
-            if handed_back and self._parked:
-                self.wake(force=True)
 
     def _drive(self, done: Callable[[], bool]) -> bool:
         """Turn until ``done()`` (True) or polling stops paying (False)."""
@@ -386,11 +384,7 @@ class ProgressThread:
             if self._baton.acquire(blocking=False):
                 try:
                     self.driven_turns += 1
-                    self._progress()
-                    busy = self._turn()
-                except Exception:
-                    logger.exception("progress loop error (continuing)")
-                    busy = True
+                    busy = self._one_turn()
                 finally:
                     self._baton.release()
             now = time.monotonic()
@@ -418,12 +412,7 @@ class ProgressThread:
                 continue
             self.turns += 1
             with self._baton:
-                try:
-                    self._progress()
-                    busy = self._turn()
-                except Exception:
-                    logger.exception("progress loop error (continuing)")
-                    busy = True
+                busy = self._one_turn()
             now = time.monotonic()
             # Turns are measured from here to here, so a stall anywhere (UCX,
             # a callback, an epoll wait, the GIL) is seen once.
@@ -438,6 +427,15 @@ class ProgressThread:
                 continue
             self._sleep(now)
             last_event = time.monotonic()
+
+    def _one_turn(self) -> bool:
+        """UCX progress and the transport's turn (under the baton)."""
+        try:
+            self._progress()
+            return self._turn()
+        except Exception:
+            logger.exception("progress loop error (continuing)")
+            return True
 
     def _park(self) -> None:
         """Wait while another thread drives, and for :data:`LINGER_S` after

@@ -23,10 +23,15 @@ from ..errors import FrameError
 from . import batch, staging
 from .frame import Kind, Limits, encode
 from .pipe import OutState, Pipe
-from .tags import FRAME, ID_SHIFT, KIND_SHIFT, data_tag
+from .tags import FRAME, data_tag, kind_base
 from .ucx import Request, Worker
 
 __all__ = ["Sender"]
+
+
+def _host_views(buffers: list[torch.Tensor]) -> list[tuple[int, memoryview, int]]:
+    """What :func:`.frame.encode` takes for host buffers."""
+    return [(b.numel(), b.numpy().data, -1) for b in buffers]
 
 
 class Sender:
@@ -54,7 +59,7 @@ class Sender:
         self._inflight = inflight
         self._wake = wake
         self._failed = failed
-        self._frame_base = (FRAME << KIND_SHIFT) | (my_id << ID_SHIFT)
+        self._frame_base = kind_base(FRAME, my_id)
         self._frame_tag = worker.tag(self._frame_base)
         self.staged_bytes = 0
         self.packed_buffers = 0
@@ -68,21 +73,20 @@ class Sender:
         Raises:
             FrameError: it breaks a limit, this side's or the peer's.
         """
-        if kind is Kind.MESSAGE and self._batchable(payload, buffers):
-            if ((pipe.outbox or pipe.last_frame is not None)
-                    and self._queue_small(pipe, payload, buffers, hint)):
-                return
-        elif pipe.outbox:
-            self.flush(pipe)  # what waits goes first
+        if pipe.outbox or pipe.last_frame is not None:  # else nothing to wait for
+            if kind is Kind.MESSAGE and self._batchable(payload, buffers):
+                if self._queue_small(pipe, payload, buffers, hint):
+                    return
+            elif pipe.outbox:
+                self.flush(pipe)  # what waits goes first
         out = None
         if buffers and (self._host_as_device or any(b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER
                                                     for b in buffers)):
             out = staging.plan(buffers, devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device)
         if out is None:
-            views = [(b.numel(), b.numpy().data, -1) for b in buffers]
-            frame, separate = encode(kind, pipe.out_seq + 1, payload, views, pipe.out_key,
-                                     self.limits, peer_max_frame=pipe.peer_max_frame)
+            frame, separate = encode(kind, pipe.out_seq + 1, payload, _host_views(buffers),
+                                     pipe.out_key, self.limits, peer_max_frame=pipe.peer_max_frame)
         else:  # the receiver allocates on the device each descriptor names
             frame, separate = encode(kind, pipe.out_seq + 1, payload, out.views, pipe.out_key,
                                      self.limits, out.ways, pipe.peer_max_frame)
@@ -158,9 +162,8 @@ class Sender:
         flight any more (or the outbox is full).  False if it cannot wait
         (it would not go inline within the peer's limits): the outbox is
         then sent, and the caller sends the message alone."""
-        views = [(b.numel(), b.numpy().data, -1) for b in buffers]
         # The hint rides where a frame has its sequence number.
-        inner, separate = encode(Kind.MESSAGE, hint, payload, views, b"", self.limits,
+        inner, separate = encode(Kind.MESSAGE, hint, payload, _host_views(buffers), b"", self.limits,
                                  peer_max_frame=pipe.peer_max_frame, seal=False)
         cap = min(batch.MAX_BYTES, pipe.peer_max_frame, self.limits.max_frame_bytes) - 256
         if separate or inner.nbytes > cap:
