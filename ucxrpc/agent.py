@@ -151,7 +151,10 @@ class RpcAgent:
                                    transports=options.transports,
                                    progress_mode=options.progress or "adaptive",
                                    spin_while=self._spin_while,
-                                   host_timeout=options.peer_timeout)
+                                   host_timeout=options.peer_timeout,
+                                   cuda_devices=[*options.device_list(),
+                                                 *(d for m in (options.device_maps or {}).values()
+                                                   for d in m)])
         self._pool = WorkerPool(options.num_worker_threads, on_quiet=self.transport.wake,
                                 idle_wait=self._drive)
         self.workers: dict[int, WorkerInfo] = {}
@@ -377,8 +380,12 @@ class RpcAgent:
         return not self._pool.computing() and (bool(self._calls) or self._last_was_request)
 
     def _loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
-        # A call to oneself gets copies, as a remote callee would.
+        # A call to oneself gets copies, as a remote callee would.  The
+        # copies are queued on this thread's streams, and the callee reads
+        # them on its pool's: settled first, as a remote call's buffers are
+        # before UCX reads them (no-op for host buffers).
         copies = [b.clone() for b in buffers]
+        devices.settle(copies)
         self._on_message(self.info.id, memoryview(payload), copies)
 
     def _answered(self) -> None:
@@ -649,6 +656,17 @@ class RpcAgent:
         return targets
 
     def _reply_future(self, peer: int, msg_id: int, fut: torch.futures.Future) -> None:
+        """Answer an ``@async_execution`` call with its future's value.
+
+        Runs as the future's callback, so its CUDA tensors are settled on the
+        streams current there.  A future that knows its devices (torch's
+        ``Future(devices=...)``, the futures ucxrpc's calls return) runs it
+        on streams that wait for the work behind its value.  A plain future
+        runs it on the streams of the thread that completes it: whoever
+        completes one with CUDA tensors must do so on the streams that made
+        them, or after synchronizing them.  torch's agent relies on the same
+        (it cannot know which streams made a plain future's value either).
+        """
         try:
             value = fut.value()
         except Exception as exc:

@@ -2,8 +2,8 @@
 
 Two real :class:`Transport` objects talk through a fake UCX layer (the
 engine's ``Worker`` and ``Endpoint`` replaced by in-memory ones), so every
-frame a rogue could put on the wire reaches the engine's real ``_on_frame``
-/ ``_on_handshake`` / ``_on_message_frame`` code, and the test can insert
+frame a rogue could put on the wire reaches the receiver's real ``on_frame``
+and ``_message_frame`` and the engine's ``_on_handshake``, and the test can insert
 rogue frames at exact points of a genuine handshake: something a live test
 can only do by luck of timing.
 
@@ -137,7 +137,7 @@ class Peer:
         return self.tr.address
 
     def counted(self) -> int:
-        return self.tr.refused + self.tr.frame_errors
+        return self.tr._rx.refused + self.tr._rx.frame_errors
 
 
 class Pair:
@@ -157,7 +157,7 @@ class Pair:
         while queue:
             tag, data = queue.pop(0)
             if tag >> tags.KIND_SHIFT in (HANDSHAKE, FRAME):
-                peer.tr._on_frame(tag, as_array(data))
+                peer.tr._rx.on_frame(tag, as_array(data))
                 return True
         return False
 
@@ -260,7 +260,7 @@ def _shoot(pair: Pair, shot: Shot) -> None:
     key, state = pipe.in_key, pipe.out_state
     before = w1.counted()
     sent_before = len(pair.net.queues[pair.w0.address])
-    w1.tr._on_frame(shot.tag, as_array(shot.data))  # nothing may escape
+    w1.tr._rx.on_frame(shot.tag, as_array(shot.data))  # nothing may escape
     counted = w1.counted() - before
     challenges = len(pair.net.queues[pair.w0.address]) - sent_before
     if shot.outcome == "hello":
@@ -313,7 +313,7 @@ def test_the_seeded_corpus_against_an_open_pipe(pair: Pair) -> None:
 def test_non_handshake_frames_on_the_handshake_tag_are_counted(pair: Pair, kind: Kind) -> None:
     pair.open()
     before = pair.w1.counted()
-    pair.w1.tr._on_frame(tag_of(HANDSHAKE, 0), as_array(handshake_frame(kind, b"x")))
+    pair.w1.tr._rx.on_frame(tag_of(HANDSHAKE, 0), as_array(handshake_frame(kind, b"x")))
     assert pair.w1.counted() - before == 1
 
 
@@ -343,7 +343,7 @@ def _handshake_with_rogue(pair: Pair, at: int, shot: Shot, to_w0: bool) -> None:
     target = pair.w0 if to_w0 else pair.w1
     for _ in range(50):
         if genuine == at:
-            target.tr._on_frame(shot.tag, as_array(shot.data))
+            target.tr._rx.on_frame(shot.tag, as_array(shot.data))
             genuine += 1  # inject once
             continue
         moved = False
@@ -411,13 +411,13 @@ def test_oversize_frames_are_counted(pairs: dict[bool, Pair], kind: int, sender:
     tag's hint is never acted on: a tag is only a claim (see test_fuzz_live's
     forged-hint test)."""
     w1 = pairs[opened].w1
-    before, reported = w1.tr.frame_errors, len(w1.frame_errors)
+    before, reported = w1.tr._rx.frame_errors, len(w1.frame_errors)
     tag = tag_of(kind, sender, hint)
     size = LIMITS.max_frame_bytes + extra
-    why = w1.tr._unwanted(tag, size)
+    why = w1.tr._rx.unwanted(tag, size)
     assert why == f"exceeds max_frame_bytes={LIMITS.max_frame_bytes}"
-    w1.tr._on_dropped(tag, size, why)
-    assert w1.tr.frame_errors == before + 1
+    w1.tr._rx.dropped(tag, size, why)
+    assert w1.tr._rx.frame_errors == before + 1
     assert len(w1.frame_errors) == reported
     assert not w1.broken and not w1.messages
 
@@ -433,7 +433,7 @@ def test_frames_nobody_can_accept_are_not_received_at_their_claimed_size(pair: P
     w1 = pair.w1
     w1.tr._worker.probes.append(Probe(tag, 512 << 20, None))
     before = w1.counted()
-    w1.tr._poll_frames()
+    w1.tr._rx.poll()
     assert w1.counted() == before + 1
     assert w1.tr._worker.received[-1] <= 64 << 10, w1.tr._worker.received
 
@@ -444,7 +444,7 @@ def test_messages_over_max_message_bytes_are_answered_not_received(fake_net: _Ne
         pair.open()
         pair.w0.tr.send(1, b"big", [torch.zeros(2 << 20, dtype=torch.uint8)], hint=77)
         pair.settle()
-        assert pair.w1.tr.frame_errors == 1 and not pair.w1.messages
+        assert pair.w1.tr._rx.frame_errors == 1 and not pair.w1.messages
         [(peer, hint, exc)] = pair.w1.frame_errors
         assert (peer, hint) == (0, 77) and isinstance(exc, FrameError)
         assert "exceeds max_message_bytes=1048576" in str(exc)

@@ -109,7 +109,11 @@ class _Loop:
             name="test-progress", progress=lambda: None, turn=self._turn,
             in_flight=lambda: self.expect, awaited=None, spin_s=0.0,
             pending=lambda: self.pending, arm=lambda: True, fd=self.fd,
-            strategy=strategy, on_stall=lambda s, now: None)
+            strategy=strategy, on_stall=lambda s, now: None, on_start=self._started)
+        self.started_on: tuple[str, int] | None = None  # thread, turns before it
+
+    def _started(self) -> None:
+        self.started_on = (threading.current_thread().name, self.loop.turns)
 
     def _turn(self) -> bool:
         try:
@@ -163,6 +167,12 @@ def test_an_idle_loop_sleeps_and_an_event_wakes_it(loop):
         loop.fire()
         assert loop.seen.wait(10), f"event {i} was not seen"
     assert loop.events == 3
+
+
+def test_on_start_runs_on_the_loop_thread_before_its_first_turn(loop):
+    # Where the transport makes its CUDA context current (cudactx.py).
+    _wait_for(lambda: loop.loop.turns >= 1, "the first turn")
+    assert loop.started_on == ("test-progress", 0)
 
 
 def test_wake_from_another_thread_runs_queued_work(loop):

@@ -2,12 +2,6 @@
 
 Tags (:mod:`.tags`) say what a tag message is and whom it claims to come from.
 
-Frames are found with ``tag_probe`` and received into memory of exactly
-their size; a frame then says how big each data buffer is and on which
-device, and the receiver posts a receive for each straight into its final
-memory.  Distinct tags per buffer let concurrent large messages on one pipe
-proceed side by side.
-
 Peer death is the kernel's verdict, never silence's: each pipe that opens
 also connects a lifeline to the peer's lifeline port (:mod:`.lifeline`), which
 the peer's kernel closes when its process ends, and which its kernel keeps
@@ -22,9 +16,11 @@ their own thread (no hand-off on the send path; :mod:`.send`) and wake the
 loop only when a send is left in flight.
 
 Parts of their own: the handshake's steps (:mod:`.handshake`), sending and
-batching (:mod:`.send`, :mod:`.batch`), the shared-memory queue check
-(:mod:`.canary`), lifelines (:mod:`.lifeline`), pipes (:mod:`.pipe`) and
-the loop (:mod:`.progress`); this module receives and holds them together.
+batching (:mod:`.send`, :mod:`.batch`), receiving (:mod:`.receive`), the
+shared-memory queue check (:mod:`.canary`), lifelines (:mod:`.lifeline`),
+pipes (:mod:`.pipe`) and the loop (:mod:`.progress`).  This module holds
+them together: the pipes' state (opening, the handshake's frames, breaking,
+closing) and the loop's turn.
 """
 
 from __future__ import annotations
@@ -35,35 +31,22 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
-from . import batch, canary, handshake, progress, staging
+from . import canary, cudactx, handshake, progress, staging
 from .lifeline import Lifelines, LineState
-from .frame import (PACKED, PREFIX, STAGED, BufferDesc, Frame, Kind, Limits, check_limits, decode, encode,
-                    peek_kind, peek_seq)
-from .pipe import Incoming, OutState, Piece, Pipe
+from .frame import Frame, Kind, Limits, check_limits, encode
+from .pipe import OutState, Pipe, cuda_path
 from .pool import HostPool
+from .receive import Allocator, OnFrameError, OnMessage, Receiver
 from .send import Sender
-from .tags import (CANARY, HANDSHAKE, HINT_MASK, MAX_WORKER_ID, data_tag, kind_base, kind_of,
-                   sender_of)
+from .tags import CANARY, HANDSHAKE, HINT_MASK, MAX_WORKER_ID, kind_base
 from .ucx import Endpoint, Request, Worker
 
 logger = logging.getLogger(__name__)
 
-_MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
-
-
-OnMessage = Callable[[int, memoryview, list[torch.Tensor]], None]
-OnFrameError = Callable[[int, int, BaseException], None]
 OnBroken = Callable[[int, BaseException], None]
-Allocator = Callable[[int, int], torch.Tensor]
-
-
-def _inline(frame: np.ndarray, d: BufferDesc) -> torch.Tensor:
-    """A buffer that travelled inside its frame, as a view of the frame."""
-    return torch.from_numpy(frame[d.inline_offset:d.inline_offset + d.nbytes])
 
 
 class Transport:
@@ -92,6 +75,9 @@ class Transport:
             lifeline unanswered (a vanished host, a partition) before its
             pipe breaks.  A live process's kernel answers for it, however
             busy or stopped the process is.
+        cuda_devices: the CUDA devices this worker declared; where a GPU is
+            usable, the first one's context (else the current device's) is
+            made current for UCX (:mod:`.cudactx`).
     """
 
     def __init__(self, *, my_id: int, secret: bytes, on_message: OnMessage,
@@ -100,7 +86,8 @@ class Transport:
                  allocator: Allocator | None = None,
                  progress_mode: progress.Mode | str = progress.Mode.ADAPTIVE,
                  spin_s: float = 0.01, spin_while: Callable[[], bool] | None = None,
-                 host_timeout: float = 10.0) -> None:
+                 host_timeout: float = 10.0,
+                 cuda_devices: Sequence[torch.device | str | int] = ()) -> None:
         if not 0 <= my_id <= MAX_WORKER_ID:
             raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
         self.my_id = my_id
@@ -117,6 +104,9 @@ class Transport:
             | None = None
         self._data_spins = 8
         self._transports = transports
+        self._cuda_device = cudactx.wanted_device(cuda_devices, transports)
+        #: Whose CUDA context UCX sees, or why none (for pipe_info and tests).
+        self.cuda_context = self._make_cuda_current()
         self._worker = Worker(transports, host_timeout)
         self.address = self._worker.address
         self._lifelines = Lifelines(host_timeout)
@@ -132,21 +122,26 @@ class Transport:
         self._sender = Sender(my_id=my_id, worker=self._worker, limits=limits,
                               host_as_device=self._host_as_device, inflight=self._inflight,
                               wake=self.wake, failed=self._send_failed)
+        # Requests in flight, with what each belongs to: a pipe (a frame we
+        # sent) or a message being received (receive.py).  Changed in place
+        # only: the receiver holds it too.
         self._watch: list[tuple[Request, Any]] = []
-        self._frames: list[tuple[Request, np.ndarray, int, int, str | None]] = []
+        self._rx = Receiver(worker=self._worker, limits=limits, pipes=self._pipes,
+                            watch=self._watch, alloc=self._alloc,
+                            host_as_device=self._host_as_device, cuda_direct=self.cuda_direct,
+                            on_message=on_message, on_frame_error=on_frame_error,
+                            on_handshake=self._on_handshake, adopt=self._adopt)
         self._closing = False
-        self.refused = 0
-        self.frame_errors = 0
         # Whether our shared-memory receive queue still moves (canary.py).
         self._queue = canary.QueueCheck(self._worker, transports,
                                         kind_base(CANARY, my_id),
                                         self._queue_stuck)
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
-            in_flight=lambda: bool(self._watch or self._frames), awaited=spin_while,
+            in_flight=lambda: bool(self._watch or self._rx.frames), awaited=spin_while,
             spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
             arm=self._worker.arm, fd=self._worker.fd, strategy=progress.strategy(progress_mode),
-            on_stall=self._excuse_stall)
+            on_stall=self._excuse_stall, on_start=self._make_cuda_current)
 
     # ------------------------------------------------------------------ API
 
@@ -237,14 +232,13 @@ class Transport:
             if pipe.ep is None:
                 continue
             lanes = pipe.ep.transports()
+            transports = {t for t, _ in lanes}
             out.append({
                 "peer": pipe.name, "peer_id": pid, "state": pipe.out_state.value,
                 "authenticated_in": pipe.in_key is not None,
-                "transports": sorted({t for t, _ in lanes}),
+                "transports": sorted(transports),
                 "lanes": [{"transport": t, "device": d} for t, d in lanes],
-                # How CUDA tensors travel: GPU-direct needs both sides' UCX
-                # to take device memory; otherwise through pinned host chunks.
-                "cuda_path": "gpu-direct" if pipe.direct else "staged",
+                "cuda_path": cuda_path(pipe.direct, transports).value,
                 "lifeline": self._lifeline_state(pipe),
                 "messages_sent": pipe.sent, "messages_received": pipe.received,
             })
@@ -329,101 +323,7 @@ class Transport:
         state = self._lifelines.state(pipe)
         return "not connected" if state is None else state.value
 
-    # ----------------------------------------------------------- receiving
-
-    def _poll_frames(self) -> bool:
-        busy = False
-        while (probe := self._worker.probe(0, 1 << 63)) is not None:
-            busy = True
-            # A frame we will not read goes into one byte: UCX truncates and
-            # drops it, so it costs no memory here.
-            drop = self._unwanted(probe.sender_tag, probe.length)
-            buf = np.empty(1 if drop else probe.length, dtype=np.uint8)
-            req = self._worker.recv_probed(buf, probe)
-            self._frames.append((req, buf, probe.sender_tag, probe.length, drop))
-        if self._frames:
-            # A large frame (rendezvous) completes after a small one sent
-            # behind it; frames are delivered in the order each sender sent
-            # them, so a sender's frames wait behind its incomplete ones.
-            frames, self._frames = self._frames, []
-            still = []
-            waiting: set[int] = set()
-            seen = 0
-            try:
-                for entry in frames:
-                    req, buf, tag, length, drop = entry
-                    sender = sender_of(tag)
-                    seen += 1  # first: an entry is never handled twice
-                    if sender in waiting or not req.done:
-                        waiting.add(sender)
-                        still.append(entry)
-                        continue
-                    busy = True
-                    if drop:
-                        self._on_dropped(tag, length, drop)
-                    elif req.error() is None:
-                        self._on_frame(tag, buf)
-            finally:
-                # Whatever ends this turn (a BaseException from a callback,
-                # which the handlers' ``except Exception`` lets through),
-                # what was not looked at stays watched.
-                self._frames[:0] = still + frames[seen:]
-        return busy
-
-    def _unwanted(self, tag: int, length: int) -> str | None:
-        """Why a probed frame is not worth receiving, judged before a byte of
-        it is read: anyone can send to a worker, and a receive buffer of the
-        size claimed would let them fill our memory."""
-        if length > self.limits.max_frame_bytes:
-            return f"exceeds max_frame_bytes={self.limits.max_frame_bytes}"
-        if kind_of(tag) == HANDSHAKE:
-            return "too large for a handshake" if length > _MAX_HANDSHAKE_FRAME else None
-        pipe = self._pipes.get(sender_of(tag))
-        if pipe is None:
-            return "from an unknown worker id"
-        if pipe.in_key is None and not pipe.in_nonces:
-            return "from a peer that has not authenticated"
-        return None
-
-    def _on_dropped(self, tag: int, length: int, why: str) -> None:
-        """Count a frame received into nothing.  Its tag is all we know, and
-        a tag is only a claim: nothing is done on its word (senders check
-        the receiver's max_frame_bytes before sending)."""
-        if length > self.limits.max_frame_bytes:
-            self.frame_errors += 1
-        else:
-            self.refused += 1
-        logger.warning("dropped a %d-byte frame claiming to be from worker id %d: %s",
-                       length, sender_of(tag), why)
-
-    def _on_frame(self, tag: int, buf: np.ndarray) -> None:
-        sender = sender_of(tag)
-        kind = kind_of(tag)
-        pipe = self._pipes.get(sender)
-        if (kind == HANDSHAKE and self.on_unknown_peer is not None
-                and peek_kind(buf) == Kind.HELLO):
-            pipe = self._adopt(sender, pipe)
-        if pipe is None:
-            self.refused += 1
-            logger.warning("refused a frame from unknown worker id %d", sender)
-            return
-        try:
-            if kind == HANDSHAKE:
-                self._on_handshake(pipe, decode(buf, None, self.limits))
-            elif pipe.in_key is None:
-                self.refused += 1
-                logger.warning("refused an unauthenticated frame claiming to be from %s "
-                               "(seq %s)", pipe.name, peek_seq(buf))
-            else:
-                self._on_message_frame(pipe, buf, tag & HINT_MASK)
-        except AuthenticationError as exc:
-            self.refused += 1
-            logger.warning("%s", exc)
-            if kind == HANDSHAKE and pipe.out_state is OutState.HELLO_SENT:
-                self._break(pipe, exc)
-        except FrameError as exc:
-            self.frame_errors += 1
-            logger.warning("dropped a frame from %s: %s", pipe.name, exc)
+    # ----------------------------------------------------------- handshake
 
     def _open(self, pipe: Pipe, key: bytes) -> None:
         """Our direction is authenticated: send what waited for it."""
@@ -442,7 +342,8 @@ class Transport:
         """A handshake from a worker we do not know, or from a new
         incarnation of one: ask :attr:`on_unknown_peer` where it lives.  The
         handshake still has to prove the secret."""
-        assert self.on_unknown_peer is not None
+        if self.on_unknown_peer is None:
+            return pipe
         try:
             found = self.on_unknown_peer(sender)
         except Exception:
@@ -453,6 +354,18 @@ class Transport:
         return self._pipes.get(sender)
 
     def _on_handshake(self, pipe: Pipe, frame: Frame) -> None:
+        """A handshake frame from ``pipe``'s peer (the receiver counts what
+        this raises)."""
+        try:
+            self._handshake_step(pipe, frame)
+        except AuthenticationError as exc:
+            # Our HELLO was answered by something that cannot prove the
+            # secret: nothing we queued for this peer can ever go.
+            if pipe.out_state is OutState.HELLO_SENT:
+                self._break(pipe, exc)
+            raise
+
+    def _handshake_step(self, pipe: Pipe, frame: Frame) -> None:
         if frame.kind is Kind.HELLO:
             self._send_handshake(pipe, Kind.CHALLENGE, handshake.challenge(
                 pipe, frame.payload, self._secret, self.my_id))
@@ -466,112 +379,6 @@ class Transport:
         else:
             raise FrameError(f"a {frame.kind.name} frame on the handshake tag")
 
-    def _on_message_frame(self, pipe: Pipe, buf: np.ndarray, hint: int) -> None:
-        assert pipe.in_key is not None
-        frame = decode(buf, pipe.in_key, self.limits)
-        if frame.seq <= pipe.in_seq:
-            raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
-        pipe.in_seq = frame.seq
-        if frame.kind is Kind.BATCH:
-            self._on_batch(pipe, buf, frame)
-            return
-        if frame.kind is not Kind.MESSAGE:
-            return  # PING and PONG: once liveness checks, now unused
-        if self._too_big(pipe, frame, hint):
-            self._drain(pipe, frame)
-            return
-        bufs: list[Any] = []
-        msg = Incoming(pipe, frame, bufs, hint)
-        for i, d in enumerate(frame.buffers):
-            if d.inline:
-                bufs.append(_inline(buf, d))
-                continue
-            if d.flags == PACKED:
-                bufs.append(None)  # cut out of its pack when that arrives
-                continue
-            tag = data_tag(pipe.peer_id, frame.seq, i)
-            try:
-                if d.device >= 0 and not d.flags & STAGED and not self.cuda_direct:
-                    raise FrameError(f"{pipe.name} sent device memory directly (buffer {i}), but "
-                                     "this worker's UCX has no CUDA transport")
-                target = self._alloc(d.nbytes, d.device)
-            except Exception as exc:
-                msg.error = exc
-            if msg.error is not None:  # consume what comes, into nothing
-                target = torch.empty(0, dtype=torch.uint8)
-                count = staging.receives(d)
-                for _ in range(count):
-                    self._watch.append((self._worker.tag_recv(target, tag), msg))
-                msg.waiting += count
-                bufs.append(target)
-                continue
-            bufs.append(target)
-            if d.flags & STAGED:
-                for landing in staging.landings(target, d, self._host_as_device):
-                    req = self._worker.tag_recv(landing.into, tag)
-                    msg.waiting += 1
-                    self._watch.append((req, msg if landing.then is None
-                                        else Piece(msg, landing.then)))
-                continue
-            req = self._worker.tag_recv(target, tag)
-            msg.waiting += 1
-            self._watch.append((req, msg))
-        if msg.waiting == 0:
-            self._deliver(msg)
-
-    def _too_big(self, pipe: Pipe, frame: Frame, hint: int) -> bool:
-        """Refuse a message over max_message_bytes, telling the agent (which
-        answers or fails the call ``hint`` names)."""
-        if frame.total <= self.limits.max_message_bytes:
-            return False
-        self.frame_errors += 1
-        pipe.received += 1
-        self._on_frame_error(pipe.peer_id, hint, FrameError(
-            f"message of {frame.total} bytes exceeds max_message_bytes="
-            f"{self.limits.max_message_bytes}"))
-        return True
-
-    def _on_batch(self, pipe: Pipe, buf: np.ndarray, frame: Frame) -> None:
-        """Deliver each message of a BATCH frame (its MAC checked) in order;
-        the limits apply to each message, as if it had come alone."""
-        if frame.buffers:
-            raise FrameError(f"a batch frame from {pipe.name} has buffers of its own")
-        for raw in batch.unpack(buf, PREFIX.size, len(frame.payload)):
-            inner = decode(raw, None, self.limits)
-            if inner.kind is not Kind.MESSAGE or not all(d.inline for d in inner.buffers):
-                raise FrameError(f"a batch from {pipe.name} holds a message that is not "
-                                 "small (only inline buffers may be batched)")
-            hint = inner.seq & HINT_MASK
-            if self._too_big(pipe, inner, hint):
-                continue
-            bufs = [_inline(raw, d) for d in inner.buffers]
-            self._deliver(Incoming(pipe, inner, bufs, hint))
-
-    def _drain(self, pipe: Pipe, frame: Frame) -> None:
-        """Consume a rejected message's buffers (truncated into one byte) so
-        they do not sit in UCX's unexpected queue; their errors are ignored."""
-        for i, d in enumerate(frame.buffers):
-            for _ in range(staging.receives(d)):
-                sink = np.empty(1, dtype=np.uint8)
-                req = self._worker.tag_recv(sink, data_tag(pipe.peer_id, frame.seq, i))
-                self._watch.append((req, None))
-
-    def _deliver(self, msg: Incoming) -> None:
-        msg.pipe.received += 1
-        buffers = msg.buffers
-        if msg.error is None and msg.frame.delivered >= 0:
-            try:
-                buffers = staging.finish(buffers, msg.frame.buffers, msg.frame.delivered)
-            except Exception as exc:
-                msg.error = exc
-        try:
-            if msg.error is not None:
-                self._on_frame_error(msg.pipe.peer_id, msg.hint, msg.error)
-            else:
-                self._on_message(msg.pipe.peer_id, msg.frame.payload, buffers)
-        except Exception:
-            logger.exception("message handler failed for a message from %s", msg.pipe.name)
-
     # ------------------------------------------------------------ the loop
 
     def _poll_requests(self) -> bool:
@@ -580,7 +387,8 @@ class Transport:
         if not self._watch:
             return False
         busy = False
-        watch, self._watch = self._watch, []
+        watch = self._watch[:]
+        self._watch.clear()
         still = []
         seen = 0
         try:
@@ -592,30 +400,19 @@ class Transport:
                 busy = True
                 self._completed(req, owner)
         finally:
-            # As in _poll_frames: nothing unexamined is lost.
+            # As in Receiver.poll: nothing unexamined is lost.
             self._watch[:0] = still + watch[seen:]
         return busy
 
     def _completed(self, req: Request, owner: Any) -> None:
-        err: BaseException | None = req.error()
-        if isinstance(owner, Piece):
-            if err is None:
-                try:
-                    owner.then()
-                except Exception as exc:  # a failed copy fails its message
-                    err = exc
-            owner = owner.msg
-        if isinstance(owner, Incoming):
-            owner.waiting -= 1
-            if err is not None and owner.error is None:
-                owner.error = BrokenError(f"receiving a buffer from {owner.pipe.name} "
-                                          f"failed: {err}")
-            if owner.waiting == 0:
-                self._deliver(owner)
-        elif err is not None and owner is not None:
-            self._break(owner, err)
-        elif isinstance(owner, Pipe):
-            self._sender.frame_left(owner, req)
+        if isinstance(owner, Pipe):  # a frame we sent
+            err = req.error()
+            if err is not None:
+                self._break(owner, err)
+            else:
+                self._sender.frame_left(owner, req)
+        elif owner is not None:  # a message's data; None: a drained buffer
+            self._rx.completed(req, owner)
 
     def _run_tasks(self) -> bool:
         if not self._tasks:
@@ -641,7 +438,7 @@ class Transport:
             for _ in range(self._data_spins):
                 self._worker.progress()
         busy = self._run_tasks()
-        busy = self._poll_frames() or busy
+        busy = self._rx.poll() or busy
         busy = self._poll_requests() or busy
         if self._queue.state is canary.CheckState.WAITING:
             self._queue.poll()
@@ -663,6 +460,20 @@ class Transport:
     def _call_soon(self, fn: Callable[[], None]) -> None:
         self._tasks.append(fn)
         self._loop.wake()
+
+    def _make_cuda_current(self) -> str:
+        """Make the CUDA context current on this thread if there is one to
+        make; what happened, in words.  A failure is logged, not raised:
+        host memory still moves, and a CUDA transfer fails with UCX's own
+        error."""
+        if self._cuda_device is None:
+            return "none (no GPU usable, or no CUDA transport)"
+        try:
+            cudactx.make_current(self._cuda_device)
+        except (OSError, RuntimeError) as exc:
+            logger.warning("UCX may fail to move CUDA memory: %s", exc)
+            return f"failed: {exc}"
+        return f"cuda:{self._cuda_device}"
 
     # ------------------------------------------------------------- failure
 
@@ -720,8 +531,9 @@ class Transport:
         return self._default_alloc_cuda(nbytes, device)
 
     def stats(self) -> dict[str, Any]:
-        return {"refused_frames": self.refused, "frame_errors": self.frame_errors,
+        return {"refused_frames": self._rx.refused, "frame_errors": self._rx.frame_errors,
                 **self._sender.stats(),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 "fifo_checks": self._queue.checks, "fifo_stuck": self._queue.stuck,
-                "lifeline_cuts": self._lifelines.cuts, "progress": self._loop.info()}
+                "lifeline_cuts": self._lifelines.cuts, "progress": self._loop.info(),
+                "cuda_context": self.cuda_context}

@@ -21,7 +21,34 @@ import torch
 from .frame import Frame, Kind
 from .ucx import Endpoint, Request
 
-__all__ = ["Incoming", "OutState", "Piece", "Pipe"]
+__all__ = ["CudaPath", "Incoming", "OutState", "Piece", "Pipe", "cuda_path"]
+
+
+class CudaPath(enum.Enum):
+    """How a pipe moves CUDA tensors, as ``pipe_info`` reports it."""
+
+    #: UCX copies device to device itself: a ``cuda_ipc`` lane (CUDA IPC,
+    #: NVLink) between processes of one host.
+    GPU_DIRECT = "gpu-direct"
+    #: Both sides' UCX takes device memory, but the endpoint has no
+    #: ``cuda_ipc`` lane: UCX moves it through its own bounce buffers
+    #: (cuda_copy pipelines over sm or tcp; or GPUDirect RDMA, where an RDMA
+    #: NIC registers device memory, which the lanes cannot show).  Memory
+    #: that CUDA IPC cannot export (expandable segments, cudaMallocAsync)
+    #: takes this path even on a cuda_ipc lane.
+    UCX_STAGED = "ucx-staged"
+    #: ucxrpc stages device memory through pinned host chunks itself (one
+    #: side's UCX has no CUDA support, or the host-as-device debug switch).
+    STAGED = "staged"
+
+
+def cuda_path(direct: bool, transports: set[str]) -> CudaPath:
+    """The path of a pipe whose sides' UCX both take device memory
+    (``direct``), from the transports its endpoint really uses: what UCX
+    loaded says nothing of what it chose for this peer."""
+    if not direct:
+        return CudaPath.STAGED
+    return CudaPath.GPU_DIRECT if "cuda_ipc" in transports else CudaPath.UCX_STAGED
 
 
 class OutState(enum.Enum):

@@ -238,6 +238,8 @@ class ProgressThread:
         strategy: when to poll rather than sleep.
         on_stall: ``(seconds, now)`` after a turn that took over
             :data:`STALL_S`.
+        on_start: called first on the thread, before its first turn (the
+            transport makes its CUDA context current there).
 
     Thread-safety: :meth:`wake` may be called from any thread.
     """
@@ -246,8 +248,10 @@ class ProgressThread:
                  in_flight: Callable[[], bool], awaited: Callable[[], bool] | None,
                  spin_s: float, pending: Callable[[], bool],
                  arm: Callable[[], bool], fd: int, strategy: Strategy,
-                 on_stall: Callable[[float, float], None]) -> None:
+                 on_stall: Callable[[float, float], None],
+                 on_start: Callable[[], object] | None = None) -> None:
         self.strategy = strategy
+        self._on_start = on_start
         self._progress = progress
         self._turn = turn
         self._in_flight = in_flight
@@ -398,6 +402,8 @@ class ProgressThread:
 
     def _run(self) -> None:
         try:
+            if self._on_start is not None:
+                self._on_start()
             self._loop()
         finally:
             if self._release_on_exit:

@@ -1,0 +1,74 @@
+"""A current CUDA context for UCX, on the threads that call into it.
+
+UCX's CUDA transports work through whatever CUDA context is current on the
+calling thread, and none of them makes one: ``cuda_copy`` allocates its
+pipeline fragments only in an *active* primary context, arming the worker
+for epoll queries CUDA events in the current one, and a context current at
+``ucp_init`` is how the CUDA resources learn which GPU they sit on (UCX
+1.21: ``cuda_copy_md.c``, ``cuda_iface.c``).  torch's own agent
+initialises CUDA before it starts for the same reason, and ucxx's progress
+thread makes a context current first thing.
+
+A process that only ever receives CUDA tensors into host memory (a
+``"cuda:0": "cpu"`` device map) never touches CUDA itself, so the
+transport does it: :func:`make_current` before the UCX context exists and
+again at the start of the progress thread.  It retains the device's
+*primary* context, the one torch and every CUDA runtime user share, so no
+second context is made; it is never released (it lives as long as the
+process, as torch's does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import torch
+
+__all__ = ["make_current", "wanted_device"]
+
+_CUDA_NAMES = ("cuda", "gdr")  # transports= names that bring UCX's CUDA support
+
+
+def wanted_device(declared: Sequence[torch.device | str | int],
+                  transports: Sequence[str] | None) -> int | None:
+    """The CUDA device whose context UCX should see, or None for none.
+
+    None when torch sees no GPU (a CPU-only build or machine: no CUDA call
+    is made) or ``transports`` leaves UCX's CUDA support out; else the first
+    CUDA device this worker declared, or the current one.  Any process with
+    a GPU gets one, as torch's agent does, because a peer may send it CUDA
+    tensors whatever it declared.
+    """
+    if transports is not None and not any(
+            name.startswith(_CUDA_NAMES) for t in transports for name in t.split(",")):
+        return None
+    if not torch.cuda.is_available():
+        return None
+    for d in declared:
+        dev = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+        if dev.type == "cuda":
+            return dev.index if dev.index is not None else torch.cuda.current_device()
+    return torch.cuda.current_device()
+
+
+def make_current(device: int) -> None:
+    """Make ``device``'s primary context current on the calling thread.
+
+    Raises:
+        RuntimeError: the CUDA driver refused, naming the call and its code.
+    """
+    # The driver API, not torch: torch only binds a context to a thread at
+    # its first runtime call that needs one, and UCX asks the driver
+    # (cuCtxGetCurrent) before torch may have made any on this thread.
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_int()
+    ctx = ctypes.c_void_p()
+    for call, args in (("cuInit", (0,)),
+                       ("cuDeviceGet", (ctypes.byref(handle), device)),
+                       ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), handle)),
+                       ("cuCtxSetCurrent", (ctx,))):
+        code = getattr(lib, call)(*args)
+        if code != 0:
+            raise RuntimeError(f"{call} failed with CUDA error {code} making cuda:{device}'s "
+                               "context current for UCX")

@@ -1,0 +1,316 @@
+"""The receiving side of a transport: frames off the worker, into messages.
+
+Frames are found with ``tag_probe`` and received into memory of exactly
+their size, after their claimed size and sender were judged worth it
+(anyone can send to a worker).  A frame then says how big each data buffer
+is and on which device, and a receive is posted for each straight into its
+final memory (staged device buffers through pinned host chunks,
+:mod:`.staging`).  Distinct tags per buffer let concurrent large messages
+on one pipe proceed side by side.  A BATCH frame (:mod:`.batch`) is taken
+apart into the messages it holds.
+
+Handshake frames are handed to the transport (``on_handshake``), which
+owns the pipes' state; everything else on the way to ``on_message`` is
+here.  All of it runs on the thread turning the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..errors import AuthenticationError, BrokenError, FrameError
+from . import batch, staging
+from .frame import (PACKED, PREFIX, STAGED, BufferDesc, Frame, Kind, Limits, decode, peek_kind,
+                    peek_seq)
+from .pipe import Incoming, Piece, Pipe
+from .tags import HANDSHAKE, HINT_MASK, data_tag, kind_of, sender_of
+from .ucx import Request, Worker
+
+__all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
+
+logger = logging.getLogger(__name__)
+
+MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
+
+OnMessage = Callable[[int, memoryview, list[torch.Tensor]], None]
+OnFrameError = Callable[[int, int, BaseException], None]
+Allocator = Callable[[int, int], torch.Tensor]
+
+
+def _inline(frame: np.ndarray, d: BufferDesc) -> torch.Tensor:
+    """A buffer that travelled inside its frame, as a view of the frame."""
+    return torch.from_numpy(frame[d.inline_offset:d.inline_offset + d.nbytes])
+
+
+class Receiver:
+    """Receives and delivers the messages of one worker's pipes.
+
+    Args:
+        worker: the UCX worker to probe and receive on.
+        limits: this side's limits.
+        pipes: the transport's pipes by peer id (read, never changed here).
+        watch: the loop's list of requests in flight; data receives go
+            there as ``(request, Incoming | Piece | None)``, and the loop
+            hands each back to :meth:`completed`.
+        alloc: ``(nbytes, device)`` → memory for a data buffer.
+        host_as_device: the debug switch of :mod:`.staging`.
+        cuda_direct: whether this side's UCX takes device memory.
+        on_message: ``(peer_id, payload, buffers)`` per complete message.
+        on_frame_error: ``(peer_id, hint, error)`` for an authenticated
+            peer's message that could not be taken (a limit, a failed
+            allocation or receive).
+        on_handshake: ``(pipe, frame)`` for a decoded handshake frame; may
+            raise AuthenticationError or FrameError, which are counted here.
+        adopt: ``(sender, pipe)`` → the pipe for a HELLO from a worker id
+            without one (dynamic membership), or ``pipe`` unchanged.
+    """
+
+    def __init__(self, *, worker: Worker, limits: Limits, pipes: dict[int, Pipe],
+                 watch: list[tuple[Request, Any]], alloc: Allocator, host_as_device: bool,
+                 cuda_direct: bool, on_message: OnMessage, on_frame_error: OnFrameError,
+                 on_handshake: Callable[[Pipe, Frame], None],
+                 adopt: Callable[[int, Pipe | None], Pipe | None]) -> None:
+        self._worker = worker
+        self.limits = limits
+        self._pipes = pipes
+        self._watch = watch
+        self._alloc = alloc
+        self._host_as_device = host_as_device
+        self._cuda_direct = cuda_direct
+        self._on_message = on_message
+        self._on_frame_error = on_frame_error
+        self._on_handshake = on_handshake
+        self._adopt = adopt
+        #: Frames being received: (request, buffer, tag, length, why dropped).
+        self.frames: list[tuple[Request, np.ndarray, int, int, str | None]] = []
+        self.refused = 0
+        self.frame_errors = 0
+
+    # ------------------------------------------------------------- frames
+
+    def poll(self) -> bool:
+        """Receive what arrived and hand on the frames that completed, in
+        each sender's order: whether anything happened."""
+        busy = False
+        while (probe := self._worker.probe(0, 1 << 63)) is not None:
+            busy = True
+            # A frame we will not read goes into one byte: UCX truncates and
+            # drops it, so it costs no memory here.
+            drop = self.unwanted(probe.sender_tag, probe.length)
+            buf = np.empty(1 if drop else probe.length, dtype=np.uint8)
+            req = self._worker.recv_probed(buf, probe)
+            self.frames.append((req, buf, probe.sender_tag, probe.length, drop))
+        if self.frames:
+            # A large frame (rendezvous) completes after a small one sent
+            # behind it; frames are delivered in the order each sender sent
+            # them, so a sender's frames wait behind its incomplete ones.
+            frames, self.frames = self.frames, []
+            still = []
+            waiting: set[int] = set()
+            seen = 0
+            try:
+                for entry in frames:
+                    req, buf, tag, length, drop = entry
+                    sender = sender_of(tag)
+                    seen += 1  # first: an entry is never handled twice
+                    if sender in waiting or not req.done:
+                        waiting.add(sender)
+                        still.append(entry)
+                        continue
+                    busy = True
+                    if drop:
+                        self.dropped(tag, length, drop)
+                    elif req.error() is None:
+                        self.on_frame(tag, buf)
+            finally:
+                # Whatever ends this turn (a BaseException from a callback,
+                # which the handlers' ``except Exception`` lets through),
+                # what was not looked at stays watched.
+                self.frames[:0] = still + frames[seen:]
+        return busy
+
+    def unwanted(self, tag: int, length: int) -> str | None:
+        """Why a probed frame is not worth receiving, judged before a byte of
+        it is read: anyone can send to a worker, and a receive buffer of the
+        size claimed would let them fill our memory."""
+        if length > self.limits.max_frame_bytes:
+            return f"exceeds max_frame_bytes={self.limits.max_frame_bytes}"
+        if kind_of(tag) == HANDSHAKE:
+            return "too large for a handshake" if length > MAX_HANDSHAKE_FRAME else None
+        pipe = self._pipes.get(sender_of(tag))
+        if pipe is None:
+            return "from an unknown worker id"
+        if pipe.in_key is None and not pipe.in_nonces:
+            return "from a peer that has not authenticated"
+        return None
+
+    def dropped(self, tag: int, length: int, why: str) -> None:
+        """Count a frame received into nothing.  Its tag is all we know, and
+        a tag is only a claim: nothing is done on its word (senders check
+        the receiver's max_frame_bytes before sending)."""
+        if length > self.limits.max_frame_bytes:
+            self.frame_errors += 1
+        else:
+            self.refused += 1
+        logger.warning("dropped a %d-byte frame claiming to be from worker id %d: %s",
+                       length, sender_of(tag), why)
+
+    def on_frame(self, tag: int, buf: np.ndarray) -> None:
+        """A whole frame arrived on ``tag``: act on it, or count why not."""
+        sender = sender_of(tag)
+        kind = kind_of(tag)
+        pipe = self._pipes.get(sender)
+        if kind == HANDSHAKE and peek_kind(buf) == Kind.HELLO:
+            pipe = self._adopt(sender, pipe)
+        if pipe is None:
+            self.refused += 1
+            logger.warning("refused a frame from unknown worker id %d", sender)
+            return
+        try:
+            if kind == HANDSHAKE:
+                self._on_handshake(pipe, decode(buf, None, self.limits))
+            elif pipe.in_key is None:
+                self.refused += 1
+                logger.warning("refused an unauthenticated frame claiming to be from %s "
+                               "(seq %s)", pipe.name, peek_seq(buf))
+            else:
+                self._message_frame(pipe, buf, tag & HINT_MASK)
+        except AuthenticationError as exc:
+            self.refused += 1
+            logger.warning("%s", exc)
+        except FrameError as exc:
+            self.frame_errors += 1
+            logger.warning("dropped a frame from %s: %s", pipe.name, exc)
+
+    # ----------------------------------------------------------- messages
+
+    def _message_frame(self, pipe: Pipe, buf: np.ndarray, hint: int) -> None:
+        assert pipe.in_key is not None
+        frame = decode(buf, pipe.in_key, self.limits)
+        if frame.seq <= pipe.in_seq:
+            raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
+        pipe.in_seq = frame.seq
+        if frame.kind is Kind.BATCH:
+            self._batch(pipe, buf, frame)
+            return
+        if frame.kind is not Kind.MESSAGE:
+            return  # PING and PONG: once liveness checks, now unused
+        if self._too_big(pipe, frame, hint):
+            self._drain(pipe, frame)
+            return
+        bufs: list[Any] = []
+        msg = Incoming(pipe, frame, bufs, hint)
+        for i, d in enumerate(frame.buffers):
+            if d.inline:
+                bufs.append(_inline(buf, d))
+            elif d.flags == PACKED:
+                bufs.append(None)  # cut out of its pack when that arrives
+            else:
+                bufs.append(self._post(msg, i, d))
+        if msg.waiting == 0:
+            self._deliver(msg)
+
+    def _post(self, msg: Incoming, i: int, d: BufferDesc) -> torch.Tensor:
+        """Post the receives of buffer ``i`` of ``msg``; what it lands in."""
+        tag = data_tag(msg.pipe.peer_id, msg.frame.seq, i)
+        target: torch.Tensor | None = None
+        if msg.error is None:
+            try:
+                if d.device >= 0 and not d.flags & STAGED and not self._cuda_direct:
+                    raise FrameError(f"{msg.pipe.name} sent device memory directly (buffer "
+                                     f"{i}), but this worker's UCX has no CUDA transport")
+                target = self._alloc(d.nbytes, d.device)
+            except Exception as exc:
+                msg.error = exc
+        if target is None:  # this or an earlier buffer failed: consume what comes, into nothing
+            target = torch.empty(0, dtype=torch.uint8)
+            count = staging.receives(d)
+            for _ in range(count):
+                self._watch.append((self._worker.tag_recv(target, tag), msg))
+            msg.waiting += count
+            return target
+        if d.flags & STAGED:
+            for landing in staging.landings(target, d, self._host_as_device):
+                req = self._worker.tag_recv(landing.into, tag)
+                msg.waiting += 1
+                self._watch.append((req, msg if landing.then is None
+                                    else Piece(msg, landing.then)))
+            return target
+        msg.waiting += 1
+        self._watch.append((self._worker.tag_recv(target, tag), msg))
+        return target
+
+    def _too_big(self, pipe: Pipe, frame: Frame, hint: int) -> bool:
+        """Refuse a message over max_message_bytes, telling the agent (which
+        answers or fails the call ``hint`` names)."""
+        if frame.total <= self.limits.max_message_bytes:
+            return False
+        self.frame_errors += 1
+        pipe.received += 1
+        self._on_frame_error(pipe.peer_id, hint, FrameError(
+            f"message of {frame.total} bytes exceeds max_message_bytes="
+            f"{self.limits.max_message_bytes}"))
+        return True
+
+    def _batch(self, pipe: Pipe, buf: np.ndarray, frame: Frame) -> None:
+        """Deliver each message of a BATCH frame (its MAC checked) in order;
+        the limits apply to each message, as if it had come alone."""
+        if frame.buffers:
+            raise FrameError(f"a batch frame from {pipe.name} has buffers of its own")
+        for raw in batch.unpack(buf, PREFIX.size, len(frame.payload)):
+            inner = decode(raw, None, self.limits)
+            if inner.kind is not Kind.MESSAGE or not all(d.inline for d in inner.buffers):
+                raise FrameError(f"a batch from {pipe.name} holds a message that is not "
+                                 "small (only inline buffers may be batched)")
+            hint = inner.seq & HINT_MASK
+            if self._too_big(pipe, inner, hint):
+                continue
+            bufs = [_inline(raw, d) for d in inner.buffers]
+            self._deliver(Incoming(pipe, inner, bufs, hint))
+
+    def _drain(self, pipe: Pipe, frame: Frame) -> None:
+        """Consume a rejected message's buffers (truncated into one byte) so
+        they do not sit in UCX's unexpected queue; their errors are ignored."""
+        for i, d in enumerate(frame.buffers):
+            for _ in range(staging.receives(d)):
+                sink = np.empty(1, dtype=np.uint8)
+                req = self._worker.tag_recv(sink, data_tag(pipe.peer_id, frame.seq, i))
+                self._watch.append((req, None))
+
+    def completed(self, req: Request, owner: Incoming | Piece) -> None:
+        """One of a message's data receives completed (the loop calls this
+        for the owners this side put on the watch list)."""
+        err: BaseException | None = req.error()
+        if isinstance(owner, Piece):
+            if err is None:
+                try:
+                    owner.then()
+                except Exception as exc:  # a failed copy fails its message
+                    err = exc
+            owner = owner.msg
+        owner.waiting -= 1
+        if err is not None and owner.error is None:
+            owner.error = BrokenError(f"receiving a buffer from {owner.pipe.name} "
+                                      f"failed: {err}")
+        if owner.waiting == 0:
+            self._deliver(owner)
+
+    def _deliver(self, msg: Incoming) -> None:
+        msg.pipe.received += 1
+        buffers = msg.buffers
+        if msg.error is None and msg.frame.delivered >= 0:
+            try:
+                buffers = staging.finish(buffers, msg.frame.buffers, msg.frame.delivered)
+            except Exception as exc:
+                msg.error = exc
+        try:
+            if msg.error is not None:
+                self._on_frame_error(msg.pipe.peer_id, msg.hint, msg.error)
+            else:
+                self._on_message(msg.pipe.peer_id, msg.frame.payload, buffers)
+        except Exception:
+            logger.exception("message handler failed for a message from %s", msg.pipe.name)
