@@ -13,6 +13,9 @@ tensor's device, so the time is the transfer plus one round trip), then one
 call carrying 1,000 CUDA tensors of 4 KiB: packed (ucxrpc's default above
 its count threshold: one kernel launch per side) against one by one (packing
 switched off) and torch.  Needs a GPU, torch and CuPy.
+
+A run whose child raises or dies stops at once with the child's traceback
+(the other runs still go); the exit status is 1 if any run failed.
 """
 
 from __future__ import annotations
@@ -20,15 +23,22 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import queue
 import statistics
 import sys
 import time
+import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ucxrpc.bench.launch import free_port  # noqa: E402  (after the path)
 from ucxrpc.bench.plan import parse_sizes  # noqa: E402
+
+
+class ChildFailed(RuntimeError):
+    """A benchmark child raised, died or ran out of time."""
+
 
 def device_of(t):
     return str(t.device) if not isinstance(t, list) else str(t[0].device)
@@ -60,6 +70,14 @@ _VARIANTS = {"direct": {}, "staged": {"transports": ["sm", "tcp"]}, "unpacked": 
 
 
 def _child(impl, variant, rank, port, sizes, repeat, out):
+    try:
+        _measure(impl, variant, rank, port, sizes, repeat, out)
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+        raise
+
+
+def _measure(impl, variant, rank, port, sizes, repeat, out):
     import torch
     warnings.filterwarnings("ignore")
     rpc, Options = _modules(impl)
@@ -87,7 +105,7 @@ def _child(impl, variant, rank, port, sizes, repeat, out):
             res["pipe"] = f"{pipe['cuda_path']} over {','.join(pipe['transports'])}"
             res["stats"] = {k: v for k, v in rpc._get_debug_info().items()
                             if k in ("staged_bytes", "packed_buffers")}
-        out.put(res)
+        out.put(("ok", rank, res))
     finally:
         rpc.shutdown()
 
@@ -110,7 +128,9 @@ def _d2d(sizes, repeat):
     return res
 
 
-def _run(impl, variant, sizes, repeat):
+def _run(impl, variant, sizes, repeat, timeout):
+    """Rank 0's results; raises :class:`ChildFailed` as soon as a child
+    reports an exception or exits abnormally, or at ``timeout`` seconds."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -118,19 +138,53 @@ def _run(impl, variant, sizes, repeat):
                          daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     try:
-        return out.get(timeout=600)
+        while True:
+            try:
+                kind, rank, value = out.get(timeout=1.0)
+            except queue.Empty:
+                for rank, p in enumerate(procs):
+                    if p.exitcode not in (None, 0):
+                        raise ChildFailed(f"{impl}/{variant}: rank {rank} exited with code "
+                                          f"{p.exitcode} (a signal if negative)") from None
+                if time.monotonic() > deadline:
+                    raise ChildFailed(f"{impl}/{variant}: no result in {timeout:.0f} s") from None
+                continue
+            if kind == "error":
+                raise ChildFailed(f"{impl}/{variant}: rank {rank} raised:\n{value}")
+            return value
     finally:
         for p in procs:
             p.join(20)
             if p.is_alive():
                 p.kill()
+                p.join(5)
+
+
+def _runs(specs, repeat, timeout):
+    """Every run in ``specs`` (name -> (impl, variant, sizes)); a failed one
+    is reported on stderr and missing from the result."""
+    results, failed = {}, []
+    for name, (impl, variant, sizes) in specs.items():
+        try:
+            results[name] = _run(impl, variant, sizes, repeat, timeout)
+        except ChildFailed as exc:
+            print(f"FAILED {exc}", file=sys.stderr, flush=True)
+            failed.append(name)
+    return results, failed
+
+
+def _fmt(value, spec):
+    return format(value, spec) if value is not None else "-"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1M,4M,16M,64M,256M,1G")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds each run (a pair of processes) may take (default: 600)")
     args = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -138,21 +192,28 @@ def main(argv=None):
     sizes = list(parse_sizes(args.sizes))
     print(f"GPU: {torch.cuda.get_device_name(0)}; one-way GB/s, median of {args.repeat}")
     d2d = _d2d(sizes, args.repeat)
-    ucx = _run("ucxrpc", "direct", sizes, args.repeat)
-    staged = _run("ucxrpc", "staged", sizes, args.repeat)
-    unpacked = _run("ucxrpc", "unpacked", [], args.repeat)
-    tp = _run("torch", "direct", sizes, args.repeat)
-    print(f"ucxrpc pipe: {ucx['pipe']} {ucx['stats']}; staged run: {staged['pipe']} "
-          f"{staged['stats']}")
+    res, failed = _runs({"ucx": ("ucxrpc", "direct", sizes),
+                         "staged": ("ucxrpc", "staged", sizes),
+                         "unpacked": ("ucxrpc", "unpacked", []),
+                         "torch": ("torch", "direct", sizes)}, args.repeat, args.timeout)
+    ucx, staged, unpacked, tp = (res.get(k, {}) for k in ("ucx", "staged", "unpacked", "torch"))
+    print(f"ucxrpc pipe: {ucx.get('pipe')} {ucx.get('stats')}; staged run: "
+          f"{staged.get('pipe')} {staged.get('stats')}")
+    if ucx and "cuda_ipc" not in ucx["pipe"]:
+        print("WARNING: the ucxrpc pipe has no cuda_ipc lane: UCX stages device memory itself")
     print(f"{'size':>6} {'d2d copy':>9} {'ucxrpc':>8} {'staged':>8} {'torch':>8} "
           f"{'ucxrpc/d2d':>11} {'ucxrpc/torch':>13}")
     for n in sizes:
-        u, t = ucx[n], tp[n]
-        print(f"{n >> 20:>5}M {d2d[n]:>9.1f} {u:>8.1f} {staged[n]:>8.1f} {t:>8.1f} "
-              f"{u / d2d[n]:>11.2f} {u / t:>13.2f}")
-    print(f"1,000 x 4 KiB CUDA tensors in one call, ms: ucxrpc packed {ucx['small']:.2f}, "
-          f"ucxrpc one by one {unpacked['small']:.2f} ({unpacked['stats']}), "
-          f"torch {tp['small']:.2f}")
+        u, t, st = ucx.get(n), tp.get(n), staged.get(n)
+        print(f"{n >> 20:>5}M {d2d[n]:>9.1f} {_fmt(u, '>8.1f')} {_fmt(st, '>8.1f')} "
+              f"{_fmt(t, '>8.1f')} {_fmt(u and u / d2d[n], '>11.2f')} "
+              f"{_fmt(u and t and u / t, '>13.2f')}")
+    print(f"1,000 x 4 KiB CUDA tensors in one call, ms: ucxrpc packed "
+          f"{_fmt(ucx.get('small'), '.2f')}, ucxrpc one by one "
+          f"{_fmt(unpacked.get('small'), '.2f')} ({unpacked.get('stats')}), "
+          f"torch {_fmt(tp.get('small'), '.2f')}")
+    if failed:
+        sys.exit(f"bench_cuda: {len(failed)} run(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

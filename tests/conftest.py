@@ -5,7 +5,11 @@ pyproject.toml; this file adds:
 
 * GPU detection: tests marked ``gpu`` are skipped, with the reason, when
   ``torch.cuda.is_available()`` is false. Torch is imported only when such a
-  test was collected.
+  test was collected. With ``UCXRPC_REQUIRE_GPU=1`` (a run on a GPU machine,
+  e.g. benchmarks/gpu_check.sh) a ``gpu`` test that skips, for that reason
+  or any other, fails instead: a skip there means a broken GPU setup (a
+  CPU-only torch, a driver too old for it, ``CUDA_VISIBLE_DEVICES=""``),
+  not a pass.
 * A check after each test module that it left no child process running; any
   leftover is killed and the module gets an error naming it.
 """
@@ -17,7 +21,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
@@ -40,6 +44,11 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
+def gpu_required() -> bool:
+    """Whether this run must have a GPU (``UCXRPC_REQUIRE_GPU=1``)."""
+    return os.environ.get("UCXRPC_REQUIRE_GPU") == "1"
+
+
 @pytest.fixture(scope="session")
 def cuda_available() -> bool:
     """Whether a CUDA GPU is usable in this session."""
@@ -56,6 +65,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=reason)
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if gpu_required():
+        return "UCXRPC_REQUIRE_GPU=1: a gpu test that skips fails"
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+        item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if (gpu_required() and report.skipped and not hasattr(report, "wasxfail")
+            and item.get_closest_marker("gpu") is not None):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"UCXRPC_REQUIRE_GPU=1, yet this gpu test skipped: {reason}"
+    return report
 
 
 def _exempt_pids() -> set[int]:

@@ -2,9 +2,15 @@
 
 A message with many small tensors (gradients, parameter shards) costs the
 transport per buffer; packed, it moves as one.  On CUDA the copy is one
-launch of ``kernels/multi_copy.cu``, compiled with CuPy at first use; on the
-CPU it is one ``memmove`` per tensor.  CuPy is imported only when a CUDA
-tensor is packed, so CPU-only runs never need it.
+launch of ``ucxrpc/kernels/multi_copy.cu``, compiled with CuPy at first use;
+on the CPU it is one ``memmove`` per tensor.  CuPy is imported only when a
+CUDA tensor is packed, so CPU-only runs never need it.
+
+Where CuPy is missing, or installed but not working (no NVRTC, a CUDA
+major or driver it does not support), :func:`cuda_problem` says why, once
+per process in a warning: senders then send small CUDA tensors one by one
+(:mod:`.transport.staging`), and a pack that arrives from a peer is still
+cut apart, with one ``copy_`` per tensor instead of one launch.
 
 The layout: tensors back to back in the order given, each at an offset
 aligned to :data:`ALIGN` bytes, so every dtype can view the buffer in place.
@@ -15,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import logging
 import threading
 from dataclasses import dataclass
 from importlib import resources
@@ -23,12 +30,17 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["ALIGN", "PackedSpec", "cuda_available", "layout", "multi_copy", "pack", "unpack"]
+__all__ = ["ALIGN", "PackedSpec", "cuda_problem", "cut", "kernel_source", "kernel_usable",
+           "layout", "multi_copy", "pack", "unpack"]
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64
 _CHUNK = 64 * 1024  # bytes per CUDA block
 _THREADS = 256
 _lock = threading.Lock()
+_warn_lock = threading.Lock()
+_warned = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +82,14 @@ def pack(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[PackedSpec
     srcs = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     specs, size = layout(srcs)
     buf = torch.empty(size, dtype=torch.uint8, device=device)
-    base = buf.data_ptr()
-    multi_copy([t.data_ptr() for t in srcs], [base + s.offset for s in specs],
-               [s.nbytes for s in specs], device)
+    if kernel_usable(device):
+        base = buf.data_ptr()
+        multi_copy([t.data_ptr() for t in srcs], [base + s.offset for s in specs],
+                   [s.nbytes for s in specs], device)
+    else:
+        for t, s in zip(srcs, specs):
+            if s.nbytes:
+                buf[s.offset:s.offset + s.nbytes].copy_(_as_bytes(t))
     # The sources must live until the copy ran (CUDA: the caching allocator
     # may hand their memory out again before the stream reaches the kernel).
     if device.type == "cuda":
@@ -88,17 +105,72 @@ def unpack(buf: torch.Tensor, specs: Sequence[PackedSpec]) -> list[torch.Tensor]
         if s.offset + s.nbytes > buf.numel():
             raise ValueError(f"pack of {buf.numel()} bytes is too small for a tensor at "
                              f"offset {s.offset} of {s.nbytes} bytes")
-    base = buf.data_ptr()
-    multi_copy([base + s.offset for s in specs], [t.data_ptr() for t in out],
-               [s.nbytes for s in specs], buf.device)
+    cut(buf, [s.offset for s in specs], out)
     return out
 
 
+def cut(buf: torch.Tensor, offsets: Sequence[int], out: Sequence[torch.Tensor]) -> None:
+    """Copy the bytes at ``offsets`` in ``buf`` into the contiguous tensors
+    ``out`` (same device; each takes its own size): one launch on CUDA where
+    the kernel works, else one ``copy_`` per tensor.  Work is enqueued on
+    the current stream."""
+    if kernel_usable(buf.device):
+        base = buf.data_ptr()
+        multi_copy([base + o for o in offsets], [t.data_ptr() for t in out],
+                   [t.nbytes for t in out], buf.device)
+        return
+    for o, t in zip(offsets, out):
+        if t.nbytes:
+            _as_bytes(t).copy_(buf[o:o + t.nbytes])
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def kernel_usable(device: torch.device) -> bool:
+    """Whether packs on ``device`` are copied with one launch (always on the
+    CPU).  The first time CUDA's cannot, one warning says why."""
+    if device.type != "cuda":
+        return True
+    reason = cuda_problem(device.index or 0)
+    if reason is None:
+        return True
+    global _warned
+    with _warn_lock:
+        first, _warned = not _warned, True
+    if first:
+        logger.warning("ucxrpc cannot pack CUDA tensors with its kernel: %s. Small CUDA "
+                       "tensors are sent one by one, and packs from peers are cut apart "
+                       "with one copy per tensor.", reason)
+    return False
+
+
 @functools.cache
-def cuda_available() -> bool:
-    """Whether CUDA tensors can be packed here (CuPy is installed); found
-    without importing it."""
-    return importlib.util.find_spec("cupy") is not None
+def cuda_problem(device_index: int = 0) -> str | None:
+    """Why the pack kernel cannot run on ``cuda:device_index``; None when it can.
+
+    Tried once per process and device: CuPy is installed, imports, sees the
+    device and compiles :func:`kernel_source`'s ``multi_copy.cu``.  Never
+    raises.
+    """
+    if importlib.util.find_spec("cupy") is None:
+        return ("CuPy is not installed (pip install 'ucxrpc[cuda13]', or cupy-cuda12x "
+                "with a CUDA 12 torch)")
+    try:
+        import cupy
+    except Exception as exc:  # a broken install raises anything at import
+        return f"CuPy is installed but does not import ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        if device_index >= count:
+            return f"CuPy sees {count} CUDA devices, not cuda:{device_index}"
+        _kernel(device_index)
+    except Exception as exc:  # CUDA runtime, driver or NVRTC trouble
+        return (f"CuPy {getattr(cupy, '__version__', '?')} does not work on "
+                f"cuda:{device_index} ({type(exc).__name__}: {exc})")
+    return None
 
 
 def multi_copy(src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int],
@@ -141,11 +213,18 @@ def _cuda_multi_copy(src: Sequence[int], dst: Sequence[int], nbytes: Sequence[in
             _kernel(device.index or 0)((c,), (_THREADS,), args)
 
 
+def kernel_source(name: str = "multi_copy.cu") -> str:
+    """The CUDA source ``ucxrpc/kernels/<name>``, read as package data of
+    ``ucxrpc``: found in a wheel, an editable install and a checkout on
+    ``PYTHONPATH`` alike (``ucxrpc/kernels`` is a directory, not a package)."""
+    return resources.files("ucxrpc").joinpath("kernels").joinpath(name).read_text()
+
+
 @functools.cache
 def _kernel(device_index: int) -> Any:
     import cupy
 
     with _lock:
-        source = resources.files("ucxrpc.kernels").joinpath("multi_copy.cu").read_text()
+        source = kernel_source("multi_copy.cu")
         with cupy.cuda.Device(device_index):
             return cupy.RawModule(code=source).get_function("multi_copy")

@@ -13,12 +13,20 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ucxrpc(*args: str, timeout: float, cwd: Path | None = None) -> str:
+def _ucxrpc(*args: str, timeout: float, cwd: Path | None = None,
+            pythonpath: tuple[str, ...] = ()) -> str:
+    # No UCX_* variable from this process: had it imported ucxx, its
+    # UCX_MEMTYPE_CACHE=n would reach the child however ucxrpc behaves.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *pythonpath])
     proc = subprocess.run([sys.executable, "-m", "ucxrpc.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                          text=True, timeout=timeout, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def _readiness(out: str) -> dict[str, str]:
+    return {line[:14].strip(): line[14:] for line in out.splitlines()}
 
 
 @pytest.mark.timeout(90)
@@ -27,6 +35,43 @@ def test_info_reports_ucx_transports_and_cuda():
     assert "UCX           1." in out
     assert "tcp/lo" in out and "sysv/memory" in out
     assert "CUDA support" in out
+
+
+def _gpu_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.timeout(90)
+def test_info_says_whether_each_cuda_piece_is_ready_and_why_not():
+    got = _readiness(_ucxrpc("info", timeout=60))
+    for label in ("CUDA", "CuPy", "cuda_copy", "cuda_ipc", "memtype cache"):
+        assert got[label].startswith(("ready (", "not ready: ")), (label, got)
+        assert len(got[label]) > len("not ready: ") + 10, (label, got)  # a reason is given
+    # ucxx's own UCX_MEMTYPE_CACHE=n comes too late for libucs; ucxrpc's does not
+    assert got["memtype cache"] == "ready (UCX_MEMTYPE_CACHE=n, as UCX read it)", got
+    assert got["fragments"].startswith("host,cuda "), got
+    if not _gpu_here():
+        import torch
+
+        assert got["CUDA"].startswith("not ready: torch "), got
+        if torch.version.cuda is None:
+            assert got["CUDA"] == f"not ready: torch {torch.__version__} is built without CUDA"
+        assert got["cuda_copy"] == got["cuda_ipc"] == "not ready: no usable GPU (see CUDA)"
+        assert got["CuPy"].startswith("not ready: CuPy "), got
+        assert got["CUDA support"].startswith("not usable"), got
+
+
+@pytest.mark.timeout(90)
+def test_info_names_a_broken_cupy(tmp_path):
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(
+        'raise ImportError("libnvrtc.so.13: cannot open shared object file")\n')
+    got = _readiness(_ucxrpc("info", timeout=60, pythonpath=(str(tmp_path),)))
+    assert got["CuPy"].startswith("not ready: CuPy is installed but does not import "
+                                  "(ImportError: libnvrtc.so.13: cannot open"), got
+    assert got["CuPy"].endswith("small CUDA tensors go one by one"), got
 
 
 @pytest.mark.timeout(150)

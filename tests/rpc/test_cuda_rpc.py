@@ -1,7 +1,8 @@
 """CUDA tensors over RPC along device maps (two processes sharing one GPU).
 
 Marked ``gpu``: skipped without one.  Run on a GPU machine with
-``python -m pytest -m gpu``.
+``UCXRPC_REQUIRE_GPU=1 python -m pytest -m gpu -rs``, where a skip fails
+(benchmarks/gpu_check.sh does).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.rpc._gpu import SPIN
 from tests.workers import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
@@ -127,7 +129,8 @@ def _paths(rank, world_size, init_method, extra):
         assert all(a.dtype == b.dtype and torch.equal(a, b) and b.is_cuda
                    for a, b in zip(many, got))
         assert len({t.data_ptr() for t in got}) == len(got)
-        out = {"path": rpc.get_pipe_info("worker1")[0]["cuda_path"],
+        pipe = rpc.get_pipe_info("worker1")[0]
+        out = {"path": pipe["cuda_path"], "transports": pipe["transports"],
                "mine": path_stats(), "theirs": rpc.rpc_sync("worker1", path_stats)}
     rpc.shutdown()
     return out
@@ -146,6 +149,9 @@ def test_gpu_direct_and_staged_paths(extra, path):
         assert res["mine"]["staged_bytes"] >= 9 << 20, res
     else:
         assert res["mine"]["staged_bytes"] == 0, res
+        # UCX's own lane, not only ucxrpc's label: without cuda_ipc, UCX
+        # stages device memory through its own fragments
+        assert "cuda_ipc" in res["transports"], res
 
 
 def stream_facts(t):
@@ -153,22 +159,48 @@ def stream_facts(t):
     return current != torch.cuda.default_stream(), t.sum().item()
 
 
+def slow_double(fut):
+    """A ``then`` callback whose kernels are still queued when it returns."""
+    x = fut.value()
+    torch.cuda._sleep(SPIN)
+    return x * 2
+
+
 def _streams(rank, world_size, init_method):
     import ucxrpc as rpc
 
     _init(rank, world_size, init_method, {0: {"worker1": {0: 0}}})
+    out = None
     if rank == 0:
-        t = torch.ones(1 << 20, device="cuda")
+        n = 1 << 20
+        t = torch.ones(n, device="cuda")
         on_pool, total = rpc.rpc_sync("worker1", stream_facts, (t,))
-        assert on_pool and total == 1 << 20
-        # the future knows its devices: its value is safe on another stream
+        assert on_pool and total == n
         side = torch.cuda.Stream()
-        fut = rpc.rpc_async("worker1", plus_one, (t,))
+        # The control, first (so that no block of 4s is free for it to land
+        # in): on a plain future the callback's kernels run on the current
+        # stream and nothing makes the side stream wait for them, so the
+        # sum races the spin and comes out wrong.  If it does not, this
+        # check could not fail either (CUDA_LAUNCH_BLOCKING set, say).
+        plain = torch.futures.Future()
+        plain.set_result(t + 1)
+        raced_chain = plain.then(slow_double)
         with torch.cuda.stream(side):
-            value = fut.wait()
-            assert value.sum().item() == 2 * (1 << 20)
+            raced = raced_chain.wait().sum()
+        torch.cuda.synchronize()
+        # The future knows its devices: its callback runs on streams that
+        # wait for the value, the chained future records the callback's
+        # work, and waiting for it on any stream waits for that work.
+        chained = rpc.rpc_async("worker1", plus_one, (t,)).then(slow_double)
+        with torch.cuda.stream(side):
+            total = chained.wait().sum()
+        out = {"raced": raced.item(), "total": total.item(), "n": n}
     rpc.shutdown()
+    return out
 
 
 def test_callee_runs_on_pool_streams_and_futures_know_devices():
-    run_workers(_streams, 2, timeout=150)
+    res = run_workers(_streams, 2, timeout=150)[0]
+    assert res["raced"] != 4 * res["n"], ("the control did not race: this check cannot "
+                                          "fail here", res)
+    assert res["total"] == 4 * res["n"], res

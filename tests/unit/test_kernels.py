@@ -1,13 +1,21 @@
-"""Pack/unpack of many tensors: the CPU path here, the CUDA kernel with a GPU."""
+"""Pack/unpack of many tensors: the CPU path here, the CUDA kernel with a GPU;
+where the kernel's source is found; what happens where CuPy is missing or broken."""
 
 from __future__ import annotations
 
+import fnmatch
+import os
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from ucxrpc import _kernels
+
+REPO = Path(__file__).resolve().parents[2]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -63,3 +71,116 @@ def test_pack_unpack_on_the_gpu_matches_the_cpu():
     parts = [big[1:300_001], big[5:77], big[64:200_064]]
     got = _kernels.unpack(*_kernels.pack(parts))
     assert all(torch.equal(a, b) for a, b in zip(parts, got))
+
+
+# ---- the kernel's source, found without an install ---------------------------
+
+# A stand-in for CuPy that records the source _kernel compiles.
+_RECORDING_CUPY = """
+import contextlib
+compiled = []
+class RawModule:
+    def __init__(self, code):
+        compiled.append(code)
+    def get_function(self, name):
+        return name
+class cuda:
+    Device = staticmethod(lambda index: contextlib.nullcontext())
+"""
+
+
+def _run_isolated(code: str, stubs: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` in ``python -S`` with this checkout first on PYTHONPATH,
+    then stub packages (``name -> __init__.py text``), then what this process
+    imports from: no site initialisation, so no ``.pth`` file runs and no
+    editable-install finder exists; ``ucxrpc`` is the checkout's own."""
+    for name, text in stubs.items():
+        (tmp_path / "stubs" / name).mkdir(parents=True)
+        (tmp_path / "stubs" / name / "__init__.py").write_text(text)
+    here = [p for p in sys.path if p and os.path.isdir(p) and Path(p).resolve() != REPO]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path / "stubs"), *here])
+    return subprocess.run([sys.executable, "-S", "-c", textwrap.dedent(code)], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+
+def test_the_kernel_source_loads_from_a_plain_checkout(tmp_path):
+    """_kernel reads multi_copy.cu with ucxrpc found only on PYTHONPATH (no
+    wheel, no editable install), as pytest and benchmarks/ run it."""
+    proc = _run_isolated("""
+        import sys, cupy, ucxrpc
+        from ucxrpc import _kernels
+        assert not [f for f in sys.meta_path if "editable" in repr(f).lower()], sys.meta_path
+        assert _kernels._kernel(0) == "multi_copy"
+        (source,) = cupy.compiled
+        assert "multi_copy" in source and "__global__" in source, source[:200]
+        print("loaded", len(source), "bytes from", ucxrpc.__file__)
+    """, {"cupy": _RECORDING_CUPY}, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"from {REPO / 'ucxrpc' / '__init__.py'}" in proc.stdout
+
+
+def test_the_wheel_ships_every_kernel_source():
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = config["tool"]["setuptools"]["package-data"]["ucxrpc"]
+    sources = [p.relative_to(REPO / "ucxrpc").as_posix()
+               for p in (REPO / "ucxrpc" / "kernels").iterdir() if p.suffix in (".cu", ".cuh")]
+    assert "kernels/multi_copy.cu" in sources
+    assert all(any(fnmatch.fnmatch(s, pat) for pat in patterns) for s in sources), patterns
+
+
+# ---- CuPy missing or broken: no packing on the sender, a plain cut on arrival -
+
+_BROKEN_CUPY = """
+raise ImportError("libcudart.so.13: cannot open shared object file (a broken CuPy)")
+"""
+
+
+def test_a_broken_cupy_turns_cuda_packing_off_with_one_warning(tmp_path):
+    proc = _run_isolated("""
+        import logging, sys, torch
+        logging.basicConfig(format="%(levelname)s %(name)s %(message)s")
+        from ucxrpc import _kernels
+        from ucxrpc.transport import staging
+        cuda0 = torch.device("cuda", 0)
+        assert not staging._can_pack(cuda0), "a broken CuPy would fail the RPC"
+        assert not staging._can_pack(cuda0)
+        reason = _kernels.cuda_problem(0)
+        assert "does not import" in reason and "libcudart.so.13" in reason, reason
+        # the host-as-device debug path still packs, with memmove: no CuPy
+        bufs = [torch.arange(40, dtype=torch.uint8) for _ in range(staging.PACK_MIN_COUNT)]
+        out = staging.plan(bufs, None, staged=False, host_as_device=True)
+        assert out.packed == staging.PACK_MIN_COUNT, out.packed
+    """, {"cupy": _BROKEN_CUPY}, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, proc.stderr
+    assert "CuPy is installed but does not import" in warnings[0]
+    assert "sent one by one" in warnings[0]
+
+
+def test_without_cupy_the_reason_says_it_is_not_installed(tmp_path):
+    # None in sys.modules hides any CuPy this machine has from find_spec and import.
+    proc = _run_isolated("""
+        import sys
+        sys.modules["cupy"] = None
+        from ucxrpc import _kernels
+        print(_kernels.cuda_problem(0))
+    """, {}, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("CuPy is not installed"), proc.stdout
+
+
+def test_a_pack_is_cut_apart_without_the_kernel(monkeypatch):
+    """What a receiver without a working CuPy does with a peer's pack: the
+    same bytes, one copy per tensor (run on host tensors standing in)."""
+    calls = []
+    monkeypatch.setattr(_kernels, "kernel_usable", lambda device: False)
+    monkeypatch.setattr(_kernels, "multi_copy", lambda *a: calls.append(a))
+    tensors = _tensors("cpu")
+    buf, specs = _kernels.pack(tensors)
+    got = _kernels.unpack(buf.clone(), specs)
+    assert calls == []
+    for a, b in zip(tensors, got):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

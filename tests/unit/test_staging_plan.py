@@ -80,6 +80,21 @@ def test_finish_cuts_members_out_of_their_pack():
     assert len({t.data_ptr() for t in got}) == n  # tensors of their own, not views of the pack
 
 
+def test_finish_cuts_a_pack_apart_without_the_kernel_too(monkeypatch):
+    """A receiver whose CuPy is missing or broken still takes a peer's pack:
+    one copy per member instead of one launch (host tensors standing in)."""
+    from ucxrpc import _kernels
+
+    bufs = _bytes(*[17 + i for i in range(staging.PACK_MIN_COUNT)])
+    out = staging.plan(bufs, None, staged=False, host_as_device=True)
+    n = len(bufs)
+    descs = [BufferDesc(b.numel(), w[2], -1, w[0], w[1]) for b, w in zip(out.buffers, out.ways)]
+    monkeypatch.setattr(_kernels, "kernel_usable", lambda device: False)
+    monkeypatch.setattr(_kernels, "multi_copy", None)  # not called: it would raise
+    got = staging.finish([None] * n + [out.buffers[n].clone()], descs, n)
+    assert all(torch.equal(a, b) for a, b in zip(got, bufs))
+
+
 def test_receives_counts_the_messages_a_buffer_arrives_in():
     """What a rejected message's drain must consume: nothing for inline and
     packed buffers, every chunk of a staged one."""

@@ -19,7 +19,9 @@ things change that, both decided by the sender and written into the frame
   between the same pair of devices, the sender packs them into one buffer
   with one kernel launch and the receiver unpacks them, also with one
   launch, into tensors of their own (views of one pack would be compacted,
-  one copy each, when sent on: measured slower on the host path).
+  one copy each, when sent on: measured slower on the host path).  The
+  launches need CuPy: where it is missing or broken, a sender does not pack
+  (one warning says why) and a receiver cuts packs apart one copy each.
 
 Setting ``UCXRPC_DEBUG_HOST_AS_DEVICE=1`` makes host buffers take these
 paths as if they were device buffers (with plain host memory for chunks),
@@ -86,7 +88,11 @@ def receives(d: BufferDesc) -> int:
 
 
 def _can_pack(device: torch.device) -> bool:
-    return device.type == "cpu" or _kernels.cuda_available()
+    """Whether buffers on ``device`` are packed: on CUDA only where the pack
+    kernel works (CuPy installed and working; else one warning says why and
+    they go one by one, as without packing).  The receiver cuts a pack
+    apart with or without the kernel."""
+    return _kernels.kernel_usable(device)
 
 
 @dataclass
@@ -229,14 +235,12 @@ def finish(buffers: list[Any], descs: Sequence[BufferDesc], delivered: int) -> l
         pack = buffers[p]
         outs = [torch.empty(descs[i].nbytes, dtype=torch.uint8, device=pack.device)
                 for i in members]
-        src = [pack.data_ptr() + descs[i].inline_offset for i in members]
-        nbytes = [descs[i].nbytes for i in members]
         # The outputs were allocated above, on the current stream; only the
         # copy runs on the side stream that the message waits for.
         side = (torch.cuda.stream(_side_stream(pack.device.index or 0, "in")) if pack.is_cuda
                 else contextlib.nullcontext())
         with side:
-            _kernels.multi_copy(src, [t.data_ptr() for t in outs], nbytes, pack.device)
+            _kernels.cut(pack, [descs[i].inline_offset for i in members], outs)
         for i, t in zip(members, outs):
             buffers[i] = t
     for d in devices:  # the message is handed up complete, on any stream

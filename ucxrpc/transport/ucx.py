@@ -4,7 +4,7 @@ Everything above this module speaks in bytes, numpy arrays and torch
 tensors; ucxx types and exceptions stop here (converted to
 :mod:`ucxrpc.errors` with ``from exc``).
 
-ucxx is imported lazily by :func:`open_worker`, after the environment has
+ucxx is imported lazily by :class:`Worker`, after the environment has
 been prepared, because UCX reads ``UCX_*`` variables once, when the library
 loads (UCX-NOTES pitfall 7).
 """
@@ -12,10 +12,12 @@ loads (UCX-NOTES pitfall 7).
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -35,11 +37,38 @@ _TRANSPORT_ALIASES = {
     "ib": "rc,ud,dc",
     "infiniband": "rc,ud,dc",
 }
+# CUDA transports that move device memory but cannot tell it from host
+# memory: only cuda_copy's memory domain detects memory types (UCX 1.21
+# cuda_copy_md.c sets detect_mem_types; cuda_ipc_md.c and gdr_copy_md.c do
+# not), and UCX keeps a domain only when one of its transports is selected.
+# Without cuda_copy, every pointer is "host" to UCX, device ones included.
+_NEED_CUDA_COPY = {"cuda_ipc", "gdr_copy"}
+
+
+def ucx_tls(transports: Sequence[str]) -> str:
+    """``UCX_TLS`` for a ``transports=`` list: aliases expanded, and
+    ``cuda_copy`` added where ``cuda_ipc`` or ``gdr_copy`` is named without it
+    (UCX could not detect device memory otherwise: see ``_NEED_CUDA_COPY``).
+    An exclusion list (``^...``) or ``all`` passes through as given."""
+    names: list[str] = []
+    for t in transports:
+        for name in _TRANSPORT_ALIASES.get(t, t).split(","):
+            if name and name not in names:
+                names.append(name)
+    bare = {n.split(":")[0] for n in names}  # UCX allows "name:aux"
+    if not any(n.startswith("^") for n in names) and "all" not in bare \
+            and bare & _NEED_CUDA_COPY and not bare & {"cuda_copy", "cuda"}:
+        names.append("cuda_copy")
+    return ",".join(names)
 
 
 def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0,
                     environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
     """Return the ``UCX_*`` settings ucxrpc needs, without applying them.
+
+    They must be in the environment before ``ucxx`` is first imported: that
+    import loads libucs, which reads its global options (``MEMTYPE_CACHE``,
+    ``WARN_UNUSED_ENV_VARS``) once, there and then.
 
     Shared memory only works with endpoint error handling when
     ``UCX_MM_ERROR_HANDLING=y`` (UCX-NOTES pitfall 1); without it UCX falls
@@ -49,12 +78,26 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
     its TCP keepalive gives up on a silent host after about
     ``host_timeout``, as the lifelines do.  Within a host, messages up to
     512 KiB go eagerly (``UCX_RNDV_THRESH``).  Variables the user already
-    set win, except ``UCX_TLS`` when ``transports=`` is given explicitly.
+    set win, except ``UCX_TLS`` when ``transports=`` is given explicitly
+    (see :func:`ucx_tls`).
     """
     idle, interval = keepalive_schedule(host_timeout)
     wanted = {
         "UCX_MM_ERROR_HANDLING": "y",
-        "UCX_WARN_UNUSED_ENV_VARS": "n",  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
+        # UCX's memory-type cache off, as UCX's GPU guide asks (ucxx asks
+        # too, but sets it after loading libucs, which has read its global
+        # options by then: it never took effect).  With the cache on, UCX
+        # patches CUDA's allocation calls in every loaded library to track
+        # device memory, and misclassifies memory allocated before that.
+        "UCX_MEMTYPE_CACHE": "n",
+        # UCX's own default (1.18+): rendezvous pipelines may stage through
+        # host or device fragments, whichever UCX rates faster for the pair
+        # of memory types.  ucxx sets the deprecated UCX_RNDV_FRAG_MEM_TYPE=cuda
+        # on import, which allows device fragments only: those need an
+        # active CUDA context in the process (a worker receiving cuda:0 into
+        # its CPU has none of its own), and a cross-host pipeline to host
+        # memory over TCP has no use for them.  The plural wins over the alias.
+        "UCX_RNDV_FRAG_MEM_TYPES": "host,cuda",
         # Within a host, messages up to 512 KiB go eagerly through the peer's
         # shared-memory FIFO instead of by rendezvous, whose extra handshake
         # costs a scheduler slice per step on a busy host (256 KiB one-way
@@ -69,10 +112,27 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         "UCX_TCP_KEEPCNT": str(max(1, math.ceil((host_timeout - idle) / interval))),
     }
     out = {k: v for k, v in wanted.items() if k not in environ}
+    if "UCX_RNDV_FRAG_MEM_TYPE" in environ:  # the user's, under its old name
+        out.pop("UCX_RNDV_FRAG_MEM_TYPES", None)
     if transports:
-        names = [_TRANSPORT_ALIASES.get(t, t) for t in transports]
-        out["UCX_TLS"] = ",".join(names)
+        out["UCX_TLS"] = ucx_tls(transports)
+    tls = out.get("UCX_TLS", environ.get("UCX_TLS", "all"))
+    if tls not in ("", "all") and "UCX_WARN_UNUSED_ENV_VARS" not in environ:
+        # A narrowed transport list leaves some of the settings above unread
+        # (UCX_TCP_* without tcp, UCX_MM_ERROR_HANDLING without shared
+        # memory), and UCX would warn about each at every start.  With all
+        # transports the warning stays on: it is how a mistyped variable, or
+        # one set too late to be read, shows.
+        out["UCX_WARN_UNUSED_ENV_VARS"] = "n"
     return out
+
+
+def cuda_memory(cuda_support: bool, resources: Sequence[tuple[str, str]]) -> bool:
+    """Whether device memory is safe to hand to this UCX context: its build
+    has CUDA (``cuda_support``, ucxx's test of the build and ``UCX_TLS``)
+    and ``cuda_copy``, the one CUDA transport whose memory domain detects
+    device memory, is among its ``resources`` (transport, device)."""
+    return bool(cuda_support) and any(t == "cuda_copy" for t, _ in resources)
 
 
 class _TransportEntry(ctypes.Structure):
@@ -103,10 +163,7 @@ def _ucp_ep_query(handle: int) -> list[tuple[str, str]]:
     """(transport, device) per lane of a UCP endpoint, as UCX reports them."""
     global _libucp
     if _libucp is None:
-        import libucx  # type: ignore[import-untyped]
-
-        path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so")
-        _libucp = ctypes.CDLL(path if os.path.exists(path) else "libucp.so")
+        _libucp = _ucx_library("libucp.so")
         _libucp.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpAttr)]
         _libucp.ucp_ep_query.restype = ctypes.c_int
     entries = (_TransportEntry * 16)()
@@ -120,6 +177,58 @@ def _ucp_ep_query(handle: int) -> list[tuple[str, str]]:
         return []
     return [(entries[i].transport_name.decode(), entries[i].device_name.decode())
             for i in range(attr.transports.num_entries)]
+
+
+def _ucx_library(name: str) -> Any:
+    """One of UCX's libraries, the copy ucxx loaded (the libucx wheel's,
+    where it is installed; else the system's)."""
+    try:
+        import libucx  # type: ignore[import-untyped]  # noqa: PLC0415
+
+        path = os.path.join(os.path.dirname(libucx.__file__), "lib", name)
+    except ImportError:
+        path = name
+    return ctypes.CDLL(path if os.path.exists(path) else name)
+
+
+_PRINT_CONFIG_AND_HIDDEN = 1 | 8  # UCS_CONFIG_PRINT_CONFIG | UCS_CONFIG_PRINT_HIDDEN
+
+
+def effective_settings() -> dict[str, str]:
+    """Every ``UCX_*`` setting as UCX in this process really has it, printed
+    by UCX itself: libucs's global options (read once, when libucs loaded:
+    ``UCX_MEMTYPE_CACHE`` among them) and a UCP configuration read now.
+
+    Loads UCX (imports ucxx), so call it once the environment is prepared.
+    """
+    importlib.import_module("ucxx._lib.libucxx")  # loads UCX as ucxx does
+
+    ucs, ucp = _ucx_library("libucs.so"), _ucx_library("libucp.so")
+    libc = ctypes.CDLL(None)
+    libc.fdopen.restype = ctypes.c_void_p
+    libc.fdopen.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    ucs.ucs_global_opts_print.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    ucp.ucp_config_read.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
+                                    ctypes.POINTER(ctypes.c_void_p)]
+    ucp.ucp_config_print.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
+                                     ctypes.c_int]
+    ucp.ucp_config_release.argtypes = [ctypes.c_void_p]
+    with tempfile.TemporaryFile("w+") as out:
+        stream = libc.fdopen(os.dup(out.fileno()), b"w")
+        if not stream:
+            raise OSError(ctypes.get_errno(), "fdopen failed")
+        try:
+            ucs.ucs_global_opts_print(stream, _PRINT_CONFIG_AND_HIDDEN)
+            config = ctypes.c_void_p()
+            if ucp.ucp_config_read(None, None, ctypes.byref(config)) == 0:
+                ucp.ucp_config_print(config, stream, None, _PRINT_CONFIG_AND_HIDDEN)
+                ucp.ucp_config_release(config)
+        finally:
+            libc.fclose(stream)
+        out.seek(0)
+        text = out.read()
+    return dict(re.findall(r"^(UCX_\w+)=(.*)$", text, re.MULTILINE))
 
 
 def as_array_source(buf: torch.Tensor | np.ndarray | bytes | bytearray | memoryview) -> Any:
@@ -225,10 +334,15 @@ class Worker:
         self.raw = ucx.UCXWorker(self._ctx)
         self.raw.init_blocking_progress_mode()
         self.address: bytes = self.raw.address.tobytes()
-        # Device memory is safe to hand UCX only where a CUDA transport is
-        # loaded: otherwise UCX would read a device pointer as host memory.
-        self.cuda_memory: bool = bool(self._ctx.cuda_support) and bool(
-            {t for t, _ in _resources(str(self._ctx.info))} & _CUDA_TRANSPORTS)
+        # Device memory is safe to hand UCX only where it can detect it:
+        # otherwise UCX would read a device pointer as host memory.
+        resources = _resources(str(self._ctx.info))
+        self.cuda_memory: bool = cuda_memory(bool(self._ctx.cuda_support), resources)
+        loaded = {t for t, _ in resources}
+        if loaded & _NEED_CUDA_COPY and not self.cuda_memory:
+            logger.warning("UCX loaded %s without cuda_copy, so it cannot detect device "
+                           "memory: CUDA tensors are staged through host memory (add "
+                           "cuda_copy to UCX_TLS)", ", ".join(sorted(loaded & _NEED_CUDA_COPY)))
         self.fd: int = self.raw.epoll_file_descriptor
         self._mask_cache: dict[tuple[int, int], Any] = {}
 
@@ -274,9 +388,6 @@ def ucx_version() -> str:
     import ucxx._lib.libucxx as ucx  # noqa: PLC0415
 
     return ".".join(str(v) for v in ucx.get_ucx_version())
-
-
-_CUDA_TRANSPORTS = {"cuda_copy", "cuda_ipc", "gdr_copy"}
 
 
 def _resources(info: str) -> list[tuple[str, str]]:

@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# Check every CUDA claim of ucxrpc on a GPU machine, in one command, into one
+# report directory:
+#
+#   bash benchmarks/gpu_check.sh [REPORT_DIR] [STEP ...]
+#
+# REPORT_DIR defaults to $OUT when set, else ./gpu-check-<time>. STEPs default
+# to all of them, in this order:
+#   facts     nvidia-smi, driver, compute mode, MIG, torch / CuPy / CUDA versions
+#   info      `ucxrpc info`: CUDA, CuPy, cuda_copy, cuda_ipc, memtype cache ready?
+#   pytest    every gpu test, UCXRPC_REQUIRE_GPU=1: a skip is a failure
+#   proto     what UCX picks for ucxrpc's own pipe (UCX_PROTO_INFO=y, probe 1)
+#   perftest  ucx_perftest between two processes, cuda memory, UCX_PROTO_INFO=y:
+#             sm,cuda_copy,cuda_ipc (expect cuda_ipc zero-copy) and
+#             sm,cuda_copy (expect a */mtype pipeline: the staged ceiling)
+#   bench     benchmarks/bench_cuda.py, 1 MiB .. 1 GiB: d2d copy (the limit),
+#             ucxrpc GPU-direct, staged, torch TensorPipe with device maps,
+#             1,000 small tensors packed against one by one
+#   bench-ucxrpc  `ucxrpc bench --device cuda` against torch and raw ucxx (JSON, PNG)
+#   expandable    bench_cuda at 64 MiB and 1 GiB under
+#             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (memory CUDA
+#             IPC cannot share: the pipe must stop calling itself gpu-direct)
+#
+# Every step runs under `timeout`, writes <step>.log in the report directory,
+# and a failing step does not stop the next; a summary of which steps failed
+# ends the run (exit status 1 if any did). GPU_CHECK_DRY_RUN=1 prints each
+# step's command instead of running it (tests/rpc/test_gpu_setup.py does);
+# GPU_CHECK_PYTHON names the Python to use (default: python3).
+#
+# No registry is needed. When ucxx does not import, the wheels carried in
+# .whl/ are installed offline (see ../shared/gpu/fetch-ucxx-wheels.sh): into
+# a venv with --system-site-packages in $TMPDIR (torch, CuPy, numpy stay the
+# machine's), or with `pip --target .site` where no venv can be made. pytest and
+# pytest-timeout must import too; carry them the same way if the machine
+# lacks them:
+#   python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
+#       -d .whl pytest pytest-timeout
+# With the device tool's 10-minute limit per command, run the steps in two
+# calls, e.g. `... "$OUT" facts info pytest proto` and `... "$OUT" perftest bench`.
+set -u
+
+cd "$(dirname "$0")/.." || exit 2
+REPO=$PWD
+REPORT=${1:-${OUT:-$REPO/gpu-check-$(date +%Y%m%d-%H%M%S)}}
+shift $(( $# > 0 ? 1 : 0 ))
+STEPS=("$@")
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(facts info pytest proto perftest bench bench-ucxrpc expandable)
+DRY=${GPU_CHECK_DRY_RUN:-0}
+mkdir -p "$REPORT"
+: >"$REPORT/summary.txt"
+PY=${GPU_CHECK_PYTHON:-python3}
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+declare -a SUMMARY=()
+FAILED=0
+
+say() { echo "$*" | tee -a "$REPORT/summary.txt"; }
+
+# run_step NAME SECONDS COMMAND...: COMMAND under timeout, output to NAME.log,
+# the log's tail on the console, the outcome in the summary.
+run_step() {
+    local name=$1 limit=$2
+    shift 2
+    local log="$REPORT/$name.log" start=$SECONDS rc
+    echo "== $name (at most ${limit}s): $*"
+    if [ "$DRY" = 1 ]; then
+        echo "would run: $*" | tee "$log"
+        rc=0
+    else
+        timeout --kill-after=15 "$limit" "$@" >"$log" 2>&1
+        rc=$?
+        tail -n 25 "$log"
+    fi
+    local took=$((SECONDS - start)) what
+    case $rc in
+        0) what="ok" ;;
+        124 | 137) what="FAILED: timed out after ${limit}s" ;;
+        *) what="FAILED: exit status $rc" ;;
+    esac
+    [ "$rc" = 0 ] || FAILED=$((FAILED + 1))
+    SUMMARY+=("$(printf '%-13s %-34s %5ss  %s' "$name" "$what" "$took" "$log")")
+}
+
+# Python with ucxx, pytest and pytest-timeout importable: the machine's, or
+# the carried wheels installed offline.
+setup_python() {
+    if "$PY" -c "import ucxx, pytest, pytest_timeout" 2>/dev/null; then
+        return
+    fi
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        say "setup: ucxx, pytest or pytest-timeout missing and no wheels in .whl/"
+        return
+    fi
+    local venv=${TMPDIR:-/tmp}/ucxrpc-gpu-venv
+    if [ "$DRY" = 1 ]; then
+        echo "would install .whl/*.whl offline into $venv"
+        return
+    fi
+    if timeout 300 "$PY" -m venv --system-site-packages "$venv" >"$REPORT/setup.log" 2>&1 &&
+        timeout 600 "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir .whl/*.whl >>"$REPORT/setup.log" 2>&1; then
+        PY=$venv/bin/python
+    else
+        echo "no venv here (see setup.log): installing with pip --target .site" \
+            | tee -a "$REPORT/setup.log"
+        timeout 600 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$REPO/.site" .whl/*.whl >>"$REPORT/setup.log" 2>&1
+        export PYTHONPATH="$REPO/.site:$PYTHONPATH"
+    fi
+    "$PY" -c "import ucxx, pytest, pytest_timeout" >>"$REPORT/setup.log" 2>&1 ||
+        say "setup: still missing after the offline install (see setup.log)"
+}
+
+facts() {
+    nvidia-smi --query-gpu=name,driver_version,compute_mode,mig.mode.current,memory.total,pci.bus_id \
+        --format=csv
+    nvidia-smi
+    nvidia-smi topo -m
+    uname -a
+    echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-}"
+    "$PY" - <<'EOF'
+import sys
+import torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available(), "devices", torch.cuda.device_count())
+try:
+    import cupy
+    rt, drv = cupy.cuda.runtime.runtimeGetVersion(), cupy.cuda.runtime.driverGetVersion()
+    print("cupy", cupy.__version__, "runtime", rt, "driver API", drv)
+    if torch.version.cuda and str(rt // 1000) != torch.version.cuda.split(".")[0]:
+        print("WARNING: CuPy's CUDA major differs from torch's")
+except Exception as exc:
+    print("cupy: not usable:", type(exc).__name__, exc)
+try:
+    import libucx, ucxx
+    print("ucxx", ucxx.__version__, "UCX", ucxx.get_ucx_version(), libucx.__file__)
+except Exception as exc:
+    print("ucxx: not importable:", type(exc).__name__, exc)
+sys.exit(0 if torch.cuda.is_available() else "torch sees no GPU")
+EOF
+}
+
+# Two ucx_perftest processes moving cuda memory; what UCX picks is in the log.
+perftest() {
+    local ucx bin
+    ucx=$("$PY" -c 'import libucx, os; print(os.path.dirname(libucx.__file__))' 2>/dev/null)
+    bin=$ucx/bin/ucx_perftest
+    [ -x "$bin" ] || bin=$(command -v ucx_perftest) || { echo "no ucx_perftest"; return 1; }
+    export LD_LIBRARY_PATH="${ucx:+$ucx/lib:}${LD_LIBRARY_PATH-}"
+    "${bin%/*}/ucx_info" -d 2>/dev/null | grep -E "Transport: |Device: " | paste - - | sort -u
+    local rc=0 tls port server
+    for tls in sm,cuda_copy,cuda_ipc sm,cuda_copy; do
+        port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        echo "---- UCX_TLS=$tls, tag_bw, cuda -> cuda, 256 MiB"
+        UCX_TLS=$tls UCX_PROTO_INFO=y timeout 120 "$bin" -t tag_bw -m cuda -s 268435456 \
+            -n 20 -p "$port" >"$REPORT/perftest-server-$tls.log" 2>&1 &
+        server=$!
+        sleep 3
+        UCX_TLS=$tls UCX_PROTO_INFO=y timeout 100 "$bin" 127.0.0.1 -t tag_bw -m cuda \
+            -s 268435456 -n 20 -p "$port" || rc=1
+        wait "$server" || rc=1
+        echo "---- server side:"
+        cat "$REPORT/perftest-server-$tls.log"
+    done
+    return $rc
+}
+
+export PY REPORT
+export -f facts perftest  # run_step runs them as `bash -c NAME`, under timeout
+
+mapfile -t GPU_TESTS < <(grep -rlE "mark\.gpu" tests --include='test_*.py' | sort)
+
+setup_python
+echo "report: $REPORT; python: $PY; steps: ${STEPS[*]}"
+for step in "${STEPS[@]}"; do
+    case $step in
+        facts) run_step facts 120 bash -c facts ;;
+        info) run_step info 180 "$PY" -m ucxrpc.cli info ;;
+        pytest) run_step pytest 1500 env UCXRPC_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -rs \
+            -p no:cacheprovider --junitxml="$REPORT/pytest-gpu.xml" "${GPU_TESTS[@]}" ;;
+        proto) run_step proto 300 env UCXRPC_REQUIRE_GPU=1 UCX_PROTO_INFO=y "$PY" -m pytest -s \
+            -p no:cacheprovider tests/rpc/test_gpu_setup.py -k cuda_ipc_lane ;;
+        perftest) run_step perftest 400 bash -c perftest ;;
+        bench) run_step bench 1800 "$PY" benchmarks/bench_cuda.py \
+            --sizes 1M,4M,16M,64M,256M,1G --repeat 5 --timeout 600 ;;
+        bench-ucxrpc) run_step bench-ucxrpc 1800 "$PY" -m ucxrpc.bench --device cuda \
+            --compare torch --compare ucxx --sizes 1M..1G --no-progress --local \
+            --json "$REPORT/bench-ucxrpc-cuda.json" --plot "$REPORT/bench-ucxrpc-cuda.png" ;;
+        expandable) run_step expandable 900 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+            "$PY" benchmarks/bench_cuda.py --sizes 64M,1G --repeat 3 --timeout 300 ;;
+        *) say "unknown step: $step"; FAILED=$((FAILED + 1)) ;;
+    esac
+done
+
+say ""
+say "summary ($REPORT):"
+for line in "${SUMMARY[@]}"; do say "  $line"; done
+if [ "$FAILED" -gt 0 ]; then
+    say "$FAILED step(s) failed"
+    exit 1
+fi
+say "every step passed"

@@ -1,1 +1,0 @@
-"""CUDA C++ sources shipped with ucxrpc (``*.cu``); loaded by ``ucxrpc._kernels``."""

@@ -1,0 +1,145 @@
+"""Whether a GPU machine is set up as ucxrpc's CUDA paths need it (the
+review of 2026-11-23, probes 1, 6, 7 and 8), and the switch that makes a
+GPU run fail instead of skip.
+
+The probes are marked ``gpu``; run them where there is one with
+``UCXRPC_REQUIRE_GPU=1 python -m pytest -m gpu -rs tests/rpc/test_gpu_setup.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.rpc._gpu import BOTH, N, checksum, init
+from tests.workers import run_workers
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# 1. Two processes on one GPU: UCX moves device memory over cuda_ipc, not
+#    through staging of its own (a cuda_copy-only pipeline would be 10-25 GB/s
+#    under the same "gpu-direct" name before the label looked at the lanes).
+def _lanes(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    init(rank, world_size, init_method, BOTH)
+    out = None
+    if rank == 0:
+        t = torch.ones(N, device="cuda")
+        assert rpc.rpc_sync("worker1", checksum, (t,)) == N
+        out = rpc.get_pipe_info("worker1")[0]
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_direct_pipe_has_a_cuda_ipc_lane():
+    info = run_workers(_lanes, 2, timeout=150)[0]
+    assert "cuda_ipc" in info["transports"], info
+    assert info["cuda_path"] == "gpu-direct", info
+
+
+# 6. cuda:0 -> cpu, 16 MiB, where the receiver never touches CUDA itself:
+#    UCX's pipeline must not need a CUDA context or device fragments there.
+def _to_cpu(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    init(rank, world_size, init_method, {0: {"worker1": {0: "cpu"}}})
+    out = None
+    if rank == 0:
+        t = torch.full((N,), 2.0, device="cuda")
+        out = rpc.rpc_sync("worker1", checksum, (t,))
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.gpu
+def test_cuda_to_cpu_large_tensor():
+    assert run_workers(_to_cpu, 2, timeout=150)[0] == 2.0 * N
+
+
+# 7. transports naming cuda_ipc but not cuda_copy: ucxrpc adds cuda_copy,
+#    the one transport whose memory domain detects device memory; without
+#    it UCX took device pointers for host memory.
+def _ipc_only(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    init(rank, world_size, init_method, BOTH, transports=["sm", "cuda_ipc"])
+    out = None
+    if rank == 0:
+        out = (rpc.rpc_sync("worker1", checksum, (torch.ones(N, device="cuda"),)),
+               os.environ.get("UCX_TLS"))
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_without_cuda_copy_is_safe():
+    total, tls = run_workers(_ipc_only, 2, timeout=150)[0]
+    assert total == float(N)
+    assert tls == "sm,cuda_ipc,cuda_copy"
+
+
+# 8. UCX_MEMTYPE_CACHE=n reaches libucs in a worker started without it (a
+#    pytest parent that imported ucxx has put it in the environment the
+#    ranks inherit: removed first, as in a script run on its own; nothing
+#    this module imports loads UCX).
+def _memtype(rank, world_size, init_method):
+    os.environ.pop("UCX_MEMTYPE_CACHE", None)
+    import ucxrpc as rpc
+    from ucxrpc.transport.ucx import effective_settings
+
+    init(rank, world_size, init_method, BOTH)
+    out = effective_settings().get("UCX_MEMTYPE_CACHE")
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.gpu
+def test_memtype_cache_is_really_off():
+    assert run_workers(_memtype, 2, timeout=150)[0] == "n"
+
+
+# The switch: on a GPU machine a gpu test that skips is a failure.
+@pytest.mark.timeout(120)
+def test_require_gpu_turns_a_gpu_skip_into_a_failure(tmp_path):
+    target = "tests/unit/test_kernels.py::test_pack_unpack_on_the_gpu_matches_the_cpu"
+    base = {k: v for k, v in os.environ.items() if k != "UCXRPC_REQUIRE_GPU"}
+    base["CUDA_VISIBLE_DEVICES"] = ""  # no GPU for the child, wherever this runs
+
+    def run(**extra):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:randomly",
+                               "-p", "no:cacheprovider", target], cwd=REPO,
+                              env={**base, **extra}, capture_output=True, text=True, timeout=100)
+
+    skipped = run()
+    assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout
+    failed = run(UCXRPC_REQUIRE_GPU="1")
+    assert failed.returncode == 1, failed.stdout
+    assert "UCXRPC_REQUIRE_GPU=1, yet this gpu test skipped: Skipped: needs a CUDA GPU" \
+        in failed.stdout, failed.stdout
+
+
+# benchmarks/gpu_check.sh: the one command a GPU machine runs.
+@pytest.mark.timeout(60)
+def test_gpu_check_script_parses_and_its_pytest_step_requires_the_gpu(tmp_path):
+    script = REPO / "benchmarks" / "gpu_check.sh"
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                            timeout=30)
+    assert syntax.returncode == 0, syntax.stderr
+    dry = subprocess.run(["bash", str(script), str(tmp_path), "pytest"],
+                         env={**os.environ, "GPU_CHECK_DRY_RUN": "1"}, capture_output=True,
+                         text=True, timeout=30)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    (command,) = [line for line in dry.stdout.splitlines() if line.startswith("would run: ")]
+    assert " UCXRPC_REQUIRE_GPU=1 " in command and " -m pytest -m gpu -rs " in command, command
+    assert "tests/rpc/test_gpu_setup.py" in command and "tests/rpc/test_cuda_rpc.py" in command
+    assert "pytest        ok" in (tmp_path / "summary.txt").read_text()
