@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import torch
 
+from .devices import extracting_tensors
 from .errors import SerializationError
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,10 @@ class GradCapture:
         self.tensors: list[torch.Tensor] = []
 
     def __reduce__(self) -> Any:
+        # A Serializer never gets here (it pickles captures itself).  A
+        # CUDA-aware future finding the tensors of an autograd reply does.
+        if extracting_tensors():
+            return (list, (self.tensors,))
         raise TypeError("a GradCapture can only be pickled by a ucxrpc Serializer")
 
 

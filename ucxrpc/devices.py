@@ -15,24 +15,28 @@ with its messages, so programs and tests written for torch keep working:
   ``devices`` and targets within the peer's where those are given.
 
 Pure functions over ``torch.device`` values, except the stream discipline
-at the end (:func:`settle`, :func:`callee_streams`, :func:`future`), the
-only code here that touches a GPU, and only when CUDA is in use.
+at the end (:func:`settle`, :func:`callee_streams`, :func:`on_streams`,
+:class:`ReadyEvents`, :func:`future`, :func:`extracting_tensors`), the only
+code here that touches a GPU, and only when CUDA is in use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
 
 from .errors import RpcError
 
-__all__ = ["DeviceMap", "callee_streams", "check_devices", "default_devices", "future",
-           "reverse_maps", "settle", "target_devices",
+__all__ = ["DeviceMap", "ReadyEvents", "callee_streams", "check_devices", "current_streams",
+           "default_devices", "extracting_tensors", "future", "on_streams", "reverse_maps",
+           "settle", "target_devices",
            "to_device", "to_device_map", "validate"]
 
 DeviceMap = dict[torch.device, torch.device]
@@ -221,18 +225,109 @@ def callee_streams(devs: list[torch.device], received: Iterable[torch.Tensor]) -
         if b.is_cuda and b.device in streams:
             b.record_stream(streams[b.device])
     del received  # the callee drops its arguments before replying
+    with _entered(list(streams.values())):
+        yield
+
+
+def current_streams(devs: list[torch.device]) -> list[Any]:
+    """The current stream of each of ``devs`` (none, and no CUDA call, for
+    none): to carry a call's streams to work it hands to another thread."""
+    return [torch.cuda.current_stream(d) for d in devs]
+
+
+def on_streams(streams: list[Any]) -> contextlib.AbstractContextManager[None]:
+    """Make ``streams`` (one per device, maybe from another thread) current
+    here; the current device is left as it was.  Work queued in the body
+    follows the work already queued on them, and memory recorded on them
+    (a served call's received buffers) stays guarded.  For no streams (a
+    worker without CUDA devices), a context that does nothing, at no cost."""
+    return _entered(streams) if streams else _NOTHING
+
+
+_NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()  # reusable
+
+
+@contextlib.contextmanager
+def _entered(streams: list[Any]) -> Iterator[None]:
     home = torch.cuda.current_device()
     with contextlib.ExitStack() as stack:
-        for stream in streams.values():
+        for stream in streams:
             stack.enter_context(torch.cuda.stream(stream))
         stack.enter_context(torch.cuda.device(home))  # entering a stream may switch it
         yield
 
 
+class ReadyEvents:
+    """When values made on several streams are done: one CUDA event per
+    device, recorded again each time more work is added (:meth:`record`).
+
+    The stream recording waits first for the previous event of its device,
+    so the event covers every earlier recording too (torch keeps one event
+    per device the same way for a distributed autograd context's
+    gradients).  Not thread-safe: callers hold their own lock.  Costs
+    nothing until a CUDA device is recorded.
+    """
+
+    __slots__ = ("_events",)
+
+    def __init__(self) -> None:
+        self._events: dict[torch.device, Any] = {}
+
+    def record(self, device: torch.device) -> None:
+        """Mark the work queued so far on ``device``'s current stream (and,
+        through the wait, on the streams recorded before)."""
+        stream = torch.cuda.current_stream(device)
+        event = self._events.get(device)
+        if event is None:
+            event = self._events[device] = torch.cuda.Event()
+        else:
+            event.wait(stream)
+        event.record(stream)
+
+    def block(self, device: torch.device | None = None) -> None:
+        """Make the current stream of each recorded device (or of ``device``
+        only) wait, on the GPU, for the work recorded so far."""
+        for d, event in self._events.items():
+            if device is None or d == device:
+                event.wait(torch.cuda.current_stream(d))
+
+
 def future(devs: list[torch.device]) -> torch.futures.Future:
     """A future for a call's result that knows the caller's devices: torch
     then makes the waiter's current streams wait for the result's CUDA
-    tensors and records them on those streams (torch's ``Future(devices=)``)."""
+    tensors and records them on those streams (torch's ``Future(devices=)``).
+
+    Completing such a future (and each future ``then()`` makes from it)
+    finds the value's tensors by pickling it with plain pickle (see
+    :func:`extracting_tensors`): ucxrpc objects that refuse plain pickle
+    must let that one through."""
     if devs:
         return torch.futures.Future(devices=list(devs))
     return torch.futures.Future()
+
+
+# torch's own tensor finder for CUDA-aware futures; None where this torch
+# has no such function (then nothing is let through, as before).
+_EXTRACT_CODE = getattr(getattr(torch._jit_internal, "_extract_tensors", None), "__code__", None)
+_PICKLERS = frozenset({"pickle", "copyreg"})  # frames of the pure-Python pickler
+
+
+def extracting_tensors() -> bool:
+    """Whether the object whose ``__reduce__`` asks is being pickled by torch's
+    ``_extract_tensors``, not for sending anywhere.
+
+    A CUDA-aware future pickles the value it is completed with to find its
+    tensors (``torch._jit_internal._TensorExtractor``: tensors are kept aside
+    by ``persistent_id``, the bytes are thrown away), then records events
+    for and guards the memory of what it found.  Objects that refuse plain
+    pickle (an RRef outside an RPC, a GradCapture outside a Serializer)
+    return a stand-in holding their tensors when this says True, and keep
+    refusing every other pickle.  torch's extractor calls ``__reduce__``
+    straight from C, so the frame below the asking ``__reduce__`` is
+    ``_extract_tensors`` itself (below pure-Python pickle frames, if the C
+    pickler is missing); it is found by code identity, not by name.
+    """
+    frame: FrameType | None = sys._getframe(2)  # 0: here; 1: the __reduce__ that asks
+    while frame is not None and frame.f_globals.get("__name__") in _PICKLERS:
+        frame = frame.f_back
+    return frame is not None and frame.f_code is _EXTRACT_CODE

@@ -16,6 +16,12 @@ def async_execution(fn: F) -> F:
     The callee's thread is released as soon as ``fn`` returns; the response is
     sent when the future completes (its exception, if any, is re-raised on
     the caller).  Stacks under ``@staticmethod`` / ``@classmethod``.
+
+    With CUDA tensors in the result, as in torch: the reply is sent from
+    the future's callback, on the streams current where the future is
+    completed.  Complete it on the streams that made its tensors (or after
+    synchronizing them), or return a future that knows its devices
+    (``torch.futures.Future(devices=...)``, which an ``rpc_async`` returns).
     """
 
     @functools.wraps(fn)

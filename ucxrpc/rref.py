@@ -25,7 +25,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
-from . import api
+from . import api, devices
 from .agent import RpcAgent, WorkerInfo
 from .errors import RRefError
 from .functions import async_execution, plain
@@ -44,12 +44,18 @@ dist_backward: Callable[[int, list[Any], bool], None] | None = None
 
 
 class _Owned:
-    """The owner's record of one RRef: its value and who holds forks."""
+    """The owner's record of one RRef: its value and who holds forks.
+
+    On a worker with CUDA devices the value's future knows them, as torch's
+    OwnerRRef's: set on the streams that made the value, it records where
+    that work ends, and whoever waits for it (``local_value``, ``to_here``'s
+    reply, proxies) waits on its own streams for that work.
+    """
 
     __slots__ = ("value", "forks", "handle")
 
-    def __init__(self) -> None:
-        self.value: torch.futures.Future = torch.futures.Future()
+    def __init__(self, devs: list[torch.device]) -> None:
+        self.value: torch.futures.Future = devices.future(devs)
         self.forks: dict[ForkId, int] = {}
         self.handle: weakref.ref[RRef[Any]] | None = None
 
@@ -84,7 +90,7 @@ class _Registry:
         with self.lock:
             e = self.owned.get(rref_id)
             if e is None:
-                e = self.owned[rref_id] = _Owned()
+                e = self.owned[rref_id] = _Owned(self.agent.devices)
             return e
 
     def handle(self, rref_id: RRefId) -> RRef[Any]:
@@ -211,6 +217,11 @@ class RRef(Generic[T]):
 
     ``RRef(value)`` makes a local owner RRef.  Picklable only inside RPC
     arguments and return values, where it becomes a fork on the receiver.
+    On a worker with CUDA devices an owned value is held as torch's RPC
+    holds it, in a future that knows those devices: its CUDA tensors must be
+    on them, and torch finds them by pickling the value with plain pickle,
+    so it must be picklable; else using the RRef raises torch's error
+    ("... not among the expected device(s)", "Cannot extract tensors").
     """
 
     _owner_id: int
@@ -272,6 +283,10 @@ class RRef(Generic[T]):
             pass
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if devices.extracting_tensors():
+            # A CUDA-aware future looking for tensors in a value holding this
+            # RRef: as torch's own RRefs, it holds none (and makes no fork).
+            return (tuple, ())
         agent = self._registry.agent
         dest = agent.pickling_destination()
         if dest is None:
@@ -408,23 +423,28 @@ def _owner_create(rref_id: RRefId, fork_id: ForkId, holder: int, func: Any,
     e = reg.entry(rref_id)
     reg.add_fork(rref_id, fork_id, holder)
     # With the caller's context variables: a distributed autograd context
-    # keeps recording the function's own calls.
+    # keeps recording the function's own calls.  On this call's streams,
+    # where its received arguments are recorded (see devices.callee_streams).
     ctx = contextvars.copy_context()
-    reg.agent._pool.submit(ctx.run, _run_into, e.value, func, args, kwargs)
+    reg.agent._pool.submit(ctx.run, _run_into, e.value, func, args, kwargs,
+                           devices.current_streams(reg.agent.devices))
 
 
 def _run_into(target: torch.futures.Future, func: Any, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> None:
-    try:
-        result = func(*args, **kwargs)
-    except Exception as exc:
-        target.set_exception(exc)
-        return
-    if getattr(func, "_wrapped_async_rpc_function", None) is not None and \
-            isinstance(result, torch._C.Future):
-        result.add_done_callback(lambda f: _copy_result(f, target))
-        return
-    target.set_result(result)
+              kwargs: dict[str, Any], streams: list[Any]) -> None:
+    """Run ``func`` on ``streams`` (one per CUDA device of this worker, none
+    without) and set ``target``, which records where the value's work ends."""
+    with devices.on_streams(streams):
+        try:
+            result = func(*args, **kwargs)
+        except Exception as exc:
+            target.set_exception(exc)
+            return
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None and \
+                isinstance(result, torch._C.Future):
+            result.add_done_callback(lambda f: _copy_result(f, target))
+            return
+        target.set_result(result)
 
 
 def _copy_result(src: torch.futures.Future, dst: torch.futures.Future) -> None:
@@ -467,15 +487,20 @@ def _owner_del_forks(items: list[tuple[RRefId, ForkId]]) -> None:
 @async_execution
 def _proxy_call(rref: RRef[Any], name: str, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> torch.futures.Future:
-    value = _registry().entry(rref._rref_id).value
-    out: torch.futures.Future = torch.futures.Future()
+    reg = _registry()
+    value = reg.entry(rref._rref_id).value
+    out = devices.future(reg.agent.devices)
     # The method may run later, on the thread that sets the value: with this
-    # call's context variables (a distributed autograd context) all the same.
+    # call's context variables (a distributed autograd context) all the same,
+    # and on this call's streams, where its arguments are recorded; wait()
+    # makes them follow the value's work.
     ctx = contextvars.copy_context()
+    streams = devices.current_streams(reg.agent.devices)
 
     def run(f: torch.futures.Future) -> None:
         try:
-            out.set_result(ctx.run(getattr(f.value(), name), *args, **kwargs))
+            with devices.on_streams(streams):
+                out.set_result(ctx.run(getattr(f.wait(), name), *args, **kwargs))
         except Exception as exc:  # set_exception keeps its type; then() would not
             out.set_exception(exc)
 
@@ -506,8 +531,9 @@ def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     if dest.id == reg.me:
         rref = reg.handle(rref_id)
+        # On the caller's streams: after the work that made the arguments.
         agent._pool.submit(contextvars.copy_context().run, _run_into, reg.entry(rref_id).value,
-                           func, args, kwargs)
+                           func, args, kwargs, devices.current_streams(agent.devices))
         return rref
     rref = RRef._make(dest.id, rref_id, rref_id, confirmed=False)
     fut = agent.call(dest, _owner_create, (rref_id, rref_id, reg.me, func, args, kwargs), {},

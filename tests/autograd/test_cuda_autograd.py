@@ -1,13 +1,20 @@
 """RRef, distributed autograd, DistributedOptimizer and RemoteModule with CUDA
 tensors and parameters, which torch's RPC refuses.  Two processes share one
-GPU.  Marked ``gpu``: run with ``python -m pytest -m gpu`` on a GPU machine."""
+GPU.  Marked ``gpu``: run with ``python -m pytest -m gpu`` on a GPU machine.
+
+Where a claim is about streams, the producer queues ``torch.cuda._sleep``
+ahead of the kernel that writes the value, so that a reader that does not
+wait for the producer's stream sees the wrong numbers."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 from torch import nn
 
+from tests.rpc._gpu import SPIN, checksum
 from tests.workers import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
@@ -26,7 +33,54 @@ class Net(nn.Module):
 
 
 def sevens(n):
-    return torch.full((n,), 7.0, device="cuda")
+    """Sevens, still being written when the function returns."""
+    x = torch.zeros(n, device="cuda")
+    torch.cuda._sleep(SPIN)
+    return x.add_(7)
+
+
+class SlowGrad(torch.autograd.Function):
+    """``2 * x`` whose backward queues SPIN cycles ahead of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(SPIN)
+        return g * 2
+
+
+_W: dict[str, torch.Tensor] = {}
+
+
+def weight(n=1 << 20):
+    """worker1's parameter: made once, threes."""
+    w = _W.get("w")
+    if w is None:
+        w = _W.setdefault("w", torch.full((n,), 3.0, device="cuda", requires_grad=True))
+    return w
+
+
+def weighted(x):
+    return SlowGrad.apply(weight()) * x
+
+
+def weight_rrefs():
+    from ucxrpc import RRef
+
+    return [RRef(weight())]
+
+
+def grad_checksum(ctx):
+    import ucxrpc.autograd as dist_autograd
+
+    return checksum(dist_autograd.get_gradients(ctx)[weight()])
+
+
+def weight_checksum():
+    return checksum(weight().detach())
 
 
 def _cuda(rank, world_size, init_method):
@@ -39,10 +93,24 @@ def _cuda(rank, world_size, init_method):
                  rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method,
                                                               device_maps=MAPS[rank]))
     if rank == 0:
-        # an RRef to a CUDA value
-        r = rpc.remote("worker1", sevens, (1000,))
+        # an RRef to a CUDA value, fetched while its kernels are still queued
+        r = rpc.remote("worker1", sevens, (1 << 20,))
+        time.sleep(0.02)
         v = r.to_here()
         assert v.device == torch.device("cuda:0") and torch.equal(v, torch.full_like(v, 7.0))
+        # gradients accumulated on one stream of worker1, read on others: by
+        # get_gradients there, then by an optimizer step, whose update the
+        # next call (on yet another stream) sees once step() returned
+        n = 1 << 20
+        opt = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync("worker1", weight_rrefs), lr=1.0)
+        ones = torch.ones(n, device="cuda")
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [rpc.rpc_sync("worker1", weighted, (ones,)).sum()])
+            assert rpc.rpc_sync("worker1", grad_checksum, (ctx,)) == 2.0 * n
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [rpc.rpc_sync("worker1", weighted, (ones,)).sum()])
+            opt.step(ctx)
+        assert rpc.rpc_sync("worker1", weight_checksum) == 1.0 * n  # 3 - 1.0 * 2
         # distributed autograd over CUDA tensors
         x = torch.randn(64, device="cuda", requires_grad=True)
         with dist_autograd.context() as ctx:

@@ -12,7 +12,8 @@ on every worker the pass touched, under the same id, and records there:
 * gradients of this worker's other leaves, accumulated over backward passes.
 * the workers it exchanged messages with, to release the context there too.
 
-Pure bookkeeping: nothing here sends a message.
+Pure bookkeeping: nothing here sends a message (CUDA gradients are marked
+with events, so that readers on other streams wait for them).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import ReadyEvents
 from ..errors import DistAutogradError
 from ..serialization import GradCapture
 
@@ -69,6 +71,7 @@ class DistAutogradContext:
         self.sends: dict[int, Send] = {}
         self._recv_of: dict[int, tuple[Recv, int]] = {}  # id(tensor) -> (recv, position)
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(leaf) -> (leaf, grad)
+        self._ready = ReadyEvents()  # where the CUDA gradients' accumulations end
         self.known: set[int] = set()
         self.backward_passes = 0
 
@@ -102,13 +105,27 @@ class DistAutogradContext:
 
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` to ``leaf``'s gradient; the first one is kept as it is
-        (the caller hands over a tensor nothing else uses)."""
+        (the caller hands over a tensor nothing else uses).
+
+        A CUDA gradient is queued on the caller's current stream, which
+        differs from one propagation to the next (each is a served call on
+        a pool stream): so the sum waits for the earlier accumulations, and
+        an event marks where this one ends (see :meth:`gradients`).
+        """
         with self._lock:
             old = self._grads.get(id(leaf))
+            if old is not None and grad.is_cuda:
+                self._ready.block(grad.device)  # the sum reads the earlier gradient
             self._grads[id(leaf)] = (leaf, grad if old is None else old[1] + grad)
+            if grad.is_cuda:
+                self._ready.record(grad.device)
 
     def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Leaf -> gradient.  Work queued afterwards on the current streams
+        (an optimizer's step, reading them here) follows the accumulations,
+        whatever streams those ran on, as torch's ``getGradients``."""
         with self._lock:
+            self._ready.block()
             return {leaf: grad for leaf, grad in self._grads.values()}
 
     def peers(self, me: int) -> set[int]:

@@ -151,7 +151,10 @@ def _run_async(context_id: int, sender: int, send_id: int, capture: GradCapture,
                args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future:
     with _inside(context_id, sender, send_id, capture) as (tbl, ctx):
         inner = func(*args, **kwargs)
-    out: torch.futures.Future = torch.futures.Future()
+    # Knows this worker's devices: the reply goes out from a callback of
+    # ``out``, which must run on streams that follow the value's work, not
+    # on whichever thread's streams registered it (see RpcAgent._reply_future).
+    out = devices.future(api._current().devices)
     if not isinstance(inner, torch._C.Future):
         out.set_exception(TypeError(
             f"@async_execution function {getattr(func, '__name__', func)} returned "

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import api
+from .. import api, devices
 from ..agent import WorkerInfo
 from ..rref import RRef, remote
 
@@ -122,6 +122,10 @@ class RemoteModule(nn.Module):
         return self.train(False)
 
     def __getstate__(self) -> dict[str, Any]:
+        if devices.extracting_tensors():
+            # A CUDA-aware future looking into a value that holds this: its
+            # module and parameters live on the owner, none here.
+            return {}
         raise RuntimeError("a RemoteModule cannot be pickled; send its module_rref instead")
 
 

@@ -4,7 +4,9 @@
 gradients into its parameters and step its optimizer.  An owner steps one
 optimizer at a time (whoever asks: several trainers may share parameters), and
 puts back whatever ``.grad`` held before, so the context's gradients never
-leak into ``.grad`` beyond the step.
+leak into ``.grad`` beyond the step.  On CUDA, a step reads the gradients
+after the streams that accumulated them, and is finished on the GPU when
+``step`` returns.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import api
+from .. import api, devices
 from .. import autograd as dist_autograd
 from ..functions import plain
 from ..rref import RRef
@@ -36,6 +38,7 @@ class _LocalOptimizer:
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
+        # The gradients' accumulations (on other streams) come first.
         grads = dist_autograd.get_gradients(context_id)
         with self._step_lock:
             saved = [p.grad for p in self.params]
@@ -46,6 +49,10 @@ class _LocalOptimizer:
             finally:
                 for p, g in zip(self.params, saved):
                     p.grad = g
+            # Done means done: the reply carries no CUDA tensor, so nothing
+            # else waits for the update, and the next forward pass is served
+            # on another stream.  No-op for parameters on the CPU.
+            devices.settle(self.params)
 
 
 @plain
