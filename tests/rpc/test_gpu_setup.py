@@ -56,14 +56,18 @@ def _to_cpu(rank, world_size, init_method):
     out = None
     if rank == 0:
         t = torch.full((N,), 2.0, device="cuda")
-        out = rpc.rpc_sync("worker1", checksum, (t,))
+        # worker1 declared no CUDA device and never touches CUDA itself.
+        out = (rpc.rpc_sync("worker1", checksum, (t,)),
+               rpc.rpc_sync("worker1", rpc._get_debug_info)["cuda_context"])
     rpc.shutdown()
     return out
 
 
 @pytest.mark.gpu
 def test_cuda_to_cpu_large_tensor():
-    assert run_workers(_to_cpu, 2, timeout=150)[0] == 2.0 * N
+    # The receiver's transport made cuda:0's context current before UCX
+    # started and on its progress thread (cudactx.py; review finding 4).
+    assert run_workers(_to_cpu, 2, timeout=150)[0] == (2.0 * N, "cuda:0")
 
 
 # 7. transports naming cuda_ipc but not cuda_copy: ucxrpc adds cuda_copy,

@@ -141,7 +141,7 @@ class Transport:
             in_flight=lambda: bool(self._watch or self._rx.frames), awaited=spin_while,
             spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
             arm=self._worker.arm, fd=self._worker.fd, strategy=progress.strategy(progress_mode),
-            on_stall=self._excuse_stall, on_start=self._make_cuda_current)
+            on_stall=self._excuse_stall, on_start=self._progress_started)
 
     # ------------------------------------------------------------------ API
 
@@ -460,6 +460,11 @@ class Transport:
     def _call_soon(self, fn: Callable[[], None]) -> None:
         self._tasks.append(fn)
         self._loop.wake()
+
+    def _progress_started(self) -> None:
+        # What counts is the progress thread's context: it arms the worker
+        # and moves most data.
+        self.cuda_context = self._make_cuda_current()
 
     def _make_cuda_current(self) -> str:
         """Make the CUDA context current on this thread if there is one to
