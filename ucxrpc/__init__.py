@@ -10,24 +10,29 @@ from . import autograd, functions, optim
 from .agent import WorkerInfo
 from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout,
                   get_worker_info, init_rpc, is_initialized, rpc_async, rpc_sync, shutdown)
-from .errors import (AuthenticationError, BrokenError, ClosedError, FrameError, RemoteError,
-                     RpcError, RpcTimeoutError, SerializationError)
+from .errors import (AuthenticationError, BrokenError, ClosedError, ConnectError,
+                     DistAutogradError, FrameError, RemoteError, RpcError, RpcTimeoutError,
+                     RRefError, SerializationError, TransportError)
 from .options import UcxRpcBackendOptions
 from .rref import RRef, remote
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the package's version: pyproject.toml reads it from here
 
 __all__ = [
     "AuthenticationError",
     "BackendType",
     "BrokenError",
     "ClosedError",
+    "ConnectError",
+    "DistAutogradError",
     "FrameError",
     "RRef",
+    "RRefError",
     "RemoteError",
     "RpcError",
     "RpcTimeoutError",
     "SerializationError",
+    "TransportError",
     "UcxRpcBackendOptions",
     "WorkerInfo",
     "autograd",

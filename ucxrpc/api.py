@@ -13,7 +13,7 @@ import torch
 from . import _membership, rendezvous
 from .agent import RpcAgent, WorkerInfo
 from .errors import RpcError
-from .functions import plain
+from .functions import _plain
 from .options import UcxRpcBackendOptions
 
 logger = logging.getLogger(__name__)
@@ -87,13 +87,13 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             raise
 
 
-@plain
+@_plain
 def _welcome(record: str) -> None:
     """Run on every present worker when one joins a dynamic group."""
     _current().add_member(rendezvous.Member.from_json(record.encode()))
 
 
-@plain
+@_plain
 def _farewell(rank: int) -> None:
     """Run on every present worker when one leaves a dynamic group."""
     _current().remove_member(rank)

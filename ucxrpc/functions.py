@@ -32,7 +32,7 @@ def async_execution(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def plain(fn: F) -> F:
+def _plain(fn: F) -> F:
     """Mark one of ucxrpc's own RPC functions (RRef bookkeeping, autograd
     messages) as carrying no autograd history: distributed autograd sends it
     as it is, even inside a context."""

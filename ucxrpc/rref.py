@@ -28,7 +28,7 @@ import torch
 from . import api, devices
 from .agent import RpcAgent, WorkerInfo
 from .errors import RRefError
-from .functions import async_execution, plain
+from .functions import _plain, async_execution
 
 logger = logging.getLogger(__name__)
 
@@ -459,12 +459,12 @@ def _owner_fetch(rref_id: RRefId) -> torch.futures.Future:
     return _registry().entry(rref_id).value
 
 
-@plain
+@_plain
 def _owner_add_fork(rref_id: RRefId, fork_id: ForkId, holder: int) -> None:
     _registry().add_fork(rref_id, fork_id, holder)
 
 
-@plain
+@_plain
 def _owner_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     reg = _registry()
     value = reg.agent.wait(reg.entry(rref._rref_id).value)
@@ -479,7 +479,7 @@ def _owner_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> Non
     dist_backward(context_id, [value], retain_graph)
 
 
-@plain
+@_plain
 def _owner_del_forks(items: list[tuple[RRefId, ForkId]]) -> None:
     _registry().del_forks(items)
 

@@ -215,7 +215,8 @@ def test_cuda_image_base_and_packages() -> None:
     assert "cupy-cuda13x==" in text
     assert "/whl/cu130" in text and "+cu130" in text
     for name in DOCKERFILES:
-        assert '"/src[cu13]"' in (DOCKER_DIR / name).read_text(), f"docker/{name}: no ucxrpc[cu13]"
+        assert '"/src[cu13,bench]"' in (DOCKER_DIR / name).read_text(), \
+            f"docker/{name}: no ucxrpc[cu13,bench]"
 
 
 # --- compose: schema ----------------------------------------------------------

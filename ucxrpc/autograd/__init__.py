@@ -21,8 +21,10 @@ from typing import Any
 from .. import rref as _rref
 from ..errors import DistAutogradError
 from ._context import CURRENT, DistAutogradContext
-from ._engine import backward, get_gradients, release
-from ._recording import _debug_info, table
+from ._engine import backward, get_gradients
+from ._engine import release as _release
+from ._recording import _debug_info
+from ._recording import table as _table
 
 __all__ = ["DistAutogradContext", "DistAutogradError", "backward", "context", "get_gradients"]
 
@@ -43,7 +45,7 @@ class context:  # noqa: N801  (torch's name)
     def __enter__(self) -> int:
         if CURRENT.get() is not None:
             raise DistAutogradError("Already have an autograd context id for this thread.")
-        ctx = table().new()
+        ctx = _table().new()
         self._id = ctx.id
         self._token = CURRENT.set(ctx.id)
         return ctx.id
@@ -52,7 +54,7 @@ class context:  # noqa: N801  (torch's name)
                  tb: TracebackType | None) -> None:
         CURRENT.reset(self._token)
         if self._id is not None:
-            release(self._id)
+            _release(self._id)
 
 
 def _current_context() -> DistAutogradContext:
@@ -62,19 +64,19 @@ def _current_context() -> DistAutogradContext:
         raise DistAutogradError("Current thread doesn't have a valid autograd context. Please "
                                 "wrap your code using: `with torch.distributed.autograd."
                                 "context() as context_id` to generate a valid context id.")
-    return table().get(context_id)
+    return _table().get(context_id)
 
 
 def _retrieve_context(context_id: int) -> DistAutogradContext:
-    return table().get(context_id)
+    return _table().get(context_id)
 
 
 def _is_valid_context(context_id: int) -> bool:
-    return table().find(context_id) is not None
+    return _table().find(context_id) is not None
 
 
 def _get_debug_info() -> dict[str, int]:
-    return _debug_info(table())
+    return _debug_info(_table())
 
 
 # RRef sits below this package: it reaches distributed backward through this.

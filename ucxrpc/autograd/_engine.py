@@ -31,7 +31,7 @@ import torch
 from .. import api
 from ..agent import RpcAgent
 from ..errors import DistAutogradError, RpcError
-from ..functions import async_execution, plain
+from ..functions import _plain, async_execution
 from ._context import ContextTable, DistAutogradContext, Recv
 from ._recording import table
 
@@ -170,7 +170,7 @@ def _gather(agent: RpcAgent, calls: list[tuple[int, _Future]]) -> _Future:
     return out
 
 
-@plain
+@_plain
 @async_execution
 def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None]) -> _Future:
     """Run on the worker that made send ``send_id``: gradients for what it sent."""
@@ -268,7 +268,7 @@ def release_peers(agent: RpcAgent, tbl: ContextTable, ctx: DistAutogradContext,
     return _gather(agent, calls)
 
 
-@plain
+@_plain
 @async_execution
 def _release(context_id: int, requester: int) -> _Future:
     agent = api._current()

@@ -11,7 +11,7 @@ they sat in.  The callee runs the function inside the context (so its own
 calls are recorded too) and answers with a :class:`_Reply`, which records the
 returned tensors the same way in the other direction.
 
-Functions marked with :func:`ucxrpc.functions.plain` (the autograd and RRef
+Functions marked with :func:`ucxrpc.functions._plain` (the autograd and RRef
 machinery's own messages) are sent as they are.
 """
 

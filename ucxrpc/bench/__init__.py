@@ -328,7 +328,7 @@ def _write_files(args: argparse.Namespace, doc: dict[str, Any]) -> int:
         print(f"plot written to {plot_path}")
     except ImportError as exc:
         print(f"ucxrpc bench: no plot: matplotlib is not installed ({exc}); "
-              "pip install matplotlib", file=sys.stderr)
+              "pip install 'ucxrpc[bench]'", file=sys.stderr)
         status = max(status, 1 if args.plot else 0)
     except (OSError, ValueError) as exc:
         print(f"ucxrpc bench: cannot write the plot {plot_path}: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ import torch
 
 from .. import api, devices
 from .. import autograd as dist_autograd
-from ..functions import plain
+from ..functions import _plain
 from ..rref import RRef
 
 __all__ = ["DistributedOptimizer"]
@@ -55,13 +55,13 @@ class _LocalOptimizer:
             devices.settle(self.params)
 
 
-@plain
+@_plain
 def _create(optimizer_class: type[torch.optim.Optimizer], params: list[RRef[Any]],
             args: tuple[Any, ...], kwargs: dict[str, Any]) -> RRef[_LocalOptimizer]:
     return RRef(_LocalOptimizer(optimizer_class, params, args, kwargs))
 
 
-@plain
+@_plain
 def _step(optimizer: RRef[_LocalOptimizer], context_id: int) -> None:
     optimizer.local_value().step(context_id)
 
