@@ -61,7 +61,8 @@ def join(agent: RpcAgent, timeout: float | None, welcome: Callable[[str], None],
         agent.start()
         rendezvous.set_group_ranks(store, [*present, me.id])
         _tell(agent, list(present), welcome, (record.to_json(),), timeout)
-    agent.leave_group = lambda t: leave(agent, t, farewell)
+    agent.hooks.leave_group = lambda t: leave(agent, t, farewell)
+    agent.joined()
     logger.info("%s joined a group of %d workers", me, len(present) + 1)
 
 

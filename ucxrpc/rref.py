@@ -38,11 +38,6 @@ ForkId = tuple[int, int]   # (worker that made the fork, number)
 _ids = itertools.count(1)
 
 
-# Set by ucxrpc.autograd (a layer above) when imported:
-# dist_backward(context_id, roots, retain_graph).
-dist_backward: Callable[[int, list[Any], bool], None] | None = None
-
-
 class _Owned:
     """The owner's record of one RRef: its value and who holds forks.
 
@@ -79,9 +74,9 @@ class _Registry:
         self.janitor = threading.Thread(target=self._send_deletions, daemon=True,
                                         name=f"ucxrpc-rref-{self.me}")
         self.janitor.start()
-        agent.before_shutdown.append(self._flush)
-        agent.on_peer_failure.append(self._drop_forks_of)
-        agent.debug_sources.append(self.debug_info)
+        agent.hooks.before_shutdown.append(self._flush)
+        agent.hooks.on_peer_failure.append(self._drop_forks_of)
+        agent.hooks.debug_sources.append(self.debug_info)
 
     # -- owner side --------------------------------------------------------
 
@@ -155,7 +150,7 @@ class _Registry:
     def _send_deletions(self) -> None:
         # Runs until the agent closes: a worker in its shutdown barrier still
         # serves calls, and RRefs those calls drop must still reach owners.
-        while not self.agent._closed:
+        while not self.agent.closed:
             try:
                 item = self.deletions.get(timeout=0.5)
             except queue.Empty:
@@ -426,7 +421,7 @@ def _owner_create(rref_id: RRefId, fork_id: ForkId, holder: int, func: Any,
     # keeps recording the function's own calls.  On this call's streams,
     # where its received arguments are recorded (see devices.callee_streams).
     ctx = contextvars.copy_context()
-    reg.agent._pool.submit(ctx.run, _run_into, e.value, func, args, kwargs,
+    reg.agent.submit(ctx.run, _run_into, e.value, func, args, kwargs,
                            devices.current_streams(reg.agent.devices))
 
 
@@ -474,7 +469,8 @@ def _owner_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> Non
     if context_id == -1:
         torch.autograd.backward(value, retain_graph=retain_graph)
         return
-    if dist_backward is None:  # autograd never imported here: no context can exist
+    dist_backward = reg.agent.hooks.dist_backward
+    if dist_backward is None:  # no autograd context ever existed here
         raise RuntimeError(f"Could not find autograd context with id: {context_id}")
     dist_backward(context_id, [value], retain_graph)
 
@@ -532,7 +528,7 @@ def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
     if dest.id == reg.me:
         rref = reg.handle(rref_id)
         # On the caller's streams: after the work that made the arguments.
-        agent._pool.submit(contextvars.copy_context().run, _run_into, reg.entry(rref_id).value,
+        agent.submit(contextvars.copy_context().run, _run_into, reg.entry(rref_id).value,
                            func, args, kwargs, devices.current_streams(agent.devices))
         return rref
     rref = RRef._make(dest.id, rref_id, rref_id, confirmed=False)

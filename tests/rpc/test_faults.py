@@ -185,7 +185,6 @@ def test_unauthenticated_and_malformed_frames_are_refused_and_agent_keeps_servin
 def _bad_messages(rank, world_size, init_method):
     import ucxrpc as rpc
     from ucxrpc import api, wire
-    from ucxrpc.agent import _Call
 
     from tests.faults._common import go, wait_for_go
 
@@ -208,7 +207,7 @@ def _bad_messages(rank, world_size, init_method):
         # an authenticated message whose body is not a valid pickle
         agent = api._agent
         fut = torch.futures.Future()
-        agent._calls[10**9] = _Call(fut, 1)
+        agent.calls.add(10**9, fut, 1)
         agent.transport.send(1, wire.encode(wire.MsgKind.REQUEST, 10**9, b"\x80\x05garbage"), [])
         with pytest.raises(RuntimeError, match="cannot decode a request"):
             fut.wait()

@@ -236,6 +236,7 @@ def _errors(rank: int, world_size: int, init_method: str) -> None:
         assert _armed_within(1, 10.0) <= 1  # the slow call's own
         slow.wait()
         assert _armed_within(0, 10.0) == 0
+        assert rpc._get_debug_info()["state"] == "serving"  # agent/state.py
     rpc.shutdown()
 
 

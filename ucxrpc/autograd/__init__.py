@@ -18,7 +18,6 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from .. import rref as _rref
 from ..errors import DistAutogradError
 from ._context import CURRENT, DistAutogradContext
 from ._engine import backward, get_gradients
@@ -78,6 +77,3 @@ def _is_valid_context(context_id: int) -> bool:
 def _get_debug_info() -> dict[str, int]:
     return _debug_info(_table())
 
-
-# RRef sits below this package: it reaches distributed backward through this.
-_rref.dist_backward = backward

@@ -38,10 +38,20 @@ def table(agent: RpcAgent | None = None) -> ContextTable:
 
 def _hook(agent: RpcAgent) -> ContextTable:
     tbl = ContextTable(agent.info.id)
-    agent.wrap_call = functools.partial(_wrap_call, tbl, agent.devices)
-    agent.debug_sources.append(functools.partial(_debug_info, tbl))
-    agent.on_peer_failure.append(tbl.drop_created_by)
+    agent.hooks.wrap_call = functools.partial(_wrap_call, tbl, agent.devices)
+    agent.hooks.debug_sources.append(functools.partial(_debug_info, tbl))
+    agent.hooks.on_peer_failure.append(tbl.drop_created_by)
+    agent.hooks.dist_backward = _dist_backward
     return tbl
+
+
+def _dist_backward(context_id: int, roots: list[Any], retain_graph: bool) -> None:
+    """Distributed backward, for ``RRef.backward`` run on the RRef's owner
+    (the RRef layer sits below this package and reaches it through the
+    agent's hooks)."""
+    from ._engine import backward  # the engine builds on this module
+
+    backward(context_id, roots, retain_graph)
 
 
 def _debug_info(tbl: ContextTable) -> dict[str, int]:

@@ -1,9 +1,10 @@
-"""The RPC agent: request/response matching, timeouts, user functions.
+"""The RPC agent: sends calls, serves calls, owns the transport and pool.
 
-One agent per process.  Requests run on a :class:`WorkerPool`; responses
-complete ``torch.futures.Future`` objects on the transport's progress
-thread.  A pipe that breaks fails every call waiting on that peer at once,
-naming it, instead of letting the calls run into their timeout.
+Requests run on a :class:`WorkerPool`; responses complete
+``torch.futures.Future`` objects where they land (the transport's progress
+thread, or a caller driving it).  A pipe that breaks fails every call
+waiting on that peer at once, naming it, instead of letting the calls run
+into their timeout.
 """
 
 from __future__ import annotations
@@ -11,92 +12,28 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import pickle
 import threading
 import time
-import traceback
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, cast
 
 import torch
 
-from . import devices, rendezvous, wire
-from ._pool import WorkerPool
-from .errors import (AuthenticationError, BrokenError, ClosedError, FrameError, RemoteError, RpcError,
-                     RpcTimeoutError, SerializationError)
-from .options import UcxRpcBackendOptions
-from .serialization import Serializer
-from .transport import Limits, Transport
+from .. import devices, rendezvous, wire
+from .._pool import WorkerPool
+from ..errors import (AuthenticationError, BrokenError, ClosedError, FrameError, RpcError,
+                      SerializationError)
+from ..options import UcxRpcBackendOptions
+from ..serialization import Serializer
+from ..transport import Limits, Transport
+from .calls import CallTable
+from .hooks import Hooks
+from .info import WorkerInfo
+from .remote_errors import describe_exception, rebuild_exception
+from .state import AgentState
 
 logger = logging.getLogger(__name__)
 # A callee with no CUDA devices runs in no stream context (reusable, no cost).
 _NO_STREAMS = contextlib.nullcontext()
-
-
-class WorkerInfo:
-    """A worker's name and id; hashable, picklable, equal by both."""
-
-    __slots__ = ("name", "id")
-
-    def __init__(self, name: str, id: int) -> None:  # noqa: A002  (torch's field name)
-        self.name = name
-        self.id = id
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WorkerInfo) and (self.id, self.name) == (other.id, other.name)
-
-    def __hash__(self) -> int:
-        return hash((self.id, self.name))
-
-    def __repr__(self) -> str:
-        return f"WorkerInfo(id={self.id}, name={self.name})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerInfo, (self.name, self.id))
-
-
-@dataclass
-class _Call:
-    future: torch.futures.Future
-    peer: int
-
-
-def timeout_error(timeout: float) -> RpcTimeoutError:
-    return RpcTimeoutError(f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) "
-                           "and will now be marked with an error")
-
-
-def describe_exception(exc: BaseException, where: WorkerInfo) -> bytes:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    desc: dict[str, Any] = {"type": type(exc), "name": type(exc).__qualname__,
-                            "tb": tb, "worker": repr(where), "worker_name": where.name}
-    try:
-        return pickle.dumps(desc, protocol=5)
-    except Exception:  # the exception's class cannot be pickled by reference
-        desc["type"] = None
-        return pickle.dumps(desc, protocol=5)
-
-
-def rebuild_exception(body: memoryview) -> BaseException:
-    """The remote exception with its own type where it can be rebuilt."""
-    try:
-        desc = pickle.loads(body)
-    except Exception as exc:  # the type does not exist here, etc.
-        return RemoteError(f"a remote call failed and its error could not be decoded: {exc}")
-    msg = f"On {desc['worker']}:\n{desc['tb']}"
-    cls = desc.get("type")
-    rebuilt: BaseException | None = None
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        try:
-            rebuilt = cls(msg)
-        except Exception:
-            rebuilt = None
-    if rebuilt is None:
-        rebuilt = RemoteError(msg, worker=desc["worker_name"], remote_type=desc["name"],
-                              remote_traceback=desc["tb"])
-    setattr(rebuilt, "remote_traceback", desc["tb"])
-    return rebuilt
 
 
 def _bounded(fn: Callable[[float | None], None], timeout: float | None, what: str) -> None:
@@ -129,18 +66,15 @@ class RpcAgent:
         self.world_size = world_size  # None: dynamic membership (see _membership)
         self.serializer = Serializer(max_buffers=options.max_buffers)
         self._ids = itertools.count(1)
-        self._calls: dict[int, _Call] = {}
-        self._by_peer: dict[int, set[int]] = {}
-        self._lock = threading.Lock()
-        self._deadlines: dict[float, deque[tuple[float, int]]] = {}
-        self._timer_cv = threading.Condition()
-        self._closed = False
+        #: The calls this worker waits for, and their deadlines.
+        self.calls = CallTable(name)
+        self.state = AgentState.NEW
         self._broken: dict[int, BaseException] = {}
         self._serving = 0  # requests received and not yet answered
         self._last_was_request = False
         self._serving_lock = threading.Lock()
-        self.counters = {"calls_sent": 0, "calls_served": 0, "timeouts": 0,
-                         "remote_errors": 0, "peer_failures": 0}
+        self.counters = {"calls_sent": 0, "calls_served": 0, "remote_errors": 0,
+                         "peer_failures": 0}
         secret = rendezvous.job_secret(store, rank)
         limits = Limits(max_buffers=options.max_buffers,
                         max_frame_bytes=options.max_frame_bytes,
@@ -164,23 +98,22 @@ class RpcAgent:
         self.reverse_device_maps: dict[int, devices.DeviceMap] = {}
         self.devices: list[torch.device] = []
         self._names: dict[str, WorkerInfo] = {}
-        self._timer = threading.Thread(target=self._expire, name="ucxrpc-timeouts", daemon=True)
-        # Extension points for the layers above (RRefs, autograd), which the
-        # agent must not import: per-agent state, and hooks it calls.
+        # For the layers above (RRefs, autograd, membership), which the agent
+        # must not import: their per-agent state, and what they plug in.
         self.extensions: dict[str, Any] = {}
         self._extensions_lock = threading.Lock()
-        self.before_shutdown: list[Callable[[float | None], None]] = []
-        self.on_peer_failure: list[Callable[[int], None]] = []
-        self.debug_sources: list[Callable[[], dict[str, Any]]] = []
-        # Rewrites an outgoing call: (to, func, args, kwargs) -> None to send
-        # it as is, or (func, args, kwargs, finish) where finish(future)
-        # returns the future to hand the caller.  Distributed autograd wraps
-        # calls made inside a context this way.
-        self.wrap_call: Callable[[WorkerInfo, Any, tuple[Any, ...], dict[str, Any]],
-                                 Any] | None = None
+        self.hooks = Hooks()
         self._dest = threading.local()
-        # Dynamic membership: tells the group this worker leaves (set at join).
-        self.leave_group: Callable[[float | None], None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the agent shut down: it takes no calls any more."""
+        return self.state is AgentState.CLOSED
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the pool that runs user functions (for the
+        layers above: an RRef's value made on its owner, say)."""
+        self._pool.submit(fn, *args)
 
     def extension(self, key: str, create: Callable[[RpcAgent], Any]) -> Any:
         """The per-agent state of a layer above, made by ``create(self)`` on
@@ -209,7 +142,9 @@ class RpcAgent:
 
     def start(self) -> None:
         self.transport.start()
-        self._timer.start()
+        self.calls.start()
+        if self.state is AgentState.NEW:
+            self.state = AgentState.JOINING
 
     def join(self, timeout: float | None) -> None:
         """Publish our address, learn everyone's, then start serving;
@@ -222,7 +157,18 @@ class RpcAgent:
             self.add_member(m)
         self.start()
         rendezvous.barrier(self.store, "init", self.info.id, self.world_size, timeout)
+        self.joined()
         logger.info("%s joined a job of %d workers", self.info, self.world_size)
+
+    def joined(self) -> None:
+        """The join is complete (every worker of a static job met at the
+        init barrier; a dynamic group's members were told)."""
+        self.state = AgentState.SERVING
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether this worker is in a dynamic group (no fixed world size)."""
+        return self.world_size is None
 
     def check_device_maps(self, members: dict[int, rendezvous.Member]) -> None:
         """torch's job-wide device-map checks, on everyone's published maps
@@ -247,11 +193,12 @@ class RpcAgent:
         """Stop serving; graceful waits for everyone's in-flight work first,
         and for every live worker to reach shutdown, at most ``timeout``
         seconds for each wait (None: as long as the job runs)."""
-        if self._closed:
+        if self.closed:
             return
         try:
             if graceful:
-                for hook in list(self.before_shutdown):
+                self.state = AgentState.DRAINING
+                for hook in list(self.hooks.before_shutdown):
                     try:
                         hook(timeout)
                     except Exception:
@@ -259,14 +206,14 @@ class RpcAgent:
                 self._drain(timeout)
                 # The store may be out of reach (a partition, a dead rank 0),
                 # and a c10d store call then blocks for minutes: bounded here.
-                _bounded(self._leave if self.world_size is None else self._barriers,
+                _bounded(self._leave if self.dynamic else self._barriers,
                          timeout, f"{self.info}: leaving the job")
         finally:
             self._teardown()
 
     def _leave(self, timeout: float | None) -> None:
-        if self.leave_group is not None:
-            self.leave_group(timeout)
+        if self.hooks.leave_group is not None:
+            self.hooks.leave_group(timeout)
 
     def _barriers(self, timeout: float | None) -> None:
         assert self.world_size is not None
@@ -308,18 +255,14 @@ class RpcAgent:
 
     def _drain(self, timeout: float | None) -> None:
         """Wait for our outstanding calls and the requests we are serving."""
-        _wait_until(lambda: not (self._calls or self._serving), timeout)
+        _wait_until(lambda: not (self.calls or self._serving), timeout)
 
     def _teardown(self) -> None:
-        self._closed = True
-        with self._timer_cv:
-            self._timer_cv.notify()
+        self.state = AgentState.CLOSED
         self._pool.close()
         self.transport.close()
         self._drop_store()
-        err = ClosedError(f"RPC agent {self.info.name} shut down")
-        for msg_id in list(self._calls):
-            self._fail(msg_id, err)
+        self.calls.close(ClosedError(f"RPC agent {self.info.name} shut down"))
 
     # -------------------------------------------------------------- calling
 
@@ -334,11 +277,11 @@ class RpcAgent:
         Pickling errors raise here with their own type; transport errors
         raise as :class:`RpcError`.
         """
-        if self._closed:
+        if self.closed:
             raise ClosedError("RPC agent is shut down")
         finish = None
-        if self.wrap_call is not None:
-            wrapped = self.wrap_call(to, func, args, kwargs)
+        if self.hooks.wrap_call is not None:
+            wrapped = self.hooks.wrap_call(to, func, args, kwargs)
             if wrapped is not None:
                 func, args, kwargs, finish = wrapped
         pickled = self._dumps_for(to.id, (func, args, kwargs))
@@ -347,9 +290,7 @@ class RpcAgent:
         self.counters["calls_sent"] += 1
         if to.id in self._broken:
             raise self._peer_error(to.id)
-        with self._lock:
-            self._calls[msg_id] = _Call(fut, to.id)
-            self._by_peer.setdefault(to.id, set()).add(msg_id)
+        self.calls.add(msg_id, fut, to.id)
         payload = wire.encode(wire.MsgKind.REQUEST, msg_id, pickled.payload)
         try:
             if to.id == self.info.id:
@@ -361,10 +302,10 @@ class RpcAgent:
                 if not waited:
                     self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:
-            self._pop(msg_id)
+            self.calls.pop(msg_id)
             raise
         if timeout > 0:
-            self._arm(msg_id, timeout)
+            self.calls.arm(msg_id, timeout)
         return fut if finish is None else finish(fut)
 
     def _spin_while(self) -> bool:
@@ -377,7 +318,7 @@ class RpcAgent:
         pool thread runs code and a message is likely soon: a reply to a call
         in flight, or the next request of a peer that is calling us.
         """
-        return not self._pool.computing() and (bool(self._calls) or self._last_was_request)
+        return not self._pool.computing() and (bool(self.calls) or self._last_was_request)
 
     def _loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
         # A call to oneself gets copies, as a remote callee would.  The
@@ -399,66 +340,6 @@ class RpcAgent:
             self._loopback(payload, buffers)
         else:
             self.transport.send(peer, payload, buffers, wire.hint(kind, msg_id), targets)
-
-    def _arm(self, msg_id: int, timeout: float) -> None:
-        # One FIFO per timeout value keeps deadlines sorted for free: a deque
-        # append per call instead of a heap push.  Under the timer's lock,
-        # which the timer thread takes to compact a queue (see _expire).
-        entry = (time.monotonic() + timeout, msg_id)
-        with self._timer_cv:
-            q = self._deadlines.get(timeout)
-            if q is None:
-                q = self._deadlines[timeout] = deque()
-            q.append(entry)
-            if len(q) == 1:
-                self._timer_cv.notify()
-
-    def _expire(self) -> None:
-        """Fail calls whose deadline passed; forget answered ones.
-
-        An answered call's entry would otherwise stay until its deadline:
-        at 20k calls/s with the 60 s default, over a million entries.  So
-        answered entries at a queue's head go at once, and a queue that
-        holds far more entries than calls are outstanding (answered calls
-        queued behind a slow one) is rebuilt without them.
-        """
-        while not self._closed:
-            expired: list[tuple[int, float]] = []
-            with self._timer_cv:
-                now = time.monotonic()
-                wait = 1.0
-                calls = self._calls
-                for timeout, q in list(self._deadlines.items()):
-                    while q and (q[0][0] <= now or q[0][1] not in calls):
-                        _, msg_id = q.popleft()
-                        if msg_id in calls:
-                            expired.append((msg_id, timeout))
-                    if len(q) > 2 * len(calls) + 1024:
-                        q = self._deadlines[timeout] = deque(e for e in q if e[1] in calls)
-                    if q:
-                        # Capped: answered entries are dropped soon too.
-                        wait = min(wait, q[0][0] - now, 0.1)
-                if not expired:
-                    self._timer_cv.wait(max(wait, 0.0))
-            # Failed outside the lock: a future's callbacks may make calls.
-            for msg_id, timeout in expired:
-                if msg_id in calls:
-                    self.counters["timeouts"] += 1
-                    self._fail(msg_id, timeout_error(timeout))
-
-    def _pop(self, msg_id: int) -> _Call | None:
-        with self._lock:
-            call = self._calls.pop(msg_id, None)
-            if call is not None:
-                peer_calls = self._by_peer.get(call.peer)
-                if peer_calls is not None:
-                    peer_calls.discard(msg_id)
-        return call
-
-    def _fail(self, msg_id: int, exc: BaseException) -> None:
-        call = self._pop(msg_id)
-        if call is not None:
-            call.future.set_exception(exc)
 
     def wait(self, fut: torch.futures.Future) -> Any:
         """``fut.wait()`` that lets the pool replace a thread blocked here,
@@ -489,7 +370,7 @@ class RpcAgent:
                 self._serving += 1
             self._pool.submit(self._serve, peer, hdr.msg_id, body, buffers)
         elif hdr.kind is wire.MsgKind.RESPONSE:
-            call = self._pop(hdr.msg_id)
+            call = self.calls.pop(hdr.msg_id)
             if call is None:
                 return  # timed out or failed already
             try:
@@ -500,7 +381,7 @@ class RpcAgent:
                 return
             call.future.set_result(value)
         elif hdr.kind is wire.MsgKind.ERROR:
-            call = self._pop(hdr.msg_id)
+            call = self.calls.pop(hdr.msg_id)
             if call is not None:
                 self.counters["remote_errors"] += 1
                 call.future.set_exception(rebuild_exception(body))
@@ -516,7 +397,7 @@ class RpcAgent:
             self._reply_error(peer, msg_id, FrameError(
                 f"message rejected by {self.info.name}: {exc}"))
         elif kind in (wire.MsgKind.RESPONSE, wire.MsgKind.ERROR):
-            self._fail(msg_id, FrameError(f"the reply from {self.name_of(peer)} was rejected "
+            self.calls.fail(msg_id, FrameError(f"the reply from {self.name_of(peer)} was rejected "
                                           f"by {self.info.name}: {exc}"))
 
     def _dumps_for(self, dest: int, obj: Any) -> Any:
@@ -585,12 +466,8 @@ class RpcAgent:
 
     def _peer_gone(self, peer: int, exc: BaseException) -> None:
         self._broken[peer] = exc
-        with self._lock:
-            ids = list(self._by_peer.pop(peer, ()))
-        err = self._peer_error(peer)
-        for msg_id in ids:
-            self._fail(msg_id, err)
-        for hook in list(self.on_peer_failure):
+        self.calls.fail_peer(peer, self._peer_error(peer))
+        for hook in list(self.hooks.on_peer_failure):
             try:
                 hook(peer)
             except Exception:
@@ -730,11 +607,11 @@ class RpcAgent:
         raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
 
     def debug_info(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.counters)
-        out.update({"outstanding_calls": len(self._calls), "pending_requests": self._pool.pending(),
-                    "broken_peers": sorted(self._broken),
-                    "armed_deadlines": sum(len(q) for q in list(self._deadlines.values()))})
+        out: dict[str, Any] = dict(self.counters, timeouts=self.calls.timeouts)
+        out.update({"outstanding_calls": len(self.calls), "pending_requests": self._pool.pending(),
+                    "broken_peers": sorted(self._broken), "state": self.state.value,
+                    "armed_deadlines": self.calls.armed()})
         out.update(self.transport.stats())
-        for source in list(self.debug_sources):
+        for source in list(self.hooks.debug_sources):
             out.update(source())
         return out

@@ -1,0 +1,19 @@
+"""The RPC agent: request/response matching, timeouts, user functions.
+
+One agent per process (:mod:`.core`), in parts: who a worker is
+(:mod:`.info`), the agent's life (:mod:`.state`), the calls it waits for
+and their deadlines (:mod:`.calls`), errors across the wire
+(:mod:`.remote_errors`), and what the layers above plug in
+(:mod:`.hooks`).
+"""
+
+from __future__ import annotations
+
+from .core import RpcAgent
+from .hooks import Hooks
+from .info import WorkerInfo
+from .remote_errors import describe_exception, rebuild_exception, timeout_error
+from .state import AgentState
+
+__all__ = ["AgentState", "Hooks", "RpcAgent", "WorkerInfo", "describe_exception",
+           "rebuild_exception", "timeout_error"]

@@ -1,0 +1,24 @@
+"""The agent's life, as a state machine.
+
+NEW → JOINING (publishing its record, learning the others', starting the
+transport) → SERVING → DRAINING (a graceful shutdown: the layers above
+flush, in-flight work finishes, the workers meet at the shutdown barrier)
+→ CLOSED.  Any state may go straight to CLOSED (a shutdown that is not
+graceful, a failed join).  Calls are taken until CLOSED: while DRAINING,
+the work being finished may itself make calls (an RRef's deletions keep
+flowing while a worker waits at the barrier), as in torch.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["AgentState"]
+
+
+class AgentState(enum.Enum):
+    NEW = "new"
+    JOINING = "joining"
+    SERVING = "serving"
+    DRAINING = "draining"
+    CLOSED = "closed"
