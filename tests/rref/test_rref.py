@@ -115,9 +115,9 @@ def debug_counts():
 
 
 def fork_holders():
-    from ucxrpc.rref import _registry
+    from ucxrpc.rref.owner import registry
 
-    reg = _registry()
+    reg = registry()
     return {str(rid): dict(e.forks) for rid, e in reg.owned.items()}
 
 

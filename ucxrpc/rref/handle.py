@@ -1,0 +1,259 @@
+"""The user-facing side of RRefs: ``RRef`` (an owner's local handle or a
+user's fork), its proxies, and ``remote()``."""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+
+from .. import api, devices
+from ..agent import RpcAgent, WorkerInfo
+from ..errors import RRefError
+from .owner import _owner_add_fork, _owner_backward, _owner_create, _owner_fetch, registry, run_into
+from .proxy import _invoke_method, _proxy_call
+from .registry import ForkId, Registry, RRefId, new_id
+
+__all__ = ["RRef", "remote"]
+
+T = TypeVar("T")
+
+
+class RRef(Generic[T]):
+    """A reference to a value on its owner worker.
+
+    ``RRef(value)`` makes a local owner RRef.  Picklable only inside RPC
+    arguments and return values, where it becomes a fork on the receiver.
+    On a worker with CUDA devices an owned value is held as torch's RPC
+    holds it, in a future that knows those devices: its CUDA tensors must be
+    on them, and torch finds them by pickling the value with plain pickle,
+    so it must be picklable; else using the RRef raises torch's error
+    ("... not among the expected device(s)", "Cannot extract tensors").
+    """
+
+    _owner_id: int
+    _rref_id: RRefId
+    _fork_id: ForkId | None
+    _confirmed: torch.futures.Future
+    _registry: Registry
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        reg = registry()
+        rref_id = new_id(reg.me)
+        e = reg.entry(rref_id)
+        e.value.set_result(value)
+        self._setup(reg, reg.me, rref_id, None, confirmed=True)
+        e.handle = weakref.ref(self, reg.freer(rref_id))
+
+    @classmethod
+    def _make(cls, owner: int, rref_id: RRefId, fork_id: ForkId | None,
+              confirmed: bool) -> RRef[Any]:
+        self = cls.__new__(cls)
+        self._setup(registry(), owner, rref_id, fork_id, confirmed)
+        return self
+
+    def _setup(self, reg: Registry, owner: int, rref_id: RRefId, fork_id: ForkId | None,
+               confirmed: bool) -> None:
+        self._registry = reg
+        self._owner_id = owner
+        self._rref_id = rref_id
+        self._fork_id = fork_id
+        self._confirmed = torch.futures.Future()
+        if confirmed:
+            self._confirmed.set_result(None)
+        if fork_id is not None:
+            reg.user_made(confirmed)
+
+    def _confirm(self, fut: torch.futures.Future) -> None:
+        """Creation acknowledged (or failed) by the owner."""
+        self._registry.user_confirmed()
+        try:
+            fut.value()
+        except Exception as exc:
+            self._confirmed.set_exception(exc)
+            return
+        self._confirmed.set_result(None)
+
+    def __del__(self) -> None:
+        fork_id = getattr(self, "_fork_id", None)
+        if fork_id is None:
+            return
+        try:
+            self._registry.user_died(self._owner_id, self._rref_id, fork_id,
+                                     self._confirmed.done())
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if devices.extracting_tensors():
+            # A CUDA-aware future looking for tensors in a value holding this
+            # RRef: as torch's own RRefs, it holds none (and makes no fork).
+            return (tuple, ())
+        agent = self._registry.agent
+        dest = agent.pickling_destination()
+        if dest is None:
+            raise RRefError("an RRef can only be pickled inside an RPC (as an argument "
+                            "or a return value)")
+        fork_id: ForkId | None = None
+        if dest != self._owner_id:
+            fork_id = new_id(agent.info.id)
+            if self.is_owner():
+                self._registry.add_fork(self._rref_id, fork_id, dest)
+            else:
+                # Registered before the message exists: the owner always
+                # knows of the child before the child can drop it.
+                owner = agent.workers[self._owner_id]
+                agent.wait(agent.call(owner, _owner_add_fork, (self._rref_id, fork_id, dest),
+                                      {}, agent.options.rpc_timeout))
+        return (_rebuild_rref, (self._owner_id, self._rref_id, fork_id))
+
+    # -- torch's RRef API --------------------------------------------------
+
+    def is_owner(self) -> bool:
+        return self._owner_id == self._registry.me
+
+    def owner(self) -> WorkerInfo:
+        return self._registry.agent.workers[self._owner_id]
+
+    def owner_name(self) -> str:
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        return self._confirmed.done() and not _failed(self._confirmed)
+
+    def local_value(self) -> T:
+        """The value, on the owner only (waits if it is still being computed).
+
+        Raises:
+            RRefError: called on a user RRef.
+        """
+        if not self.is_owner():
+            raise RRefError(f"RRef.local_value() must be called on the owner "
+                            f"({self.owner_name()}), not on {self._registry.agent.info.name}; "
+                            "use to_here()")
+        return self._registry.entry(self._rref_id).value.wait()
+
+    def to_here(self, timeout: float = -1.0) -> T:
+        """The value, copied here; remote()'s creation errors surface here.
+
+        ``timeout`` in seconds, -1 for the default, 0 for none; on expiry a
+        RuntimeError says the RPC timed out.
+        """
+        if self.is_owner():
+            return self.local_value()
+        agent = self._registry.agent
+        fut = agent.call(self.owner(), _owner_fetch, (self._rref_id,), {},
+                         _resolve_timeout(agent, timeout))
+        # The creation's acknowledgement arrives before the value: if it
+        # failed (timed out, say), that is the error to raise.
+        agent.wait(self._confirmed)
+        return agent.wait(fut)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from the value, a scalar tensor, on its owner.
+
+        With a distributed autograd context id, the distributed backward pass
+        of that context (the owner must have taken part in it); with -1, local
+        autograd on the owner, accumulating into ``.grad`` there.
+        """
+        if self.is_owner():
+            _owner_backward(self, dist_autograd_ctx_id, retain_graph)
+        else:
+            agent = self._registry.agent
+            agent.wait(api.rpc_async(self.owner(), _owner_backward,
+                                     (self, dist_autograd_ctx_id, retain_graph)))
+
+    def rpc_sync(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "remote", timeout)
+
+    def __repr__(self) -> str:
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{kind}(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
+
+
+def _failed(fut: torch.futures.Future) -> bool:
+    try:
+        fut.value()
+    except Exception:
+        return True
+    return False
+
+
+def _resolve_timeout(agent: RpcAgent, timeout: float) -> float:
+    return agent.options.rpc_timeout if timeout is None or timeout < 0 else float(timeout)
+
+
+def _rebuild_rref(owner: int, rref_id: RRefId, fork_id: ForkId | None) -> RRef[Any]:
+    reg = registry()
+    if owner == reg.me:  # sent to its owner: no fork was made
+        return _owner_handle(reg, rref_id)
+    return RRef._make(owner, rref_id, fork_id, confirmed=True)
+
+
+def _owner_handle(reg: Registry, rref_id: RRefId) -> RRef[Any]:
+    """The owner's local RRef object for ``rref_id`` (one per value)."""
+    e = reg.entry(rref_id)
+    with reg.lock:
+        h = e.handle() if e.handle is not None else None
+        if h is None:
+            h = RRef._make(reg.me, rref_id, None, confirmed=True)
+            e.handle = weakref.ref(h, reg.freer(rref_id))
+        return h
+
+
+class _Proxy:
+    """``rref.rpc_sync().method(...)`` and friends: call a method on the owner."""
+
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            owner = self._rref.owner()
+            fargs = (self._rref, name, args, kwargs)
+            if self._mode == "remote":
+                return remote(owner, _invoke_method, fargs, timeout=self._timeout)
+            fut = api.rpc_async(owner, _proxy_call, fargs, timeout=self._timeout)
+            # agent.wait: a proxy call inside an RPC handler must not pin a
+            # pool thread (see _pool.WorkerPool.blocking).
+            return api._current().wait(fut) if self._mode == "sync" else fut
+        return call
+
+
+# -- remote() ---------------------------------------------------------------
+
+def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
+           kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> RRef[T]:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return an RRef to its result
+    at once.
+
+    ``timeout`` (seconds; -1 default, 0 none) covers creating the RRef, not
+    the function's run.  Creation errors and timeouts, and the function's
+    own exception, surface on the RRef's next use (``to_here``, proxies).
+    """
+    agent = api._current()
+    dest = agent.resolve(to)
+    reg = registry(agent)
+    rref_id = new_id(reg.me)
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if dest.id == reg.me:
+        rref = _owner_handle(reg, rref_id)
+        # On the caller's streams: after the work that made the arguments.
+        agent.submit(contextvars.copy_context().run, run_into, reg.entry(rref_id).value,
+                     func, args, kwargs, devices.current_streams(agent.devices))
+        return rref
+    rref = RRef._make(dest.id, rref_id, rref_id, confirmed=False)
+    fut = agent.call(dest, _owner_create, (rref_id, rref_id, reg.me, func, args, kwargs), {},
+                     _resolve_timeout(agent, timeout))
+    fut.add_done_callback(rref._confirm)
+    return rref

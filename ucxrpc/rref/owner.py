@@ -1,0 +1,106 @@
+"""What an RRef's owner runs: creating a value, serving it, keeping count
+of forks, and backward from it; and the per-agent registry they share."""
+
+from __future__ import annotations
+
+import contextvars
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import api, devices
+from ..agent import RpcAgent
+from ..errors import RRefError
+from ..functions import _plain, async_execution
+from .janitor import Janitor
+from .registry import ForkId, Registry, RRefId
+
+if TYPE_CHECKING:
+    from .handle import RRef
+
+__all__ = ["registry"]
+
+
+def registry(agent: RpcAgent | None = None) -> Registry:
+    """The RRef registry of ``agent`` (the current one by default), made and
+    plugged into the agent on first use."""
+    return (agent or api._current()).extension("rref", _new_registry)
+
+
+def _new_registry(agent: RpcAgent) -> Registry:
+    reg = Registry(agent)
+    janitor = Janitor(reg, lambda owner, items: agent.call(
+        agent.workers[owner], _owner_del_forks, (items,), {}, 0))
+    janitor.start()
+    agent.hooks.before_shutdown.append(janitor.flush)
+    agent.hooks.on_peer_failure.append(reg.drop_forks_of)
+    agent.hooks.debug_sources.append(reg.debug_info)
+    return reg
+
+
+def run_into(target: torch.futures.Future, func: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any], streams: list[Any]) -> None:
+    """Run ``func`` on ``streams`` (one per CUDA device of this worker, none
+    without) and set ``target``, which records where the value's work ends."""
+    with devices.on_streams(streams):
+        try:
+            result = func(*args, **kwargs)
+        except Exception as exc:
+            target.set_exception(exc)
+            return
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None and \
+                isinstance(result, torch._C.Future):
+            result.add_done_callback(lambda f: _copy_result(f, target))
+            return
+        target.set_result(result)
+
+
+def _copy_result(src: torch.futures.Future, dst: torch.futures.Future) -> None:
+    try:
+        dst.set_result(src.value())
+    except Exception as exc:
+        dst.set_exception(exc)
+
+
+def _owner_create(rref_id: RRefId, fork_id: ForkId, holder: int, func: Any,
+                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    reg = registry()
+    e = reg.entry(rref_id)
+    reg.add_fork(rref_id, fork_id, holder)
+    # With the caller's context variables: a distributed autograd context
+    # keeps recording the function's own calls.  On this call's streams,
+    # where its received arguments are recorded (see devices.callee_streams).
+    ctx = contextvars.copy_context()
+    reg.agent.submit(ctx.run, run_into, e.value, func, args, kwargs,
+                     devices.current_streams(reg.agent.devices))
+
+
+@async_execution
+def _owner_fetch(rref_id: RRefId) -> torch.futures.Future:
+    return registry().entry(rref_id).value
+
+
+@_plain
+def _owner_add_fork(rref_id: RRefId, fork_id: ForkId, holder: int) -> None:
+    registry().add_fork(rref_id, fork_id, holder)
+
+
+@_plain
+def _owner_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    reg = registry()
+    value = reg.agent.wait(reg.entry(rref._rref_id).value)
+    if not isinstance(value, torch.Tensor):
+        raise RRefError(f"RRef.backward needs an RRef of a tensor; {rref} holds a "
+                        f"{type(value).__name__}")
+    if context_id == -1:
+        torch.autograd.backward(value, retain_graph=retain_graph)
+        return
+    dist_backward = reg.agent.hooks.dist_backward
+    if dist_backward is None:  # no autograd context ever existed here
+        raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+    dist_backward(context_id, [value], retain_graph)
+
+
+@_plain
+def _owner_del_forks(items: list[tuple[RRefId, ForkId]]) -> None:
+    registry().del_forks(items)
