@@ -11,8 +11,8 @@ from .agent import WorkerInfo
 from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout,
                   get_worker_info, init_rpc, is_initialized, rpc_async, rpc_sync, shutdown)
 from .errors import (AuthenticationError, BrokenError, ClosedError, ConnectError,
-                     DistAutogradError, FrameError, RemoteError, RpcError, RpcTimeoutError,
-                     RRefError, SerializationError, TransportError)
+                     DistAutogradError, FrameError, PeerLeftError, RemoteError, RpcError,
+                     RpcTimeoutError, RRefError, SerializationError, TransportError)
 from .options import UcxRpcBackendOptions
 from .rref import RRef, remote
 
@@ -26,6 +26,7 @@ __all__ = [
     "ConnectError",
     "DistAutogradError",
     "FrameError",
+    "PeerLeftError",
     "RRef",
     "RRefError",
     "RemoteError",

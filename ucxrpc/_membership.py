@@ -93,7 +93,7 @@ def _tell(agent: RpcAgent, ranks: list[int], func: Callable[..., Any], args: tup
         if to is None or agent.is_broken(r):
             continue
         try:
-            futures.append((to, agent.call(to, func, args, {}, timeout or 0)))
+            futures.append((to, agent.call(to, func, args, {}, timeout)))
         except RpcError as exc:
             logger.warning("%s: could not reach %s: %s", agent.info, to.name, exc)
     for to, fut in futures:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _membership, rendezvous
+from . import _membership, rendezvous, timeouts
 from .agent import RpcAgent, WorkerInfo
 from .errors import RpcError
 from .functions import _plain
@@ -57,20 +57,21 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         raise TypeError(f"rpc_backend_options must be UcxRpcBackendOptions, got "
                         f"{type(opts).__name__}")
     dynamic = not world_size
+    default = timeouts.of_option(opts.rpc_timeout)
     if dynamic and rank < 0 and "RANK" in os.environ:
         rank = int(os.environ["RANK"])
     with _lifecycle:
         if _agent is not None:
             raise RpcError("RPC is already initialized")
         if dynamic:
-            store = rendezvous.open_dynamic_store(opts.init_method, rank, opts.rpc_timeout)
+            store = rendezvous.open_dynamic_store(opts.init_method, rank, default)
             # First: the keys a worker of the other kind would wait for (the
             # job secret, ...) are not where it looks.
             rendezvous.claim_mode(store, "dynamic")
             agent = RpcAgent(name, rank, None, opts, store)
         else:
             store, rank, world_size = rendezvous.open_store(opts.init_method, rank,
-                                                            int(world_size or 0), opts.rpc_timeout)
+                                                            int(world_size or 0), default)
             rendezvous.claim_mode(store, "static")
             agent = RpcAgent(name, rank, world_size, opts, store)
         # Published before joining: peers may call us as soon as our
@@ -78,12 +79,12 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         _agent = agent
         try:
             if dynamic:
-                _membership.join(agent, opts.rpc_timeout or None, _welcome, _farewell)
+                _membership.join(agent, default, _welcome, _farewell)
             else:
-                agent.join(opts.rpc_timeout or None)
+                agent.join(default)
         except BaseException:
             _agent = None
-            agent.shutdown(graceful=False, timeout=0)
+            agent.shutdown(graceful=False, timeout=None)
             raise
 
 
@@ -114,25 +115,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     with _lifecycle:
         agent = _current()
         try:
-            agent.shutdown(graceful, _shutdown_timeout(agent, timeout))
+            agent.shutdown(graceful, timeouts.for_wait(timeout, agent.default_timeout))
         finally:
             _agent = None
-
-
-def _shutdown_timeout(agent: RpcAgent, timeout: float | None) -> float | None:
-    """torch's rule: 0 (or None) waits for as long as the job runs; a
-    negative value (torch's UNSET_RPC_TIMEOUT) means the RPC timeout."""
-    if timeout is None or timeout == 0:
-        return None
-    if timeout < 0:
-        return agent.options.rpc_timeout or None
-    return float(timeout)
-
-
-def _timeout(agent: RpcAgent, timeout: float) -> float:
-    if timeout is None or timeout < 0:
-        return agent.options.rpc_timeout
-    return float(timeout)
 
 
 def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
@@ -151,7 +136,7 @@ def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, .
           kwargs: dict[str, Any] | None, timeout: float, waited: bool = False
           ) -> torch.futures.Future:
     return agent.call(agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
-                      _timeout(agent, timeout), waited=waited)
+                      timeouts.for_call(timeout, agent.default_timeout), waited=waited)
 
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,

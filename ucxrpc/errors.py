@@ -11,6 +11,7 @@ exceptions are converted inside ``transport/`` and chained with ``from exc``.
     │   ├── ConnectError        a pipe to the peer could not be opened
     │   ├── ClosedError         we closed it (shutdown, close())
     │   └── BrokenError         peer or network failed; __cause__ says how
+    │       └── PeerLeftError   the peer left its dynamic group
     ├── RpcTimeoutError         also a TimeoutError; message says it timed out
     ├── RemoteError             carries worker name, remote type, traceback
     ├── SerializationError      cannot pickle / unpickle / decode a frame
@@ -28,6 +29,7 @@ __all__ = [
     "ConnectError",
     "ClosedError",
     "BrokenError",
+    "PeerLeftError",
     "RpcTimeoutError",
     "RemoteError",
     "SerializationError",
@@ -56,6 +58,11 @@ class ClosedError(TransportError):
 
 class BrokenError(TransportError):
     """The peer died or the network failed; ``__cause__`` says how."""
+
+
+class PeerLeftError(BrokenError):
+    """The peer left its dynamic group: its calls fail as a dead peer's do
+    (what it was asked may not have run), but nothing went wrong."""
 
 
 class RpcTimeoutError(RpcError, TimeoutError):

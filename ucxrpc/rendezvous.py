@@ -88,10 +88,20 @@ class Member:
                       None if d.get("lifeline") is None else str(d["lifeline"]))
 
 
+# c10d stores need a finite timeout; this one stands for "no limit" (the
+# job's own timeout, None, waits as long as the job runs).
+_STORE_NO_LIMIT = timedelta(days=30)
+
+
+def _store_timeout(timeout: float | None) -> timedelta:
+    return _STORE_NO_LIMIT if timeout is None else timedelta(seconds=timeout)
+
+
 def open_store(init_method: str, rank: int, world_size: int,
-               timeout: float) -> tuple[Any, int, int]:
-    """A c10d store from ``init_method``; returns (store, rank, world_size)."""
-    td = timedelta(seconds=timeout if timeout > 0 else 24 * 3600)
+               timeout: float | None) -> tuple[Any, int, int]:
+    """A c10d store from ``init_method``; returns (store, rank, world_size).
+    ``timeout``: for each store operation (None: no limit)."""
+    td = _store_timeout(timeout)
     store, rank, world_size = next(dist.rendezvous(init_method, rank=rank,
                                                    world_size=world_size, timeout=td))
     store.set_timeout(td)
@@ -109,7 +119,7 @@ def clear(store: Any, world_size: int) -> None:
         store.delete_key(key)
 
 
-def open_dynamic_store(init_method: str, rank: int, timeout: float) -> Any:
+def open_dynamic_store(init_method: str, rank: int, timeout: float | None) -> Any:
     """The store of a dynamic group: torch's own choice for ``init_method``
     (a TCPStore hosted by rank 0 for ``env://`` and ``tcp://``)."""
     if rank < 0:
@@ -122,7 +132,7 @@ def open_dynamic_store(init_method: str, rank: int, timeout: float) -> Any:
             raise RpcError(f"rank 0 hosts the group's store at {init_method}, but that address "
                            f"is in use: is a rank 0 already running? ({exc})") from exc
         raise
-    store.set_timeout(timedelta(seconds=timeout if timeout > 0 else 24 * 3600))
+    store.set_timeout(_store_timeout(timeout))
     return store
 
 

@@ -37,7 +37,8 @@ RANKS: dict[str, int] = {
     "ucxrpc._tensor_codec": 1,  # tensor wire forms and the receiving side of serialization
     "ucxrpc._bundle": 1,  # small host tensors packed one buffer per dtype, for serialization
     "ucxrpc.devices": 1,
-    "ucxrpc.options": 1,  # UcxRpcBackendOptions: a value object agent and api read
+    "ucxrpc.options": 1,
+    "ucxrpc.timeouts": 1,  # torch's timeout conventions, turned into seconds or None once  # UcxRpcBackendOptions: a value object agent and api read
     "ucxrpc.agent": 2,
     "ucxrpc.rendezvous": 2,  # c10d store rendezvous and membership, for agent
     "ucxrpc._pool": 2,  # the thread pool that runs user functions, for agent

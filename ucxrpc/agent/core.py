@@ -18,10 +18,10 @@ from typing import Any, Callable, cast
 
 import torch
 
-from .. import devices, rendezvous, wire
+from .. import devices, rendezvous, timeouts, wire
 from .._pool import WorkerPool
-from ..errors import (AuthenticationError, BrokenError, ClosedError, FrameError, RpcError,
-                      SerializationError)
+from ..errors import (AuthenticationError, BrokenError, ClosedError, FrameError, PeerLeftError,
+                      RpcError, SerializationError)
 from ..options import UcxRpcBackendOptions
 from ..serialization import Serializer
 from ..transport import Limits, Transport
@@ -68,6 +68,8 @@ class RpcAgent:
         self._ids = itertools.count(1)
         #: The calls this worker waits for, and their deadlines.
         self.calls = CallTable(name)
+        #: ``rpc_timeout`` as below the API: seconds, or None for none.
+        self.default_timeout = timeouts.of_option(options.rpc_timeout)
         self.state = AgentState.NEW
         self._broken: dict[int, BaseException] = {}
         self._serving = 0  # requests received and not yet answered
@@ -267,11 +269,11 @@ class RpcAgent:
     # -------------------------------------------------------------- calling
 
     def call(self, to: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any], timeout: float, waited: bool = False
+             kwargs: dict[str, Any], timeout: timeouts.Seconds, waited: bool = False
              ) -> torch.futures.Future:
         """Send ``func(*args, **kwargs)`` to ``to``; the future gets the result.
 
-        ``timeout`` in seconds, 0 for none.  ``waited``: the caller waits
+        ``timeout`` in seconds, None for none (:mod:`ucxrpc.timeouts`).  ``waited``: the caller waits
         for the reply with :meth:`wait` at once, which progresses the
         transport itself, so the progress thread is not woken for it.
         Pickling errors raise here with their own type; transport errors
@@ -304,7 +306,7 @@ class RpcAgent:
         except BaseException:
             self.calls.pop(msg_id)
             raise
-        if timeout > 0:
+        if timeout is not None:
             self.calls.arm(msg_id, timeout)
         return fut if finish is None else finish(fut)
 
@@ -440,7 +442,7 @@ class RpcAgent:
         wi = self.workers.get(rank)
         if wi is None or rank == self.info.id:
             return
-        self._peer_gone(rank, ClosedError(f"worker {wi.name} left the group"))
+        self._peer_gone(rank, PeerLeftError(f"worker {wi.name} left the group"))
         self.workers.pop(rank, None)
         if self._names.get(wi.name) == wi:
             del self._names[wi.name]
@@ -479,6 +481,8 @@ class RpcAgent:
         if isinstance(cause, AuthenticationError):
             err = AuthenticationError(f"pipe to worker {self.name_of(peer)} (id {peer}) "
                                       f"refused: {cause}")
+        elif isinstance(cause, PeerLeftError):
+            err = PeerLeftError(f"worker {self.name_of(peer)} (id {peer}) left the group")
         elif isinstance(cause, ClosedError):
             err = ClosedError(f"worker {self.name_of(peer)} (id {peer}) is gone: {cause}")
         else:

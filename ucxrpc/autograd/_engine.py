@@ -136,7 +136,7 @@ def _send_grads(agent: RpcAgent, context_id: int, recv: Recv,
                 grads: list[torch.Tensor | None]) -> _Future:
     try:
         return agent.call(agent.workers[recv.source], _propagate,
-                          (context_id, recv.send_id, grads), {}, agent.options.rpc_timeout)
+                          (context_id, recv.send_id, grads), {}, agent.default_timeout)
     except Exception as exc:  # a broken pipe, a closed agent: fail this branch only
         fut: _Future = _Future()
         fut.set_exception(exc)
@@ -261,7 +261,7 @@ def release_peers(agent: RpcAgent, tbl: ContextTable, ctx: DistAutogradContext,
             continue
         try:
             calls.append((peer, agent.call(agent.workers[peer], _release, (ctx.id, tbl.me), {},
-                                           agent.options.rpc_timeout)))
+                                           agent.default_timeout)))
         except RpcError as exc:  # a dead peer has nothing left to release
             logger.debug("%s: cannot release context %d on %s: %s", agent.info.name,
                          ctx.id, agent.name_of(peer), exc)

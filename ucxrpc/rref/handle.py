@@ -9,8 +9,8 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
-from .. import api, devices
-from ..agent import RpcAgent, WorkerInfo
+from .. import api, devices, timeouts
+from ..agent import WorkerInfo
 from ..errors import RRefError
 from .owner import _owner_add_fork, _owner_backward, _owner_create, _owner_fetch, registry, run_into
 from .proxy import _invoke_method, _proxy_call
@@ -106,7 +106,7 @@ class RRef(Generic[T]):
                 # knows of the child before the child can drop it.
                 owner = agent.workers[self._owner_id]
                 agent.wait(agent.call(owner, _owner_add_fork, (self._rref_id, fork_id, dest),
-                                      {}, agent.options.rpc_timeout))
+                                      {}, agent.default_timeout))
         return (_rebuild_rref, (self._owner_id, self._rref_id, fork_id))
 
     # -- torch's RRef API --------------------------------------------------
@@ -145,7 +145,7 @@ class RRef(Generic[T]):
             return self.local_value()
         agent = self._registry.agent
         fut = agent.call(self.owner(), _owner_fetch, (self._rref_id,), {},
-                         _resolve_timeout(agent, timeout))
+                         timeouts.for_call(timeout, agent.default_timeout))
         # The creation's acknowledgement arrives before the value: if it
         # failed (timed out, say), that is the error to raise.
         agent.wait(self._confirmed)
@@ -185,10 +185,6 @@ def _failed(fut: torch.futures.Future) -> bool:
     except Exception:
         return True
     return False
-
-
-def _resolve_timeout(agent: RpcAgent, timeout: float) -> float:
-    return agent.options.rpc_timeout if timeout is None or timeout < 0 else float(timeout)
 
 
 def _rebuild_rref(owner: int, rref_id: RRefId, fork_id: ForkId | None) -> RRef[Any]:
@@ -254,6 +250,6 @@ def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
         return rref
     rref = RRef._make(dest.id, rref_id, rref_id, confirmed=False)
     fut = agent.call(dest, _owner_create, (rref_id, rref_id, reg.me, func, args, kwargs), {},
-                     _resolve_timeout(agent, timeout))
+                     timeouts.for_call(timeout, agent.default_timeout))
     fut.add_done_callback(rref._confirm)
     return rref
