@@ -37,6 +37,18 @@ def test_info_reports_ucx_transports_and_cuda():
     assert "CUDA support" in out
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("prefer_system", ["false", "true"])
+def test_info_names_the_ucx_library_this_process_loaded(prefer_system, monkeypatch):
+    # With RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true, ucxx loads a system UCX
+    # (how a cluster gets InfiniBand, README); this machine has none, so
+    # libucx falls back to its wheel's, and info says which one it got.
+    monkeypatch.setenv("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", prefer_system)
+    line = _readiness(_ucxrpc("info", timeout=60))["UCX"]
+    path = line.split(" (", 1)[1].rstrip(")")
+    assert os.path.basename(path).startswith("libucp.so") and os.path.exists(path), line
+
+
 def _gpu_here() -> bool:
     import torch
 

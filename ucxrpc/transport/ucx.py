@@ -179,16 +179,37 @@ def _ucp_ep_query(handle: int) -> list[tuple[str, str]]:
             for i in range(attr.transports.num_entries)]
 
 
-def _ucx_library(name: str) -> Any:
-    """One of UCX's libraries, the copy ucxx loaded (the libucx wheel's,
-    where it is installed; else the system's)."""
+def loaded_library(name: str) -> str | None:
+    """The path of UCX library ``name`` (``libucp.so``) as this process
+    loaded it, or None before UCX is loaded.  ucxx loads the libucx wheel's
+    copy, or a system UCX's where ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true``
+    (how a cluster gets UCX built with InfiniBand; see README)."""
     try:
-        import libucx  # type: ignore[import-untyped]  # noqa: PLC0415
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                base = os.path.basename(path)
+                if base == name or base.startswith(name + "."):
+                    return path
+    except OSError:
+        pass
+    return None
 
-        path = os.path.join(os.path.dirname(libucx.__file__), "lib", name)
-    except ImportError:
-        path = name
-    return ctypes.CDLL(path if os.path.exists(path) else name)
+
+def _ucx_library(name: str) -> Any:
+    """One of UCX's libraries: the very copy ucxx loaded, so that handles it
+    made (an endpoint) are read by the same code; else the libucx wheel's."""
+    path = loaded_library(name)
+    if path is None:
+        try:
+            import libucx  # type: ignore[import-untyped]  # noqa: PLC0415
+
+            path = os.path.join(os.path.dirname(libucx.__file__), "lib", name)
+        except ImportError:
+            path = name
+        if not os.path.exists(path):
+            path = name
+    return ctypes.CDLL(path)
 
 
 _PRINT_CONFIG_AND_HIDDEN = 1 | 8  # UCS_CONFIG_PRINT_CONFIG | UCS_CONFIG_PRINT_HIDDEN
