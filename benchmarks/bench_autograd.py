@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ucxrpc.rendezvous import free_port  # noqa: E402  (after the path)
 
 # (name, batch, width, layers): activations are batch x width float32.
 CASES = [("small: 32x64, 2 layers", 32, 64, 2),
@@ -108,16 +108,10 @@ def _child(impl, rank, port, case, warmup, steps, out):
         rpc.shutdown()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(impl, case, warmup, steps, timeout):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(impl, r, port, case, warmup, steps, out),
                          daemon=True) for r in (0, 1)]
     for p in procs:

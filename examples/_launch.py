@@ -4,16 +4,11 @@ process runs one rank; run directly, the example spawns all its ranks here."""
 from __future__ import annotations
 
 import os
-import socket
 from typing import Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ucxrpc.rendezvous import free_port
 
 
 def _run(rank: int, world_size: int, main: Callable[[int, int], None]) -> None:
@@ -28,5 +23,5 @@ def launch(main: Callable[[int, int], None], world_size: int) -> None:
         main(int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", world_size)))
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     mp.spawn(_run, args=(world_size, main), nprocs=world_size, join=True)

@@ -34,7 +34,6 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -43,6 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+
+from ucxrpc.rendezvous import free_port
 
 __all__ = [
     "FAILURE_GRACE_S",
@@ -145,18 +146,6 @@ class WorkerTimeout(WorkerError):
         for rank, text in self.failures.items():
             lines.append(f"--- rank {rank} failed ---\n{text.rstrip()}")
         super().__init__("\n".join(lines))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that was free a moment ago.
-
-    The port is found by binding port 0 and letting the kernel choose, so
-    concurrent callers get different ports. Another process may still take it
-    before the caller binds it; that race is small and is not papered over.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def run_workers(

@@ -88,6 +88,18 @@ class Member:
                       None if d.get("lifeline") is None else str(d["lifeline"]))
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago, for a store or a
+    lifeline to bind: the kernel picks it (bind to port 0), so concurrent
+    callers get different ones; another process may still take it before
+    the caller binds it, a small race nobody papers over.  The one helper
+    the tests, the benchmarks and the examples use."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 # c10d stores need a finite timeout; this one stands for "no limit" (the
 # job's own timeout, None, waits as long as the job runs).
 _STORE_NO_LIMIT = timedelta(days=30)

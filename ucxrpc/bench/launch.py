@@ -23,7 +23,6 @@ import os
 import queue
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from ..rendezvous import free_port
 from .workload import CALLER, PEER, WorkloadConfig, run_workload
 
 __all__ = ["ChildSpec", "RunOutcome", "StoreAddress", "busy_load", "child_main", "collect",
@@ -293,14 +293,6 @@ def busy_load(n: int) -> Iterator[list[int]]:
                 os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             p.wait()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (bind to port 0)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _take(outcome: RunOutcome, item: tuple[str, int, Any], on_progress: ProgressFn | None,
