@@ -125,9 +125,20 @@ def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = 
     """Call ``func(*args, **kwargs)`` on ``to``; returns a Future at once.
 
     ``to`` is a name, rank or WorkerInfo.  ``timeout`` in seconds: -1 uses
-    the default, 0 waits forever; on expiry the future fails with a
-    RuntimeError saying the RPC timed out.  Pickling errors raise here with
-    their own type; an unknown ``to`` raises RuntimeError.
+    the default (``rpc_timeout``), 0 waits forever.
+
+    Raises:
+        RpcError: RPC is not initialized, or the agent shut down; an
+            unknown ``to`` (a RuntimeError, as torch's).
+        TypeError: ``to`` is not a name, rank or WorkerInfo.
+        Exception: pickling the call failed, with the pickler's own type.
+        BrokenError: the pipe to ``to`` is known to be broken.
+        FrameError: the message breaks a limit (``max_message_bytes``...).
+
+    The future fails instead with :class:`RpcTimeoutError` (a RuntimeError
+    saying the RPC timed out) on expiry, :class:`BrokenError` naming the
+    peer when it dies or :class:`PeerLeftError` when it leaves its group,
+    and the remote exception with its own type when ``func`` raises.
     """
     return _call(_current(), to, func, args, kwargs, timeout)
 
@@ -141,14 +152,20 @@ def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, .
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
              kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> Any:
-    """Like :func:`rpc_async`, then wait: returns the result or raises the
-    remote exception with its own type (remote traceback in the message)."""
+    """Like :func:`rpc_async`, then wait: returns the result, or raises
+    what :func:`rpc_async` raises or its future fails with (the remote
+    exception with its own type, the remote traceback in its message).
+    ``timeout`` as :func:`rpc_async`'s."""
     agent = _current()
     return agent.wait(_call(agent, to, func, args, kwargs, timeout, waited=True))
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
-    """This worker's WorkerInfo, or the named worker's."""
+    """This worker's WorkerInfo, or the named worker's.
+
+    Raises:
+        RpcError: RPC is not initialized, or no worker has that name.
+    """
     agent = _current()
     if worker_name is None:
         return agent.info
@@ -156,12 +173,22 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 
 def get_rpc_timeout() -> float:
-    """The default RPC timeout in seconds."""
+    """The default RPC timeout in seconds, as given (0: none).
+
+    Raises:
+        RpcError: RPC is not initialized.
+    """
     return _current().options.rpc_timeout
 
 
 def get_pipe_info(to: Any = None) -> list[dict[str, Any]]:
-    """Per open pipe: the peer and the UCX transports it uses (from UCX)."""
+    """Per open pipe: the peer, the UCX transports and lanes its endpoint
+    uses (as UCX reports them), how CUDA tensors travel on it
+    (``cuda_path``), its state and message counts; for ``to`` only if given.
+
+    Raises:
+        RpcError: RPC is not initialized, or ``to`` is unknown.
+    """
     agent = _current()
     peer = None if to is None else agent.resolve(to).id
     return agent.transport.pipe_info(peer)
@@ -173,4 +200,5 @@ def _get_debug_info() -> dict[str, Any]:
 
 
 def is_initialized() -> bool:
+    """Whether ``init_rpc`` ran in this process and ``shutdown`` did not yet."""
     return _agent is not None

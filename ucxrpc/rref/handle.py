@@ -166,12 +166,18 @@ class RRef(Generic[T]):
                                      (self, dist_autograd_ctx_id, retain_graph)))
 
     def rpc_sync(self, timeout: float = -1.0) -> Any:
+        """A proxy: ``rref.rpc_sync().m(*args)`` runs ``value.m(*args)`` on
+        the owner and returns its result, raising as :func:`ucxrpc.rpc_sync`
+        does; ``timeout`` as there (-1 the default, 0 none)."""
         return _Proxy(self, "sync", timeout)
 
     def rpc_async(self, timeout: float = -1.0) -> Any:
+        """As :meth:`rpc_sync`, returning a future (:func:`ucxrpc.rpc_async`)."""
         return _Proxy(self, "async", timeout)
 
     def remote(self, timeout: float = -1.0) -> Any:
+        """As :meth:`rpc_sync`, returning an RRef to the result, owned by
+        this RRef's owner (:func:`ucxrpc.remote`)."""
         return _Proxy(self, "remote", timeout)
 
     def __repr__(self) -> str:
