@@ -163,6 +163,25 @@ def _rebuild_tensor(index: int, offset: int, dtype: str, shape: tuple[int, ...],
     return _finish(t, flags, cls, number) if flags or cls is not None else t
 
 
+def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: tuple[int, ...],
+                        coalesced: bool, flags: int) -> torch.Tensor:
+    """Pickle's rebuild call for a sparse COO tensor, whose indices and
+    values travelled as tensors of their own (out of band); its autograd
+    flag is applied as a dense tensor's is."""
+    loader = _LOCAL.loader
+    if loader is None:
+        raise SerializationError(_NOT_IN_LOADS)
+    try:
+        # Checked, as torch's own unpickling checks sparse tensors: a peer's
+        # indices out of range would otherwise be read past the values.
+        t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
+                                    check_invariants=True)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise SerializationError(f"a sparse tensor of size {tuple(size)} is malformed: "
+                                 f"{exc}") from exc
+    return _finish(t, flags, None, loader.ntensors) if flags else t
+
+
 def _extent(offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """One past the last storage element a view touches; 0 if it has none."""
     if len(shape) != len(stride):

@@ -59,7 +59,8 @@ import torch
 from . import _bundle
 from ._tensor_codec import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER,
                             _REQUIRES_GRAD, GradCapture, _Loader, _device_name, _dtype_name,
-                            _rebuild_bundled, _rebuild_capture, _rebuild_tensor, _rebuild_vector)
+                            _rebuild_bundled, _rebuild_capture, _rebuild_sparse_coo,
+                            _rebuild_tensor, _rebuild_vector)
 from .errors import SerializationError
 
 
@@ -87,6 +88,7 @@ def _compacted(storage_bytes: int, view_bytes: int) -> bool:
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
+_SPARSE_COO = torch.sparse_coo
 _UINT8 = torch.uint8
 
 Reducer = Callable[[Any], Any]
@@ -359,6 +361,14 @@ class _MessagePickler(pickle.Pickler):
         cls = type(t)
         if cls is not _Tensor and cls is not _Parameter and not _plain_subclass(cls):
             return NotImplemented
+        if t.layout is _SPARSE_COO and cls is _Tensor and (t.is_cpu or t.is_cuda):
+            # Its indices and values go out of band like any tensor's data;
+            # torch's own pickling would drop requires_grad, and with it the
+            # tensor's place in distributed autograd (sparse embeddings).
+            flags = self._grad_flag(t) if t.requires_grad else 0
+            d = t.detach()
+            return (_rebuild_sparse_coo, (d._indices(), d._values(), tuple(t.shape),
+                                          t.is_coalesced(), flags))
         if (t.layout is not _STRIDED or t.is_quantized or t.is_nested
                 or not (t.is_cpu or t.is_cuda)):
             return NotImplemented  # torch's own pickling: in band, but correct

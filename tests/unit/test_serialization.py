@@ -934,3 +934,36 @@ def test_grad_capture_pairs_sent_and_received_tensors():
     assert _roundtrip([a])[0].requires_grad
     with pytest.raises(TypeError, match="GradCapture"):
         pickle.dumps(serialization.GradCapture())
+
+
+# ---- sparse COO ------------------------------------------------------------
+
+def _sparse(requires_grad: bool = False, coalesce: bool = False) -> torch.Tensor:
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    t = torch.sparse_coo_tensor(i, torch.tensor([3.0, 4.0, 5.0]), (2, 3))
+    t = t.coalesce() if coalesce else t
+    return t.requires_grad_() if requires_grad else t
+
+
+def test_sparse_tensors_keep_requires_grad_and_their_place_in_a_capture():
+    # torch's own pickling of a sparse tensor drops requires_grad: a sparse
+    # embedding's output lost its place in distributed autograd.
+    s = Serializer()
+    sent = serialization.GradCapture()
+    dense = torch.ones(2, requires_grad=True)
+    pickled = s.dumps((sent, _sparse(requires_grad=True), dense, _sparse(coalesce=True)))
+    got = s.loads(pickled.payload, pickled.buffers)
+    assert got[1].layout is torch.sparse_coo and got[1].requires_grad
+    assert torch.equal(got[1].detach().to_dense(), _sparse().to_dense())
+    assert got[3].is_coalesced() and not got[3].requires_grad
+    assert len(sent.tensors) == len(got[0].tensors) == 2
+    assert got[0].tensors[0] is got[1] and got[0].tensors[1] is got[2]
+
+
+def test_a_malformed_sparse_tensor_is_refused_by_name():
+    s = Serializer()
+    bad = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([1.0, 2.0]), (2,),
+                                  check_invariants=False)
+    pickled = s.dumps(bad)
+    with pytest.raises(SerializationError, match="sparse tensor of size"):
+        s.loads(pickled.payload, pickled.buffers)

@@ -124,6 +124,16 @@ def _owned(grad: torch.Tensor, storages: set[int]) -> torch.Tensor:
     must be dense and not alias another leaf's (the gradients of ``a + b``
     are one tensor).  Most are neither, and are kept without a copy.
     """
+    if grad.layout is torch.sparse_coo:
+        # A sparse gradient has no storage of its own: its values' and
+        # indices' count, as in torch's AccumulateGrad for sparse ones.
+        values = grad._values()
+        ptr = values.untyped_storage().data_ptr()
+        if values.is_contiguous() and grad._indices().is_contiguous() and ptr not in storages:
+            if ptr:
+                storages.add(ptr)
+            return grad
+        return grad.clone()
     ptr = grad.untyped_storage().data_ptr()
     if grad.is_contiguous() and ptr not in storages:
         if ptr:
