@@ -58,6 +58,11 @@ class WorkerPool:
             _local.task = (fn, args)
             with self._lock:
                 self._active += 1
+                # No longer idle: it runs this next.  Counted idle, it made
+                # a second request landing in the same turn wait behind the
+                # first instead of starting a thread (a slow call then held
+                # up every call queued behind it).
+                self._idle -= 1
             return
         self._queue.put((fn, args))
         with self._lock:
@@ -78,9 +83,10 @@ class WorkerPool:
         _local.pool = self
         _local.task = None
         while True:
-            item = self._next()
-            with self._lock:
-                self._idle -= 1
+            item, claimed = self._next()
+            if not claimed:  # a claimed task was uncounted at submit
+                with self._lock:
+                    self._idle -= 1
             if item is _STOP:
                 return
             fn, args = item
@@ -100,7 +106,9 @@ class WorkerPool:
             if quiet and (self._idle_wait is None or not self._queue.empty()):
                 self._quiet()
 
-    def _next(self) -> Any:
+    def _next(self) -> tuple[Any, bool]:
+        """The next item, and whether it is a task this thread claimed in
+        idle_wait (see submit)."""
         if self._idle_wait is not None and self._queue.empty() and not self._closed:
             _local.waiting = self
             try:
@@ -109,8 +117,8 @@ class WorkerPool:
                 _local.waiting = None
             task, _local.task = _local.task, None
             if task is not None:
-                return task
-        return self._queue.get()
+                return task, True
+        return self._queue.get(), False
 
     def _has_work(self) -> bool:
         return _local.task is not None or not self._queue.empty() or self._closed

@@ -13,6 +13,7 @@ import torch
 
 from tests.faults import _common as c
 from tests.workers import run_with_victim, run_workers
+from ucxrpc.functions import async_execution
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -256,3 +257,56 @@ def _survivor(rank, world_size, init_method, full_world):
 def test_rref_whose_owner_died_fails_naming_it():
     res = run_with_victim(c.victim_main, _survivor, 3, args=(3,), timeout=100)
     assert res[0] < 15  # seconds: detection, not the 60 s RPC timeout
+
+
+class AsyncAdder:
+    """A value whose methods answer through futures (torch's AsyncExecutionClass)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    @staticmethod
+    @async_execution
+    def static_add(x, y):
+        fut = torch.futures.Future()
+        fut.set_result(x + y)
+        return fut
+
+    @async_execution
+    def add(self, y):
+        return rpc_module().rpc_async("worker0", torch.add, args=(self.base, y))
+
+
+@async_execution
+def not_a_future():
+    return torch.zeros(2)
+
+
+def rpc_module():
+    import ucxrpc
+
+    return ucxrpc
+
+
+def _async_proxies(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    out = None
+    if rank == 0:
+        rref = rpc.remote("worker1", AsyncAdder, args=(torch.ones(2),))
+        # the reply waits for the method's future, in every proxy mode
+        out = [rref.rpc_sync().static_add(1, 2), rref.rpc_async().add(2).wait().tolist(),
+               rref.remote().add(3).to_here().tolist()]
+        with pytest.raises(AttributeError, match="has no attribute 'non_exist'"):
+            rref.remote().non_exist()  # as torch: at once, not at first use
+        with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object"):
+            rpc.remote("worker1", not_a_future).to_here()
+        with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object"):
+            rpc.rpc_sync("worker1", not_a_future)
+    rpc.shutdown()
+    return out
+
+
+def test_async_execution_methods_through_proxies():
+    assert run_workers(_async_proxies, 2, timeout=90)[0] == [3, [3.0, 3.0], [4.0, 4.0]]

@@ -34,3 +34,33 @@ def test_computing_from_submit_to_finish_and_not_while_blocked():
     finally:
         release.set()
         pool.close()
+
+
+def test_a_second_request_landing_in_a_drivers_turn_does_not_wait_behind_the_first():
+    # A pool thread waiting for work drives the transport (idle_wait); two
+    # requests may land in one of its turns.  It runs the first itself; the
+    # second must start on another thread, not wait for the first to end.
+    # (Found by torch's RPC tests: a call queued behind a 20 s one.)
+    release, fast_ran = threading.Event(), threading.Event()
+    landed = threading.Event()
+    pool: WorkerPool
+
+    def slow():
+        assert release.wait(10)
+
+    def idle_wait(has_work):
+        if not landed.is_set():
+            landed.set()
+            pool.submit(slow)
+            pool.submit(fast_ran.set)
+            return
+        while not has_work():
+            threading.Event().wait(0.001)
+
+    pool = WorkerPool(4, idle_wait=idle_wait)
+    try:
+        pool.submit(lambda: None)  # starts the first thread, which then drives
+        assert fast_ran.wait(10), "the second request waited behind the first"
+    finally:
+        release.set()
+        pool.close()

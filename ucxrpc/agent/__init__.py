@@ -12,8 +12,8 @@ from __future__ import annotations
 from .core import RpcAgent
 from .hooks import Hooks
 from .info import WorkerInfo
-from .remote_errors import describe_exception, rebuild_exception, timeout_error
+from .remote_errors import describe_exception, not_a_future, rebuild_exception, timeout_error
 from .state import AgentState
 
 __all__ = ["AgentState", "Hooks", "RpcAgent", "WorkerInfo", "describe_exception",
-           "rebuild_exception", "timeout_error"]
+           "not_a_future", "rebuild_exception", "timeout_error"]

@@ -28,7 +28,7 @@ from ..transport import Limits, Transport
 from .calls import CallTable
 from .hooks import Hooks
 from .info import WorkerInfo
-from .remote_errors import describe_exception, rebuild_exception
+from .remote_errors import describe_exception, not_a_future, rebuild_exception
 from .state import AgentState
 
 logger = logging.getLogger(__name__)
@@ -516,9 +516,7 @@ class RpcAgent:
             del args, kwargs, body, buffers
             if getattr(func, "_wrapped_async_rpc_function", None) is not None:
                 if not isinstance(result, torch._C.Future):
-                    self._reply_error(peer, msg_id, TypeError(
-                        f"@async_execution function {getattr(func, '__name__', func)} returned "
-                        f"{type(result).__name__}, not a torch.futures.Future"))
+                    self._reply_error(peer, msg_id, not_a_future(func, result))
                     return
                 result.add_done_callback(lambda f: self._reply_future(peer, msg_id, f))
                 return

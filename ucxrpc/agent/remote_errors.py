@@ -8,16 +8,24 @@ import pickle
 import traceback
 from typing import Any
 
-from ..errors import RemoteError, RpcTimeoutError
+from ..errors import RemoteError, RpcError, RpcTimeoutError
 from .info import WorkerInfo
 
-__all__ = ["describe_exception", "rebuild_exception", "timeout_error"]
+__all__ = ["describe_exception", "not_a_future", "rebuild_exception", "timeout_error"]
 
 
 def timeout_error(timeout: float) -> RpcTimeoutError:
     """torch's message for a call that ran past its timeout."""
     return RpcTimeoutError(f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) "
                            "and will now be marked with an error")
+
+
+def not_a_future(func: Any, result: Any) -> RpcError:
+    """An ``@async_execution`` function returned something else, in torch's
+    words (a RuntimeError, which torch's tests match on)."""
+    return RpcError("Functions decorated with @rpc.async_function must return a "
+                    f"torch.futures.Future object, but got {type(result)} "
+                    f"(from {getattr(func, '__qualname__', func)})")
 
 
 def describe_exception(exc: BaseException, where: WorkerInfo) -> bytes:

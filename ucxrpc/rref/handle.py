@@ -12,7 +12,8 @@ import torch
 from .. import api, devices, timeouts
 from ..agent import WorkerInfo
 from ..errors import RRefError
-from .owner import _owner_add_fork, _owner_backward, _owner_create, _owner_fetch, registry, run_into
+from .owner import (_owner_add_fork, _owner_backward, _owner_create, _owner_fetch, _owner_type,
+                    registry, run_into)
 from .proxy import _invoke_method, _proxy_call
 from .registry import ForkId, Registry, RRefId, new_id
 
@@ -180,6 +181,19 @@ class RRef(Generic[T]):
         this RRef's owner (:func:`ucxrpc.remote`)."""
         return _Proxy(self, "remote", timeout)
 
+    def _value_type(self) -> type:
+        """The value's type (asked of the owner once, as torch's _get_type)."""
+        t = getattr(self, "_type", None)
+        if t is None:
+            if self.is_owner():
+                t = type(self.local_value())
+            else:
+                agent = self._registry.agent
+                t = agent.wait(agent.call(self.owner(), _owner_type, (self._rref_id,), {},
+                                          agent.default_timeout))
+            self._type = t
+        return t
+
     def __repr__(self) -> str:
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
         return f"{kind}(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
@@ -224,6 +238,11 @@ class _Proxy:
             owner = self._rref.owner()
             fargs = (self._rref, name, args, kwargs)
             if self._mode == "remote":
+                # As torch: a name the value's type lacks fails here and now
+                # (the new RRef would only fail on its first use).
+                if not hasattr(self._rref._value_type(), name):
+                    raise AttributeError(f"'{self._rref._value_type().__name__}' object has "
+                                         f"no attribute '{name}'")
                 return remote(owner, _invoke_method, fargs, timeout=self._timeout)
             fut = api.rpc_async(owner, _proxy_call, fargs, timeout=self._timeout)
             # agent.wait: a proxy call inside an RPC handler must not pin a

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import api, devices
-from ..agent import RpcAgent
+from ..agent import RpcAgent, not_a_future
 from ..errors import RRefError
 from ..functions import _plain, async_execution
 from .janitor import Janitor
@@ -48,14 +48,17 @@ def run_into(target: torch.futures.Future, func: Any, args: tuple[Any, ...],
         except Exception as exc:
             target.set_exception(exc)
             return
-        if getattr(func, "_wrapped_async_rpc_function", None) is not None and \
-                isinstance(result, torch._C.Future):
-            result.add_done_callback(lambda f: _copy_result(f, target))
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+            if not isinstance(result, torch._C.Future):
+                target.set_exception(not_a_future(func, result))
+                return
+            result.add_done_callback(lambda f: copy_result(f, target))
             return
         target.set_result(result)
 
 
-def _copy_result(src: torch.futures.Future, dst: torch.futures.Future) -> None:
+def copy_result(src: torch.futures.Future, dst: torch.futures.Future) -> None:
+    """Complete ``dst`` as ``src`` completed (a callback of ``src``)."""
     try:
         dst.set_result(src.value())
     except Exception as exc:
@@ -73,6 +76,12 @@ def _owner_create(rref_id: RRefId, fork_id: ForkId, holder: int, func: Any,
     ctx = contextvars.copy_context()
     reg.agent.submit(ctx.run, run_into, e.value, func, args, kwargs,
                      devices.current_streams(reg.agent.devices))
+
+
+@async_execution
+def _owner_type(rref_id: RRefId) -> torch.futures.Future:
+    """The type of the value (once it exists), for proxies to check names."""
+    return registry().entry(rref_id).value.then(lambda f: type(f.wait()))
 
 
 @async_execution

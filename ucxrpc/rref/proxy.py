@@ -9,7 +9,7 @@ import torch
 
 from .. import devices
 from ..functions import async_execution
-from .owner import registry
+from .owner import copy_result, registry
 
 if TYPE_CHECKING:
     from .handle import RRef
@@ -33,14 +33,37 @@ def _proxy_call(rref: RRef[Any], name: str, args: tuple[Any, ...],
     def run(f: torch.futures.Future) -> None:
         try:
             with devices.on_streams(streams):
-                out.set_result(ctx.run(getattr(f.wait(), name), *args, **kwargs))
+                method = getattr(f.wait(), name)
+                result = ctx.run(method, *args, **kwargs)
         except Exception as exc:  # set_exception keeps its type; then() would not
             out.set_exception(exc)
+            return
+        if _is_async(method, result):  # the reply waits for the method's future
+            result.add_done_callback(lambda r: copy_result(r, out))
+        else:
+            out.set_result(result)
 
     value.add_done_callback(run)
     return out
 
 
+@async_execution
 def _invoke_method(rref: RRef[Any], name: str, args: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> Any:
-    return getattr(rref.local_value(), name)(*args, **kwargs)
+                   kwargs: dict[str, Any]) -> torch.futures.Future:
+    """``rref.remote().name(...)`` on the owner: the new RRef's value is the
+    method's result, or its future's value for an ``@async_execution``
+    method (a future made here, for the others)."""
+    method = getattr(rref.local_value(), name)
+    result = method(*args, **kwargs)
+    if _is_async(method, result):
+        return result
+    out = devices.future(registry().agent.devices)
+    out.set_result(result)
+    return out
+
+
+def _is_async(method: Any, result: Any) -> bool:
+    """Whether ``method`` is ``@async_execution`` (as a static or class
+    method too) and kept its promise of a future."""
+    return (getattr(method, "_wrapped_async_rpc_function", None) is not None
+            and isinstance(result, torch._C.Future))
