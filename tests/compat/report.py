@@ -12,6 +12,7 @@ import datetime
 import os
 import platform
 import re
+import subprocess
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -28,13 +29,28 @@ def run_metadata(start_method: str, timeout: float, argv: Sequence[str]) -> dict
     return {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "torch": torch.__version__,
-        "ucxrpc": ucxrpc.__version__,
+        "ucxrpc": f"{ucxrpc.__version__} ({_revision()})",
         "python": platform.python_version(),
         "cpus": str(os.cpu_count()),
         "start_method": start_method,
         "timeout_s": f"{timeout:g}",
         "command": ".venv/bin/python -m tests.compat.run " + " ".join(argv[1:]),
     }
+
+
+def _revision() -> str:
+    """The checkout's commit, and whether ucxrpc/ differs from it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "ucxrpc"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "commit unknown"
+    if not head:
+        return "commit unknown"
+    return f"commit {head}" + (", with uncommitted changes in ucxrpc/" if dirty else "")
 
 
 def write(path: str, results: Sequence[Any], planned: int, meta: dict[str, str]) -> None:

@@ -95,6 +95,10 @@ def run_one(ref: TestRef, timeout: float) -> Result:
 
     case = suites.CLASSES[ref.class_name](ref.test_name)
     outcome = unittest.TestResult()
+    # torch's parent logs a timed-out rank's stacks (and little else) here.
+    stacks = _Capture()
+    torch_log = logging.getLogger("torch.testing._internal.common_distributed")
+    torch_log.addHandler(stacks)
     watchdog = threading.Timer(timeout + _WATCHDOG_GRACE_S, fixture.kill_started, (0.0,))
     watchdog.daemon = True
     start = time.monotonic()
@@ -103,9 +107,24 @@ def run_one(ref: TestRef, timeout: float) -> Result:
         case.run(outcome)
     finally:
         watchdog.cancel()
+        torch_log.removeHandler(stacks)
         killed = fixture.kill_started()
     seconds = time.monotonic() - start
-    return _result(ref.key, outcome, seconds, killed)
+    result = _result(ref.key, outcome, seconds, killed)
+    if result.outcome != "passed" and stacks.lines:
+        result.details += "\n\ntorch's log of the test:\n" + "\n".join(stacks.lines)
+    return result
+
+
+class _Capture(logging.Handler):
+    """Keeps the text of ERROR records logged during one test."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def _result(key: str, outcome: unittest.TestResult, seconds: float, killed: list[int]) -> Result:
@@ -130,22 +149,29 @@ def _result(key: str, outcome: unittest.TestResult, seconds: float, killed: list
 
 _CHILD_ERROR = re.compile(r"Process (\d+) exited with error code \d+ and exception:\n")
 _TIMED_OUT = re.compile(r"Process (\d+) terminated or timed out after ([\d.]+) seconds")
+# Errors a rank gets because another rank failed first and was stopped.
+_SECONDARY = re.compile(r"unreachable|is broken|process is gone|Connection closed by peer|"
+                        r"Connection reset by peer|peer .* (died|exited)")
 
 
 def first_line(details: str) -> str:
     """The first line of the error that failed a test, from unittest's text.
 
     torch's parent raises "Process N exited with error code 10 and exception:"
-    followed by each failed rank's traceback: the reason is the first failed
-    rank's final exception line, prefixed with the rank.  Timeouts and other
-    parent-side failures give the parent's own exception line.
+    followed by each failed rank's traceback.  The reason is the final
+    exception line of the first rank whose error is not just a peer having
+    gone away (when one rank fails, torch stops the others, whose calls then
+    fail), prefixed with the rank.  Timeouts and other parent-side failures
+    give the parent's own exception line.
     """
-    m = _CHILD_ERROR.search(details)
-    if m:
-        rest = details[m.end():]
-        nxt = _CHILD_ERROR.search(rest)
-        tb = rest[:nxt.start()] if nxt else rest
-        return f"rank {m.group(1)}: {_exception_line(tb)}"
+    starts = list(_CHILD_ERROR.finditer(details))
+    if starts:
+        ranks = []
+        for n, m in enumerate(starts):
+            end = starts[n + 1].start() if n + 1 < len(starts) else len(details)
+            ranks.append((m.group(1), _exception_line(details[m.end():end])))
+        rank, line = next(((r, x) for r, x in ranks if not _SECONDARY.search(x)), ranks[0])
+        return f"rank {rank}: {line}"
     m = _TIMED_OUT.search(details)
     if m:
         return f"timed out: rank {m.group(1)} still running after {float(m.group(2)):.0f} s"

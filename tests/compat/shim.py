@@ -12,7 +12,7 @@ torch module                                what the tests get
 ``torch.distributed.rpc.api``               ``ucxrpc.api`` (its public calls) plus
                                             torch internals as :class:`TorchInternal`
 ``torch.distributed.rpc.functions``         ``ucxrpc.functions``
-``torch.distributed.rpc.internal``          torch internals only (:class:`TorchInternal`)
+``torch.distributed.rpc.internal``          torch's ``RPCExecMode`` enum; the rest stand-ins
 ``torch.distributed.rpc.constants``         torch's constant names, ucxrpc's values
 ``torch.distributed.rpc.backend_registry``  ``BackendType`` = ``ucxrpc.BackendType``
 ``torch.distributed.autograd``              ``ucxrpc.autograd``
@@ -228,8 +228,9 @@ def _rpc_module(ucxrpc: Any) -> types.ModuleType:
     api = _ForwardingModule("torch.distributed.rpc.api", ucxrpc.api,
                             "ucxrpc.api standing in for torch.distributed.rpc.api")
     for name in ("_thread_local_var", "_use_rpc_pickler", "_wait_all", "_all_gather",
-                 "_wait_all_workers", "_default_pickler", "_delete_all_user_and_unforked_owner_rrefs",
-                 "_get_current_rpc_agent", "_set_rpc_timeout", "_init_rpc_states"):
+                 "_wait_all_workers", "_default_pickler",
+                 "_delete_all_user_and_unforked_owner_rrefs", "_get_current_rpc_agent",
+                 "_set_rpc_timeout", "_init_rpc_states"):
         setattr(api, name, TorchInternal(f"torch.distributed.rpc.api.{name}"))
     # dist_utils.dist_init writes this before each test; harmless here.
     api._ignore_rref_leak = True

@@ -24,10 +24,13 @@ import pytest
 # One or two per area of torch's suites; each passes on ucxrpc.
 SAMPLE = (
     "RpcTest.test_nested_rpc",
+    "RpcTest.test_rref_proxy_tensor",
+    "RpcTest.test_async_class_rref_proxy",
     "RpcTest.test_async_function_nested",
     "RpcTest.test_py_raise_in_user_func_escaped_str",
     "DistAutogradTest.test_backward_simple",
     "DistOptimizerTest.test_dist_optim",
+    "RemoteModuleTest.test_remote_parameters",
 )
 
 # torch's own fixture waits this long for a test's ranks; the child as a
