@@ -12,7 +12,8 @@ from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout,
                   get_worker_info, init_rpc, is_initialized, rpc_async, rpc_sync, shutdown)
 from .errors import (AuthenticationError, BrokenError, ClosedError, ConnectError,
                      DistAutogradError, FrameError, PeerLeftError, RemoteError, RpcError,
-                     RpcTimeoutError, RRefError, SerializationError, TransportError)
+                     RpcTimeoutError, RRefError, SerializationError, TransportError,
+                     WorkerNameError)
 from .options import UcxRpcBackendOptions
 from .rref import RRef, remote
 
@@ -34,6 +35,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "TransportError",
+    "WorkerNameError",
     "UcxRpcBackendOptions",
     "WorkerInfo",
     "autograd",

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from . import _membership, rendezvous, timeouts
-from .agent import RpcAgent, WorkerInfo
+from .agent import RpcAgent, WorkerInfo, check_name
 from .errors import RpcError
 from .functions import _plain
 from .options import UcxRpcBackendOptions
@@ -49,12 +49,14 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         RpcError: already initialized, duplicate names, rendezvous failure.
     """
     global _agent
-    rendezvous.check_name(name)
+    check_name(name)
     if backend not in (None, BackendType.UCX, "UCX", "ucx"):
-        raise ValueError(f"ucxrpc only has the UCX backend, got {backend!r}")
+        raise TypeError(f"Argument backend must be a member of BackendType: ucxrpc only has "
+                        f"the UCX backend, got {backend!r}")
     opts = rpc_backend_options or UcxRpcBackendOptions()
     if not isinstance(opts, UcxRpcBackendOptions):
-        raise TypeError(f"rpc_backend_options must be UcxRpcBackendOptions, got "
+        raise TypeError(f"Argument rpc_backend_options must be an instance of "
+                        f"RpcBackendOptions: ucxrpc takes UcxRpcBackendOptions, got "
                         f"{type(opts).__name__}")
     dynamic = not world_size
     default = timeouts.of_option(opts.rpc_timeout)

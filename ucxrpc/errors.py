@@ -18,6 +18,7 @@ exceptions are converted inside ``transport/`` and chained with ``from exc``.
     ├── FrameError              malformed, truncated or oversize frame
     ├── AuthenticationError     handshake refused
     ├── RRefError
+    ├── WorkerNameError     also a ValueError: a name torch's rule refuses
     └── DistAutogradError
 """
 
@@ -36,6 +37,7 @@ __all__ = [
     "FrameError",
     "AuthenticationError",
     "RRefError",
+    "WorkerNameError",
     "DistAutogradError",
 ]
 
@@ -96,6 +98,11 @@ class FrameError(RpcError):
 
 class AuthenticationError(RpcError):
     """A peer failed the pipe handshake (wrong job secret, replay, ...)."""
+
+
+class WorkerNameError(RpcError, ValueError):
+    """A worker name torch's rule refuses: a RuntimeError as torch raises,
+    and a ValueError, which it is."""
 
 
 class RRefError(RpcError):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -37,17 +36,9 @@ from .errors import AuthenticationError, RpcError, RpcTimeoutError
 
 logger = logging.getLogger(__name__)
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
 PREFIX = "ucxrpc/"
 #: The barriers of a static job (their keys are cleared with it).
 BARRIERS = ("init", "shutdown", "shutdown-done")
-
-
-def check_name(name: str) -> None:
-    """torch's rule: letters, digits, ``_``, ``:`` and ``-``, under 128 chars."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or len(name) >= 128:
-        raise ValueError(f"Worker name must match ^[A-Za-z0-9-_:]*$ and be shorter than "
-                         f"128 characters, got {name!r}")
 
 
 @dataclass(frozen=True)

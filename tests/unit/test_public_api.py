@@ -64,3 +64,15 @@ def test_python_dash_m_ucxrpc_is_the_command() -> None:
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "info" in proc.stdout and "bench" in proc.stdout
+
+
+@pytest.mark.parametrize("name, says", [("abc*", "Worker name must match"),
+                                        (" ", "Worker name must match"),
+                                        ("", "must be non-empty"),
+                                        ("a" * 500, "shorter than 128")])
+def test_worker_names_follow_torchs_rule_in_its_words(name: str, says: str) -> None:
+    with pytest.raises(RuntimeError, match=says):
+        ucxrpc.WorkerInfo(name, 0)
+    with pytest.raises(ValueError, match=says):  # what it is, too
+        ucxrpc.WorkerInfo(name, 0)
+    assert ucxrpc.WorkerInfo("trainer:0-a_b", 3).name == "trainer:0-a_b"

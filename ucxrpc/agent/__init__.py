@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from .core import RpcAgent
 from .hooks import Hooks
-from .info import WorkerInfo
+from .info import WorkerInfo, check_name
 from .remote_errors import describe_exception, not_a_future, rebuild_exception, timeout_error
 from .state import AgentState
 
-__all__ = ["AgentState", "Hooks", "RpcAgent", "WorkerInfo", "describe_exception",
+__all__ = ["AgentState", "Hooks", "RpcAgent", "WorkerInfo", "check_name", "describe_exception",
            "not_a_future", "rebuild_exception", "timeout_error"]

@@ -95,7 +95,8 @@ class RRef(Generic[T]):
         agent = self._registry.agent
         dest = agent.pickling_destination()
         if dest is None:
-            raise RRefError("an RRef can only be pickled inside an RPC (as an argument "
+            raise RRefError("Can not pickle rref in python pickler: an RRef can only be "
+                            "pickled inside an RPC (as an argument "
                             "or a return value)")
         fork_id: ForkId | None = None
         if dest != self._owner_id:
@@ -131,9 +132,12 @@ class RRef(Generic[T]):
             RRefError: called on a user RRef.
         """
         if not self.is_owner():
-            raise RRefError(f"RRef.local_value() must be called on the owner "
-                            f"({self.owner_name()}), not on {self._registry.agent.info.name}; "
-                            "use to_here()")
+            # torch's words first (its tests match them), then ours.
+            raise RRefError(f"For UserRRef(rref_id={_gid(self._rref_id)}, fork_id="
+                            f"{_gid(self._fork_id)}), can't call localValue() on user "
+                            f"{self._registry.agent.info}. Call it on owner {self.owner()}: "
+                            f"RRef.local_value() must be called on the owner "
+                            f"({self.owner_name()}); use to_here()")
         return self._registry.entry(self._rref_id).value.wait()
 
     def to_here(self, timeout: float = -1.0) -> T:
@@ -157,8 +161,15 @@ class RRef(Generic[T]):
 
         With a distributed autograd context id, the distributed backward pass
         of that context (the owner must have taken part in it); with -1, local
-        autograd on the owner, accumulating into ``.grad`` there.
+        autograd on the owner, accumulating into ``.grad`` there, which only
+        the owner's own RRef may ask for (as in torch).
+
+        Raises:
+            RRefError: a user RRef without a context id.
+            RuntimeError: the value is not a tensor; the context is unknown.
         """
+        if not self.is_owner() and dist_autograd_ctx_id == -1:
+            raise RRefError("User RRefs require 'dist_autograd_ctx_id' to be specified")
         if self.is_owner():
             _owner_backward(self, dist_autograd_ctx_id, retain_graph)
         else:
@@ -195,8 +206,17 @@ class RRef(Generic[T]):
         return t
 
     def __repr__(self) -> str:
-        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
-        return f"{kind}(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
+        # torch's form, which its tests compare with.
+        if self.is_owner():
+            return f"OwnerRRef({_gid(self._rref_id)})"
+        return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
+
+
+def _gid(id_: tuple[int, int] | None) -> str:
+    """An RRef or fork id as torch prints one."""
+    if id_ is None:
+        return "None"
+    return f"GloballyUniqueId(created_on={id_[0]}, local_id={id_[1]})"
 
 
 def _failed(fut: torch.futures.Future) -> bool:
@@ -273,8 +293,9 @@ def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
         agent.submit(contextvars.copy_context().run, run_into, reg.entry(rref_id).value,
                      func, args, kwargs, devices.current_streams(agent.devices))
         return rref
-    rref = RRef._make(dest.id, rref_id, rref_id, confirmed=False)
-    fut = agent.call(dest, _owner_create, (rref_id, rref_id, reg.me, func, args, kwargs), {},
+    fork_id = new_id(reg.me)  # the caller's own fork, numbered as torch numbers it
+    rref = RRef._make(dest.id, rref_id, fork_id, confirmed=False)
+    fut = agent.call(dest, _owner_create, (rref_id, fork_id, reg.me, func, args, kwargs), {},
                      timeouts.for_call(timeout, agent.default_timeout))
     fut.add_done_callback(rref._confirm)
     return rref

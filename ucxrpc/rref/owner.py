@@ -99,7 +99,7 @@ def _owner_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> Non
     reg = registry()
     value = reg.agent.wait(reg.entry(rref._rref_id).value)
     if not isinstance(value, torch.Tensor):
-        raise RRefError(f"RRef.backward needs an RRef of a tensor; {rref} holds a "
+        raise RRefError(f"RRef should contain a tensor for .backward(); {rref} holds a "
                         f"{type(value).__name__}")
     if context_id == -1:
         torch.autograd.backward(value, retain_graph=retain_graph)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 RRefId = tuple[int, int]   # (creating worker, number)
 ForkId = tuple[int, int]   # (worker that made the fork, number)
-_ids = itertools.count(1)
+_ids = itertools.count(0)  # one counter for RRef and fork ids, from 0, as torch's
 
 
 def new_id(me: int) -> tuple[int, int]:
