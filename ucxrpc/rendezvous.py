@@ -144,7 +144,8 @@ def claim_mode(store: Any, mode: str) -> None:
     key = PREFIX + "mode"
     current = store.compare_set(key, "", mode).decode()
     if current != mode:
-        raise RpcError(f"this job's workers joined with "
+        raise RpcError(f"RPC group mixes statically and dynamically initialized members "
+                       f"which is not supported: this job's workers joined with "
                        f"{'world_size=None' if current == 'dynamic' else 'a world_size'}; "
                        f"a worker cannot join it "
                        f"{'with world_size=None' if mode == 'dynamic' else 'with a world_size'}"
@@ -228,7 +229,8 @@ def collect(store: Any, world_size: int) -> dict[int, Member]:
     names: dict[str, int] = {}
     for m in members.values():
         if m.name in names:
-            raise RpcError(f"worker name {m.name!r} is used by ranks {names[m.name]} and {m.rank}")
+            raise RpcError(f"worker name {m.name!r} is not unique: it is used by ranks "
+                           f"{names[m.name]} and {m.rank}")
         names[m.name] = m.rank
     return members
 

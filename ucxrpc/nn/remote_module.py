@@ -126,12 +126,15 @@ class RemoteModule(nn.Module):
             # A CUDA-aware future looking into a value that holds this: its
             # module and parameters live on the owner, none here.
             return {}
-        raise RuntimeError("a RemoteModule cannot be pickled; send its module_rref instead")
+        raise RuntimeError("Cannot pickle RemoteModule in python pickler. RemoteModule can "
+                           "only be pickled when using RPC: ucxrpc cannot send one even "
+                           "then; send its module_rref instead")
 
 
 def _refuse(name: str) -> Any:
     def method(self: RemoteModule, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError(f"Method ``{name}`` not supported for RemoteModule")
+        hint = (" Please use ``remote_parameters`` instead." if name == "parameters" else "")
+        raise ValueError(f"Method ``{name}`` not supported for RemoteModule.{hint}")
     method.__name__ = name
     return method
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import api, devices
 from ..agent import RpcAgent, not_a_future
-from ..errors import RRefError
+from ..errors import RpcError, RRefError
 from ..functions import _plain, async_execution
 from .janitor import Janitor
 from .registry import ForkId, Registry, RRefId
@@ -24,7 +24,12 @@ __all__ = ["registry"]
 def registry(agent: RpcAgent | None = None) -> Registry:
     """The RRef registry of ``agent`` (the current one by default), made and
     plugged into the agent on first use."""
-    return (agent or api._current()).extension("rref", _new_registry)
+    if agent is None:
+        agent = api._agent
+        if agent is None:  # torch's words for an RRef made before init_rpc
+            raise RpcError("Current RPC agent is not set! Did you initialize the RPC "
+                           "framework (e.g. by calling `rpc.init_rpc`)?")
+    return agent.extension("rref", _new_registry)
 
 
 def _new_registry(agent: RpcAgent) -> Registry:
