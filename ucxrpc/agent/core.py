@@ -606,6 +606,9 @@ class RpcAgent:
                 raise RpcError(f"Unknown destination worker {to}: could not find "
                                f"destination id {to}")
             return wi
+        if isinstance(to, float):  # a value of the right kind, wrong: torch's ValueError
+            raise ValueError(f"'to' must be a worker name, rank or WorkerInfo; a rank is an int, "
+                             f"got {to!r}")
         raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
 
     def debug_info(self) -> dict[str, Any]:
