@@ -88,6 +88,12 @@ def own_loss():
     return (param("w1", 11, 3, 3) ** 2).sum()
 
 
+def backward_own_loss():
+    import ucxrpc as rpc
+
+    rpc.RRef(own_loss()).backward()  # an owner RRef: local autograd
+
+
 def own_grad(name):
     g = _PARAMS[name].grad
     return None if g is None else g.clone()
@@ -198,7 +204,11 @@ def _two_workers(rank, world_size, init_method):
             loss_rref = rpc.remote(w1, sum_sq, (w,))
             loss_rref.backward(ctx)
             assert close(dist_autograd.get_gradients(ctx)[w], g + 2 * w.detach())
-        rpc.remote(w1, own_loss).backward()  # local autograd on the owner: its .grad
+        # Local autograd (no context id) is the owner's alone, as in torch;
+        # on the owner it accumulates into .grad there.
+        with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id'"):
+            rpc.remote(w1, own_loss).backward()
+        rpc.rpc_sync(w1, backward_own_loss)
         assert close(rpc.rpc_sync(w1, own_grad, ("w1",)), 2 * seeded(11, 3, 3).detach())
 
         # misuse: torch's messages

@@ -127,8 +127,8 @@ class RemoteModule(nn.Module):
             # module and parameters live on the owner, none here.
             return {}
         raise RuntimeError("Cannot pickle RemoteModule in python pickler. RemoteModule can "
-                           "only be pickled when using RPC: ucxrpc cannot send one even "
-                           "then; send its module_rref instead")
+                           "only be pickled when using RPC; in ucxrpc it cannot be pickled "
+                           "at all: send its module_rref instead")
 
 
 def _refuse(name: str) -> Any:
