@@ -34,7 +34,7 @@ import torch
 
 from .errors import RpcError
 
-__all__ = ["DeviceMap", "ReadyEvents", "callee_streams", "check_devices", "current_streams",
+__all__ = ["NO_STREAMS", "DeviceMap", "ReadyEvents", "callee_streams", "check_devices", "current_streams",
            "default_devices", "extracting_tensors", "future", "on_streams", "reverse_maps",
            "settle", "target_devices",
            "to_device", "to_device_map", "validate"]
@@ -241,10 +241,11 @@ def on_streams(streams: list[Any]) -> contextlib.AbstractContextManager[None]:
     follows the work already queued on them, and memory recorded on them
     (a served call's received buffers) stays guarded.  For no streams (a
     worker without CUDA devices), a context that does nothing, at no cost."""
-    return _entered(streams) if streams else _NOTHING
+    return _entered(streams) if streams else NO_STREAMS
 
 
-_NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()  # reusable
+#: No stream context: what a worker without CUDA devices runs in (reusable).
+NO_STREAMS: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 @contextlib.contextmanager

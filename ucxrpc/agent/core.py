@@ -9,7 +9,6 @@ into their timeout.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -32,8 +31,6 @@ from .remote_errors import describe_exception, not_a_future, rebuild_exception
 from .state import AgentState
 
 logger = logging.getLogger(__name__)
-# A callee with no CUDA devices runs in no stream context (reusable, no cost).
-_NO_STREAMS = contextlib.nullcontext()
 
 
 def _bounded(fn: Callable[[float | None], None], timeout: float | None, what: str) -> None:
@@ -504,7 +501,7 @@ class RpcAgent:
                 f"{self.info.name} cannot decode a request from {self.name_of(peer)}: {exc}"))
             return
         streams = (devices.callee_streams(self.devices, buffers) if self.devices
-                   else _NO_STREAMS)
+                   else devices.NO_STREAMS)
         with streams:  # the reply's CUDA tensors are settled on these streams too
             try:
                 result = func(*(args or ()), **(kwargs or {}))

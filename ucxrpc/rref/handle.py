@@ -260,8 +260,9 @@ class _Proxy:
             if self._mode == "remote":
                 # As torch: a name the value's type lacks fails here and now
                 # (the new RRef would only fail on its first use).
-                if not hasattr(self._rref._value_type(), name):
-                    raise AttributeError(f"'{self._rref._value_type().__name__}' object has "
+                value_type = self._rref._value_type()
+                if not hasattr(value_type, name):
+                    raise AttributeError(f"'{value_type.__name__}' object has "
                                          f"no attribute '{name}'")
                 return remote(owner, _invoke_method, fargs, timeout=self._timeout)
             fut = api.rpc_async(owner, _proxy_call, fargs, timeout=self._timeout)
