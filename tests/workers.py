@@ -43,8 +43,6 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from ucxrpc.rendezvous import free_port
-
 __all__ = [
     "FAILURE_GRACE_S",
     "WorkerError",
@@ -146,6 +144,15 @@ class WorkerTimeout(WorkerError):
         for rank, text in self.failures.items():
             lines.append(f"--- rank {rank} failed ---\n{text.rstrip()}")
         super().__init__("\n".join(lines))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """:func:`ucxrpc.rendezvous.free_port`, imported only when called: this
+    module is imported by every rank it starts, which must reach its target
+    without loading torch.distributed first (test_workers_helper's deadlines)."""
+    from ucxrpc.rendezvous import free_port as port
+
+    return port(host)
 
 
 def run_workers(
