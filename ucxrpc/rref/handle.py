@@ -44,9 +44,10 @@ class RRef(Generic[T]):
         reg = registry()
         rref_id = new_id(reg.me)
         e = reg.entry(rref_id)
-        e.value.set_result(value)
         self._setup(reg, reg.me, rref_id, None, confirmed=True)
+        # The handle first: an entry nobody holds is freed once its value is set.
         e.handle = weakref.ref(self, reg.freer(rref_id))
+        e.value.set_result(value)
 
     @classmethod
     def _make(cls, owner: int, rref_id: RRefId, fork_id: ForkId | None,

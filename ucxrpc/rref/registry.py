@@ -75,6 +75,9 @@ class Registry:
             e = self.owned.get(rref_id)
             if e is None:
                 e = self.owned[rref_id] = Owned(self.agent.devices)
+                # _maybe_free keeps a value still being made; this looks again
+                # once it is made.
+                e.value.add_done_callback(lambda _: self._maybe_free(rref_id))
             return e
 
     def freer(self, rref_id: RRefId) -> Callable[[Any], None]:
@@ -104,6 +107,13 @@ class Registry:
         with self.lock:
             e = self.owned.get(rref_id)
             if e is None or e.forks or (e.handle is not None and e.handle() is not None):
+                return
+            if not e.value.done():
+                # Requests run on a pool, so a proxy call or fetch sent right
+                # after remote() can get here before the message creating the
+                # value, and its RRef argument die before that message adds
+                # the caller's fork: freeing now would orphan the waiters of
+                # this future and make the creation start a fresh entry.
                 return
             del self.owned[rref_id]  # the value goes with it
 
