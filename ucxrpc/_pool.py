@@ -8,9 +8,9 @@ while ``size`` threads at most are runnable at once.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
-import queue
 import threading
 from typing import Any, Callable, Iterator
 
@@ -22,6 +22,15 @@ _STOP = object()
 
 class WorkerPool:
     """Lazily grown pool; ``size`` bounds runnable (non-blocked) threads.
+
+    Wake-ups are passed on, one at a time: a submit wakes one sleeping
+    thread (or starts one) only when no thread is already on its way to the
+    queue, and a thread that takes a task and leaves more behind wakes the
+    next.  A frame of 60 requests used to wake every idle thread at once,
+    one futex each, all then queueing for the GIL and the pipe's lock (the
+    callee of an ``rpc_async`` burst ran 40% faster with 2 threads than 16).
+    A task whose thread blocks still gets the next one started, through the
+    same hand-on.
 
     Args:
         on_quiet: called when no pool thread is left running Python code
@@ -40,10 +49,12 @@ class WorkerPool:
             raise ValueError(f"num_worker_threads must be positive, got {size}")
         self.size = size
         self._name = name
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._tasks: collections.deque[Any] = collections.deque()
         self._threads: list[threading.Thread] = []
-        self._idle = 0
+        self._sleeping = 0  # threads waiting on _ready
+        self._waking = 0    # threads woken or started and not yet at the queue
         self._blocked = 0
         self._active = 0  # tasks submitted and not finished
         self._closed = False
@@ -58,35 +69,36 @@ class WorkerPool:
             _local.task = (fn, args)
             with self._lock:
                 self._active += 1
-                # No longer idle: it runs this next.  Counted idle, it made
-                # a second request landing in the same turn wait behind the
-                # first instead of starting a thread (a slow call then held
-                # up every call queued behind it).
-                self._idle -= 1
+                # A second request landing in the same turn wakes another
+                # thread (_wake_one): it must not wait behind this one.
+                _local.waiting = None
             return
-        self._queue.put((fn, args))
         with self._lock:
+            self._tasks.append((fn, args))
             self._active += 1
-            if self._idle == 0:
-                self._maybe_spawn()
+            self._wake_one()
 
-    def _maybe_spawn(self) -> None:
-        if self._closed or len(self._threads) - self._blocked >= self.size:
+    def _wake_one(self) -> None:
+        """Get a thread to the queue, unless one is on its way (lock held)."""
+        if self._waking or self._closed:
             return
-        t = threading.Thread(target=self._loop, name=f"{self._name}-{len(self._threads)}",
-                             daemon=True)
-        self._threads.append(t)
-        self._idle += 1  # counted idle until it takes its first item
-        t.start()
+        if self._sleeping:
+            self._waking += 1
+            self._ready.notify()
+        elif len(self._threads) - self._blocked < self.size:
+            t = threading.Thread(target=self._loop, name=f"{self._name}-{len(self._threads)}",
+                                 daemon=True)
+            self._threads.append(t)
+            self._waking += 1
+            t.start()
 
     def _loop(self) -> None:
         _local.pool = self
         _local.task = None
+        with self._lock:
+            self._waking -= 1  # started by _wake_one
         while True:
-            item, claimed = self._next()
-            if not claimed:  # a claimed task was uncounted at submit
-                with self._lock:
-                    self._idle -= 1
+            item = self._next()
             if item is _STOP:
                 return
             fn, args = item
@@ -98,18 +110,17 @@ class WorkerPool:
             # pooled receive buffers.
             del item, fn, args
             with self._lock:
-                self._idle += 1
                 self._active -= 1
                 quiet = self._active == self._blocked
             # A thread about to wait in idle_wait polls (or wakes the
             # transport) itself.
-            if quiet and (self._idle_wait is None or not self._queue.empty()):
+            if quiet and (self._idle_wait is None or self._tasks):
                 self._quiet()
 
-    def _next(self) -> tuple[Any, bool]:
-        """The next item, and whether it is a task this thread claimed in
-        idle_wait (see submit)."""
-        if self._idle_wait is not None and self._queue.empty() and not self._closed:
+    def _next(self) -> Any:
+        """The next task: one this thread claimed in idle_wait (see submit),
+        else the queue's next."""
+        if self._idle_wait is not None and not self._tasks and not self._closed:
             _local.waiting = self
             try:
                 self._idle_wait(self._has_work)
@@ -117,11 +128,20 @@ class WorkerPool:
                 _local.waiting = None
             task, _local.task = _local.task, None
             if task is not None:
-                return task, True
-        return self._queue.get(), False
+                return task
+        with self._lock:
+            while not self._tasks:
+                self._sleeping += 1
+                self._ready.wait()
+                self._sleeping -= 1
+                self._waking -= 1  # every wake-up is counted by its waker
+            item = self._tasks.popleft()
+            if self._tasks:
+                self._wake_one()  # pass it on: more work than this thread
+            return item
 
     def _has_work(self) -> bool:
-        return _local.task is not None or not self._queue.empty() or self._closed
+        return _local.task is not None or bool(self._tasks) or self._closed
 
     def computing(self) -> bool:
         """Whether Python code is running or about to run on a pool thread
@@ -141,8 +161,8 @@ class WorkerPool:
             return
         with self._lock:
             self._blocked += 1
-            if self._idle == 0 and not self._queue.empty():
-                self._maybe_spawn()
+            if self._tasks:
+                self._wake_one()  # work queued behind this thread goes on
             quiet = self._active == self._blocked
         if quiet:
             self._quiet()
@@ -153,7 +173,7 @@ class WorkerPool:
                 self._blocked -= 1
 
     def pending(self) -> int:
-        return self._queue.qsize()
+        return len(self._tasks)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop every thread after the queued work; idempotent."""
@@ -162,8 +182,9 @@ class WorkerPool:
                 return
             self._closed = True
             threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(_STOP)
+            self._tasks.extend(_STOP for _ in threads)
+            self._waking += self._sleeping
+            self._ready.notify_all()
         me = threading.current_thread()
         for t in threads:
             if t is not me:

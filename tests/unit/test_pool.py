@@ -64,3 +64,41 @@ def test_a_second_request_landing_in_a_drivers_turn_does_not_wait_behind_the_fir
     finally:
         release.set()
         pool.close()
+
+
+def test_wake_ups_passed_on_reach_every_thread_a_burst_needs():
+    # One submit wakes one thread; a thread that takes a task and leaves
+    # more wakes the next.  Tasks that all block until the others run (a
+    # barrier of ``size``) pass only if that hand-on reaches ``size``
+    # threads; the pool then still serves a second burst from its sleepers.
+    size = 4
+    pool = WorkerPool(size)
+    try:
+        for _ in range(2):
+            barrier = threading.Barrier(size, timeout=10)
+            done = threading.Semaphore(0)
+
+            def task(barrier=barrier, done=done):
+                barrier.wait()
+                done.release()
+
+            for _ in range(size):
+                pool.submit(task)
+            for _ in range(size):
+                assert done.acquire(timeout=10)
+        assert len(pool._threads) == size
+    finally:
+        pool.close()
+
+
+def test_close_runs_queued_work_and_stops_sleeping_threads():
+    pool = WorkerPool(3)
+    ran = []
+    gate = threading.Event()
+    pool.submit(gate.wait, 10)
+    for i in range(5):
+        pool.submit(ran.append, i)
+    gate.set()
+    pool.close()
+    assert sorted(ran) == list(range(5))
+    assert not any(t.is_alive() for t in pool._threads)
