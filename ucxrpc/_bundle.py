@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._tensor_codec import _CODE_SPECS, _DTYPE_CODES
+from ._tensor_codec import _CODE_SPECS
 from .errors import SerializationError
 
 __all__ = ["MARK", "MAX_TENSOR_BYTES", "MAX_TOTAL_BYTES", "Packer", "exclusive", "unpack"]
@@ -66,62 +66,73 @@ def exclusive(storage: torch.UntypedStorage) -> bool:
 
 
 class Packer:
-    """The small tensors of one message, in slot order (sending side)."""
+    """The small tensors of one message, in slot order (sending side).
 
-    __slots__ = ("tensors", "nbytes")
+    Its bookkeeping is done as tensors are added, from what the pickler
+    already read of each: a second pass over 100 tensors cost as much as
+    copying their bytes.
+    """
+
+    __slots__ = ("groups", "codes", "slot_group", "numels", "shapes", "nbytes", "large")
 
     def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
+        self.groups: list[list[torch.Tensor]] = []  # members of each dtype group
+        self.codes: list[int] = []                  # dtype code of each group
+        self.slot_group = bytearray()               # group of each slot
+        self.numels: list[int] = []                 # elements of each slot
+        self.shapes: dict[int, tuple[int, ...]] = {}  # shape of each slot not 1-D
         self.nbytes = 0
+        self.large = False  # a member alone over the serial copy bound
 
-    def add(self, t: torch.Tensor, nbytes: int) -> int:
-        """The slot of ``t``, or -1 when the bundle is full."""
+    def add(self, t: torch.Tensor, nbytes: int, code: int, itemsize: int) -> int:
+        """The slot of ``t`` (contiguous, of dtype ``code``), or -1 when the
+        bundle is full."""
         if self.nbytes + nbytes > MAX_TOTAL_BYTES:
             return -1
         self.nbytes += nbytes
-        self.tensors.append(t)
-        return len(self.tensors) - 1
+        try:
+            g = self.codes.index(code)  # a message has one or two dtypes
+        except ValueError:
+            g = len(self.codes)
+            self.codes.append(code)
+            self.groups.append([])
+        slot = len(self.numels)
+        numel = nbytes // itemsize
+        self.numels.append(numel)
+        self.slot_group.append(g)
+        if t.dim() != 1:
+            self.shapes[slot] = tuple(t.shape)
+        if numel >= _SERIAL_MAX:
+            self.large = True
+        self.groups[g].append(t)
+        return slot
 
     def finish(self, stream: bytes) -> tuple[bytes, list[torch.Tensor]]:
         """The payload (table, then ``stream``) and the group buffers."""
-        index: dict[torch.dtype, int] = {}  # group of each dtype
-        groups: list[list[torch.Tensor]] = []
-        codes: list[int] = []
-        slot_group = bytearray()
-        numels: list[int] = []
-        shapes: dict[int, tuple[int, ...]] = {}
-        for k, t in enumerate(self.tensors):
-            g = index.get(t.dtype)
-            if g is None:
-                g = index[t.dtype] = len(groups)
-                groups.append([])
-                codes.append(_DTYPE_CODES[t.dtype][0])
-            slot_group.append(g)
-            numels.append(t.numel())
-            if t.dim() != 1:
-                shapes[k] = tuple(t.shape)
-                t = t.view(-1)
-            groups[g].append(t)
         with _UNTRACKED():
-            buffers = [_gather(members) for members in groups]
-        table = pickle.dumps((codes, bytes(slot_group), numels, shapes), protocol=5)
+            groups = self.groups
+            if self.shapes:
+                groups = [[m.view(-1) for m in members] for members in groups]
+            buffers = [_gather(members, self.large) for members in groups]
+        table = pickle.dumps((self.codes, bytes(self.slot_group), self.numels, self.shapes),
+                             protocol=5)
         return MARK + _LEN.pack(len(table)) + table + stream, buffers
 
 
-def _gather(members: list[torch.Tensor]) -> torch.Tensor:
+def _gather(members: list[torch.Tensor], large: bool) -> torch.Tensor:
     """One buffer holding ``members`` (1-D, one dtype) back to back, copied
-    on this thread: torch's CPU copy kernels hand anything over
+    on this thread.  torch's CPU copy kernels hand a copy of more than
     :data:`_SERIAL_MAX` elements to its intra-op thread pool, whose wake-up
     cost 130 µs per 64 KiB message here (two processes on two cores) against
-    5 µs for the copy itself."""
-    total = sum(t.numel() for t in members)
-    if total < _SERIAL_MAX:
+    5 µs for the copy itself.  ``torch.cat`` copies input by input, so only
+    a member over that bound (``large``) needs copying some other way."""
+    if not large:
         return torch.cat(members).view(_UINT8)
-    out = torch.empty(total, dtype=members[0].dtype)
+    out = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype)
     at = 0
     for run in _runs(members):
         n = sum(t.numel() for t in run)
-        if n >= _SERIAL_MAX:  # one tensor, alone too large for the serial kernel
+        if len(run) == 1 and n >= _SERIAL_MAX:
             out[at:at + n].view(_UINT8).numpy()[:] = run[0].view(_UINT8).numpy()
         else:
             torch.cat(run, out=out[at:at + n])
@@ -130,17 +141,17 @@ def _gather(members: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _runs(members: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """Consecutive runs of ``members`` under :data:`_SERIAL_MAX` elements
-    each; a tensor at or over it comes alone."""
+    """Consecutive runs of members under :data:`_SERIAL_MAX` elements; a
+    member at or over it comes alone."""
     run: list[torch.Tensor] = []
-    count = 0
     for t in members:
-        n = t.numel()
-        if run and count + n >= _SERIAL_MAX:
-            yield run
-            run, count = [], 0
-        run.append(t)
-        count += n
+        if t.numel() >= _SERIAL_MAX:
+            if run:
+                yield run
+                run = []
+            yield [t]
+        else:
+            run.append(t)
     if run:
         yield run
 
@@ -180,7 +191,7 @@ def unpack(payload: bytes | memoryview,
             raise SerializationError(f"bundle slot names group {g} of {ngroups} or has "
                                      f"{n!r} elements")
         sizes[g].append(n)
-    parts: list[list[torch.Tensor]] = []
+    parts: list[Sequence[torch.Tensor]] = []
     with _UNTRACKED():
         for g, code in enumerate(codes):
             spec = _CODE_SPECS.get(code) if isinstance(code, int) else None
@@ -198,18 +209,22 @@ def unpack(payload: bytes | memoryview,
                                          f"{expected}")
             if buf.data_ptr() % itemsize or buf.stride() != (1,):
                 buf = buf.clone()  # misaligned in its frame: realigned once
-            parts.append(list(buf.view(dtype).split(sizes[g])))
-        taken = [0] * ngroups
-        out: list[torch.Tensor] = []
-        for k, g in enumerate(slot_group):
-            t = parts[g][taken[g]]
-            taken[g] += 1
-            shape = shapes.get(k)
-            if shape is not None:
-                try:
-                    t = t.view(shape)
-                except Exception as exc:
-                    raise SerializationError(f"bundle slot {k} of {t.numel()} elements cannot "
-                                             f"have shape {shape!r}") from exc
-            out.append(t)
+            # split_with_sizes itself: Tensor.split's Python wrapper cost
+            # another 0.3 µs per tensor.
+            parts.append(buf.view(dtype).split_with_sizes(sizes[g]))
+        if ngroups == 1:
+            out = list(parts[0])
+        else:
+            taken = [iter(p) for p in parts]
+            out = [next(taken[g]) for g in slot_group]
+        for k, shape in shapes.items():
+            if not (type(k) is int and 0 <= k < len(out)):
+                raise SerializationError(f"bundle table gives a shape to slot {k!r} of "
+                                         f"{len(out)}")
+            t = out[k]
+            try:
+                out[k] = t.view(shape)
+            except Exception as exc:
+                raise SerializationError(f"bundle slot {k} of {t.numel()} elements cannot "
+                                         f"have shape {shape!r}") from exc
     return view[start + size:], out, ngroups

@@ -312,7 +312,10 @@ class _MessagePickler(pickle.Pickler):
             # say); either way nothing else in the message shares its bytes.
             if (whole and _bundle.exclusive(storage) or not whole
                     and _compacted(storage_bytes, nbytes)) and t.is_contiguous():
-                slot = self._bundle(t, nbytes)
+                pack = self._pack
+                if pack is None:
+                    pack = self._pack = _bundle.Packer()
+                slot = pack.add(t, nbytes, code, itemsize)
                 if slot >= 0:
                     flags = self._grad_flag(t) if t.requires_grad else 0
                     if cls is _Parameter:
@@ -336,11 +339,6 @@ class _MessagePickler(pickle.Pickler):
         if vector:
             return (_rebuild_vector, (index, code | flags, nbytes // itemsize))
         return (_rebuild_tensor, (index, 0, _dtype_name(dtype), tuple(t.shape), t.stride(), flags))
-
-    def _bundle(self, t: torch.Tensor, nbytes: int) -> int:
-        if self._pack is None:
-            self._pack = _bundle.Packer()
-        return self._pack.add(t, nbytes)
 
     def _grad_flag(self, t: torch.Tensor) -> int:
         if self._capture is not None:

@@ -196,10 +196,14 @@ _F32 = 0  # float32 is first in the wire table of dtype codes
      "has -2 elements"),
     (_bundled_payload(([_F32], b"\x00", [2], {0: (3,)})), [torch.zeros(8, dtype=torch.uint8)],
      "cannot have shape"),
+    (_bundled_payload(([_F32], b"\x00", [2], {1: (2,)})), [torch.zeros(8, dtype=torch.uint8)],
+     "gives a shape to slot 1 of 1"),
+    (_bundled_payload(([_F32], b"\x00", [2], {"0": (2,)})), [torch.zeros(8, dtype=torch.uint8)],
+     "gives a shape to slot '0' of 1"),
     (_bundled_payload(([_F32], b"\x00", [2], {})), [torch.zeros(8)],
      "is not a 1-D host uint8 tensor"),
 ], ids=["short", "table-size", "garbage", "no-buffer", "dtype", "size", "group", "numel",
-        "shape", "buffer-kind"])
+        "shape", "shape-slot", "shape-key", "buffer-kind"])
 def test_a_forged_table_is_refused_by_name(payload, buffers, message):
     with pytest.raises(SerializationError, match=message):
         SER.loads(payload, buffers)
