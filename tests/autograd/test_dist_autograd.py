@@ -221,6 +221,18 @@ def _two_workers(rank, world_size, init_method):
             y = rpc.rpc_sync(w1, exp_of, (w,))
             with pytest.raises(RuntimeError, match="all roots need to be scalar"):
                 dist_autograd.backward(ctx, [y])
+            # torch's checks, in its order and words
+            for bad in ((ctx, None), (None, [y.sum()]), (ctx, [y.sum(), 1.0]),
+                        (ctx, [y.sum()], "yes")):
+                with pytest.raises(TypeError, match="(?s)incompatible function arguments.*"
+                                                    "(context_id|roots|retain_graph)"):
+                    dist_autograd.backward(*bad)
+            with pytest.raises(RuntimeError, match="No tensors provided for gradient"):
+                dist_autograd.backward(ctx, [])
+            with pytest.raises(RuntimeError, match="requires_grad not set on root"):
+                dist_autograd.backward(ctx, [torch.rand(3, 3)])
+            with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
+                dist_autograd.backward(ctx, [torch.rand(1, requires_grad=True)])
         with pytest.raises(RuntimeError, match="Could not find autograd context"):
             dist_autograd.backward(ctx, [y.sum()])
         assert _wait_contexts_zero(rpc, ["worker0", "worker1"]) == [0, 0]
@@ -302,17 +314,27 @@ def test_nested_chain_three_workers():
 # -- errors during backward ----------------------------------------------------------
 
 class Boom(torch.autograd.Function):
+    """Doubles; its backward raises while ``fail`` is set (on that worker)."""
+
+    fail = True
+
     @staticmethod
     def forward(ctx, x):
         return x * 2
 
     @staticmethod
     def backward(ctx, grad):
-        raise ValueError("boom in backward")
+        if Boom.fail:
+            raise ValueError("boom in backward")
+        return grad * 2
 
 
 def boom(x):
     return Boom.apply(x)
+
+
+def set_boom(fail):
+    Boom.fail = fail
 
 
 def _errors(rank, world_size, init_method):
@@ -325,13 +347,23 @@ def _errors(rank, world_size, init_method):
         with dist_autograd.context() as ctx:
             a = rpc.rpc_sync("worker1", boom, (w,))
             b = rpc.rpc_sync("worker2", exp_of, (w,))
-            with pytest.raises(RuntimeError, match=r"(?s)worker1.*boom in backward") as info:
-                dist_autograd.backward(ctx, [(a * b).sum()])
-            assert isinstance(info.value, rpc.RpcError)
-            # the others dropped the context at once; this one keeps it to the block's end
-            assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in (1, 2)] == [0, 0]
+            loss = (a * b).sum()
+            for _ in range(2):
+                with pytest.raises(RuntimeError, match=r"(?s)worker1.*boom in backward") as info:
+                    dist_autograd.backward(ctx, [loss], retain_graph=True)
+                assert isinstance(info.value, rpc.RpcError)
+            # as torch's: the context stays everywhere, and once the error is
+            # gone backward runs again in it, the graph retained
+            assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in (1, 2)] == [1, 1]
             assert num_contexts() == 1
+            rpc.rpc_sync("worker1", set_boom, (False,))
+            dist_autograd.backward(ctx, [loss], retain_graph=True)
+            before = dist_autograd.get_gradients(ctx)[w].clone()
+            dist_autograd.backward(ctx, [loss])
+            step = dist_autograd.get_gradients(ctx)[w] - before
+            assert close(step, local_grads(lambda x: (x * 2 * x.exp()).sum(), w)[0])
         assert num_contexts() == 0
+        assert _wait_contexts_zero(rpc, ["worker1", "worker2"]) == [0, 0]
         # the agents keep serving, and a new context works
         with dist_autograd.context() as ctx:
             dist_autograd.backward(ctx, [rpc.rpc_sync("worker2", exp_of, (w,)).sum()])

@@ -87,84 +87,29 @@ KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
         "copies (an in-place change to one gradient changes the other); "
         "`test_post_hooks`: hooks on AccumulateGrad nodes fire a different number of times; "
         "`test_backward_unused_send_function`: backward returns where torch keeps waiting "
-        "for the unused send function; `test_multiple_backward_with_errors`: after a failed "
-        "backward the context is gone (\"Could not find autograd context\"); "
+        "for the unused send function; "
         "`test_backward_autograd_engine_error`: the error is not torch's \"Error on Node N: "
-        "...\" form; `test_backward_invalid_args`: None roots give \"'NoneType' object is "
-        "not iterable\" instead of torch's TypeError \"incompatible function arguments\".",
+        "...\" form.",
         (
             "DistAutogradTest.test_no_grad_copy",
             "DistAutogradTest.test_post_hooks",
             "DistAutogradTest.test_backward_unused_send_function",
-            "DistAutogradTest.test_multiple_backward_with_errors",
             "DistAutogradTest.test_backward_autograd_engine_error",
-            "DistAutogradTest.test_backward_invalid_args",
         ),
     ),
-    "Futures: wait_all and blocking callbacks": (
+    "Futures: wait_all exits early": (
         "`torch.futures.wait_all` does not fail as soon as one future fails; it waits for "
-        "the slow one (here until its 60 s timeout). ucxrpc completes a failed future "
-        "with `torch.futures.Future.set_exception`, which torch's C++ `collectAll` sees as "
-        "a value, not an error, so it never exits early; besides, a second call from one "
-        "worker to another sometimes waits for the first, blocked one to finish (observed "
-        "outside the suite too). `test_callback_with_ret`: a `.then()` callback that "
-        "itself waits on another RPC times out (probably the callback runs on the thread "
-        "that would deliver that RPC's reply).",
+        "the slow one (here until its 60 s timeout), whose timeout then comes out first. "
+        "ucxrpc fails a future with `torch.futures.Future.set_exception`, which completes "
+        "the C++ future with a *value* (the exception, raised by an unwrap function on "
+        "`wait()`); torch's C++ `collectAll` exits early only on a C++ error. From Python, "
+        "the only way to give a future a C++ error is an exception in a `then()` callback, "
+        "which torch turns into a RuntimeError (\"Got the following error when running the "
+        "callback: ...\"), losing the remote exception's type (`test_wait_all_exit_early_"
+        "python` wants the ValueError).",
         (
             "RpcTest.test_wait_all_exit_early_python",
             "RpcTest.test_wait_all_exit_early_builtin",
-            "RpcTest.test_callback_with_ret",
-        ),
-    ),
-    "Errors and validation": (
-        "Where torch raises a given type or message and ucxrpc raises another. Names: "
-        "`WorkerInfo(\"abc*\", 0)` is accepted (torch: RuntimeError \"Worker name must "
-        "match\"), a duplicate name is reported in another form (torch: \"is not unique\"); "
-        "`to=1.5` gives TypeError (torch: ValueError); `backend=\"TENSORPIPE\"` gives "
-        "ValueError (torch: TypeError \"Argument backend must be a member of "
-        "BackendType\"); a function "
-        "missing on the callee; an exception whose reconstruction fails does not say "
-        "\"Original exception on remote side was\"; nothing about a failing user function "
-        "reaches the callee's stderr (torch logs it); `rref.remote().non_exist()` raises "
-        "nothing (torch: AttributeError at the call); `RRef.__str__`, `local_value()` off "
-        "the owner, pickling an RRef outside RPC, `RRef.backward` on a non-tensor, "
-        "the API before `init_rpc` "
-        "(\"Current RPC agent is not set!\"), static/dynamic mix, and a builtin called "
-        "with bad arguments (TypeError on the caller; torch: RuntimeError from the callee).",
-        (
-            "RpcTest.test_invalid_names",
-            "RpcTest.test_duplicate_name_2",
-            "RpcTest.test_send_to_rank",
-            "RpcTest.test_wrong_types",
-            "RpcTest.test_function_not_on_callee",
-            "RpcTest.test_custom_exception_throw_during_reconstruction",
-            "RpcTest.test_py_raise_in_user_func",
-            "RpcTest.test_rref_proxy_non_exist",
-            "RpcTest.test_rref_str",
-            "RpcTest.test_local_value_not_on_owner",
-            "RpcTest.test_rref_py_pickle_not_supported",
-            "RpcTest.test_owner_rref_backward",
-            "RpcTest.test_user_rref_backward",
-            "RpcTest.test_pg_init_no_rpc_init",
-            "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together",
-            "TensorPipeAgentRpcTest.test_op_with_invalid_args",
-        ),
-    ),
-    "RemoteModule": (
-        "A RemoteModule cannot be sent over RPC at all (torch sends it, less the "
-        "attributes added after construction); no `RemoteModule.init_from_module_rref`; "
-        "a module_cls that builds no nn.Module gives TypeError (torch: ValueError "
-        "\"Expect `module_cls(*args, **kwargs)` returns an instance of <class "
-        "nn.Module>\"); the refusal messages differ from torch's (\"... Please use "
-        "``remote_parameters`` instead.\", \"Cannot pickle RemoteModule in python "
-        "pickler\").",
-        (
-            "RemoteModuleTest."
-            "test_send_remote_module_with_a_new_attribute_not_pickled_over_the_wire",
-            "ThreeWorkersRemoteModuleTest.test_create_remote_module_from_module_rref",
-            "RemoteModuleTest.test_bad_module",
-            "RemoteModuleTest.test_unsupported_methods",
-            "RemoteModuleTest.test_remote_module_py_pickle_not_supported",
         ),
     ),
 }

@@ -80,3 +80,63 @@ def _remote_module(rank, world_size, init_method):
 
 def test_remote_module_forward_parameters_and_training():
     run_workers(_remote_module, 2, timeout=100)
+
+
+class NotAModule:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+
+def remote_module_attributes(remote_module):
+    return sorted(remote_module.__dict__)
+
+
+def forward_there(remote_module, x):
+    return remote_module(x)
+
+
+def share_module(on, module_rref):
+    from ucxrpc.nn import RemoteModule
+
+    return RemoteModule.init_from_module_rref(on, module_rref)
+
+
+def _send_and_share(rank, world_size, init_method):
+    import pickle
+
+    import ucxrpc as rpc
+    from ucxrpc.nn import RemoteModule
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method))
+    if rank == 0:
+        x = torch.randn(2, 4)
+        with pytest.raises(ValueError, match=r"Expect `module_cls\(\*args, \*\*kwargs\)` "
+                                             r"returns an instance of <class nn.Module>, "
+                                             r"but it returns an instance of .*NotAModule"):
+            RemoteModule("worker1/cpu", NotAModule, args=(1,))
+        rm = RemoteModule("worker1/cpu", Net, args=(4, 3))
+        expected = rm(x)
+        # sent over RPC (to its owner and to a third worker), less the
+        # attributes added after construction
+        rm.new_attr = 1
+        for to in ("worker1", "worker2"):
+            attrs = rpc.rpc_sync(to, remote_module_attributes, (rm,))
+            assert "new_attr" not in attrs and "module_rref" in attrs, attrs
+            assert torch.equal(rpc.rpc_sync(to, forward_there, (rm, x)), expected)
+        # ... but never outside RPC
+        with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
+            pickle.dumps(rm)
+        # a RemoteModule built on worker2 from rm's module RRef: calls reach
+        # the same module, on worker1; it comes back here as a result
+        shared = rpc.rpc_sync("worker2", share_module, ("worker2/cpu", rm.get_module_rref()))
+        assert shared.on.name == "worker1" and shared.device == "cpu"
+        assert torch.equal(shared(x), expected)
+        local = RemoteModule.init_from_module_rref("worker1/cpu", rm.get_module_rref())
+        assert torch.equal(local.forward_async(x).wait(), expected)
+        del rm, shared, local
+    rpc.shutdown()
+
+
+def test_remote_module_over_rpc_and_from_module_rref():
+    run_workers(_send_and_share, 3, timeout=100)

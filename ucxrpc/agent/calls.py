@@ -3,6 +3,17 @@ and by peer, and their deadlines.
 
 Thread-safety: every method may be called from any thread.  A future is
 completed outside the table's locks, since its callbacks may make calls.
+
+Where a future completes: completing one runs its callbacks on the
+completing thread, and replies land inside a transport turn (the progress
+thread's, or a driving caller's), which runs under the transport's baton.
+A callback that waits there for another call's reply waits for the turn it
+is blocking.  So a :class:`CallFuture` that code hooked a callback onto
+(``then``, ``add_done_callback``) is completed on the table's callback
+pool, as torch's agent completes every future on its thread pool; the
+others complete where the reply lands, without a thread hand-off.  Timeouts
+and failed peers follow the same rule (the timer thread is not blocked by
+a callback either).
 """
 
 from __future__ import annotations
@@ -11,24 +22,60 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
+from .._pool import WorkerPool
 from .remote_errors import timeout_error
 
-__all__ = ["Call", "CallTable"]
+__all__ = ["Call", "CallFuture", "CallTable"]
+
+
+class CallFuture(torch.futures.Future):
+    """The future of a call: a ``torch.futures.Future`` that notes whether a
+    callback was hooked onto it (see the module's docstring)."""
+
+    def __init__(self, devices: Sequence[torch.device] = ()) -> None:
+        # CUDA-aware where the caller has devices, as devices.future makes.
+        devs: list[int | str | torch.device] | None = list(devices) if devices else None
+        super().__init__(devices=devs)
+        self._hooked = False
+        # Held while the future completes inline: a callback hooked on
+        # meanwhile waits, then runs on its own thread (the future is done).
+        self._hook_lock = threading.RLock()
+
+    def then(self, callback: Callable[[Any], Any]) -> Any:
+        with self._hook_lock:
+            self._hooked = True
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        with self._hook_lock:
+            self._hooked = True
+        super().add_done_callback(callback)
 
 
 @dataclass
 class Call:
     future: torch.futures.Future
     peer: int
+    #: Waited for at once by the caller (``rpc_sync``): no user callback can
+    #: be on its future, which completes inline.
+    waited: bool = False
 
 
 class CallTable:
-    """Outstanding calls, and the thread that fails them at their deadline."""
+    """Outstanding calls, and the thread that fails them at their deadline.
 
-    def __init__(self, name: str) -> None:
+    Args:
+        name: the worker's name, for thread names.
+        callback_threads: most threads running hooked futures' callbacks at
+            once (started as needed).
+    """
+
+    def __init__(self, name: str, callback_threads: int = 16) -> None:
+        self._callbacks = WorkerPool(callback_threads, name=f"ucxrpc-callbacks-{name}")
         self._calls: dict[int, Call] = {}
         self._by_peer: dict[int, set[int]] = {}
         self._lock = threading.Lock()
@@ -47,10 +94,24 @@ class CallTable:
     def start(self) -> None:
         self._timer.start()
 
-    def add(self, msg_id: int, future: torch.futures.Future, peer: int) -> None:
+    def add(self, msg_id: int, future: torch.futures.Future, peer: int,
+            waited: bool = False) -> None:
         with self._lock:
-            self._calls[msg_id] = Call(future, peer)
+            self._calls[msg_id] = Call(future, peer, waited)
             self._by_peer.setdefault(peer, set()).add(msg_id)
+
+    def complete(self, call: Call, value: Any = None, exc: BaseException | None = None) -> None:
+        """Complete ``call``'s future with ``value``, or fail it with ``exc``:
+        here, or on the callback pool where a callback was hooked on."""
+        fut = call.future
+        if isinstance(fut, CallFuture) and not call.waited and not self._closed:
+            with fut._hook_lock:
+                if not fut._hooked:
+                    _settle(fut, value, exc)
+                    return
+            self._callbacks.submit(_settle, fut, value, exc)
+            return
+        _settle(fut, value, exc)
 
     def arm(self, msg_id: int, timeout: float) -> None:
         """Fail call ``msg_id`` with torch's timeout error in ``timeout`` s,
@@ -83,7 +144,7 @@ class CallTable:
     def fail(self, msg_id: int, exc: BaseException) -> None:
         call = self.pop(msg_id)
         if call is not None:
-            call.future.set_exception(exc)
+            self.complete(call, exc=exc)
 
     def fail_peer(self, peer: int, exc: BaseException) -> None:
         """Fail every call waiting on ``peer``."""
@@ -99,6 +160,7 @@ class CallTable:
             self._timer_cv.notify()
         for msg_id in list(self._calls):
             self.fail(msg_id, exc)
+        self._callbacks.close()
 
     def _expire(self) -> None:
         """Fail calls whose deadline passed; forget answered ones.
@@ -132,3 +194,10 @@ class CallTable:
                 if msg_id in calls:
                     self.timeouts += 1
                     self.fail(msg_id, timeout_error(timeout))
+
+
+def _settle(fut: torch.futures.Future, value: Any, exc: BaseException | None) -> None:
+    if exc is None:
+        fut.set_result(value)
+    else:
+        fut.set_exception(exc)

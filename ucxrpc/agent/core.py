@@ -2,7 +2,8 @@
 
 Requests run on a :class:`WorkerPool`; responses complete
 ``torch.futures.Future`` objects where they land (the transport's progress
-thread, or a caller driving it).  A pipe that breaks fails every call
+thread, or a caller driving it), or on a callback pool where a callback
+was hooked on (:mod:`.calls`).  A pipe that breaks fails every call
 waiting on that peer at once, naming it, instead of letting the calls run
 into their timeout.
 """
@@ -24,10 +25,11 @@ from ..errors import (AuthenticationError, BrokenError, ClosedError, FrameError,
 from ..options import UcxRpcBackendOptions
 from ..serialization import Serializer
 from ..transport import Limits, Transport
-from .calls import CallTable
+from .calls import CallFuture, CallTable
 from .hooks import Hooks
 from .info import WorkerInfo
-from .remote_errors import describe_exception, not_a_future, rebuild_exception
+from .remote_errors import (describe_exception, not_a_future, rebuild_exception,
+                            undecodable_request, user_failure)
 from .state import AgentState
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ class RpcAgent:
         self.serializer = Serializer(max_buffers=options.max_buffers)
         self._ids = itertools.count(1)
         #: The calls this worker waits for, and their deadlines.
-        self.calls = CallTable(name)
+        self.calls = CallTable(name, options.num_worker_threads)
         #: ``rpc_timeout`` as below the API: seconds, or None for none.
         self.default_timeout = timeouts.of_option(options.rpc_timeout)
         self.state = AgentState.NEW
@@ -284,12 +286,12 @@ class RpcAgent:
             if wrapped is not None:
                 func, args, kwargs, finish = wrapped
         pickled = self._dumps_for(to.id, (func, args, kwargs))
-        fut = devices.future(self.devices)
+        fut = CallFuture(self.devices)
         msg_id = next(self._ids)
         self.counters["calls_sent"] += 1
         if to.id in self._broken:
             raise self._peer_error(to.id)
-        self.calls.add(msg_id, fut, to.id)
+        self.calls.add(msg_id, fut, to.id, waited)
         payload = wire.encode(wire.MsgKind.REQUEST, msg_id, pickled.payload)
         try:
             if to.id == self.info.id:
@@ -375,15 +377,15 @@ class RpcAgent:
             try:
                 value = self.serializer.loads(body, buffers)
             except Exception as exc:
-                call.future.set_exception(SerializationError(
+                self.calls.complete(call, exc=SerializationError(
                     f"cannot decode the response from {self.name_of(peer)}: {exc}"))
                 return
-            call.future.set_result(value)
+            self.calls.complete(call, value)
         elif hdr.kind is wire.MsgKind.ERROR:
             call = self.calls.pop(hdr.msg_id)
             if call is not None:
                 self.counters["remote_errors"] += 1
-                call.future.set_exception(rebuild_exception(body))
+                self.calls.complete(call, exc=rebuild_exception(body))
 
     def _on_frame_error(self, peer: int, hint: int, exc: BaseException) -> None:
         """A message from ``peer`` broke one of our limits: answer or fail it."""
@@ -497,8 +499,8 @@ class RpcAgent:
         try:
             func, args, kwargs = cast(tuple[Any, Any, Any], self.serializer.loads(body, buffers))
         except Exception as exc:
-            self._reply_error(peer, msg_id, SerializationError(
-                f"{self.info.name} cannot decode a request from {self.name_of(peer)}: {exc}"))
+            self._reply_error(peer, msg_id,
+                              undecodable_request(exc, self.info.name, self.name_of(peer)))
             return
         streams = (devices.callee_streams(self.devices, buffers) if self.devices
                    else devices.NO_STREAMS)
@@ -506,7 +508,7 @@ class RpcAgent:
             try:
                 result = func(*(args or ()), **(kwargs or {}))
             except Exception as exc:
-                self._reply_error(peer, msg_id, exc)
+                self._reply_error(peer, msg_id, user_failure(func, args, kwargs, exc, self.info))
                 return
             # Drop the arguments before replying: the caller's next message may
             # arrive at once and should find their pooled buffers free again.

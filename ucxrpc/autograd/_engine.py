@@ -205,21 +205,43 @@ def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None]) 
 
 # -- backward -------------------------------------------------------------------
 
-def _check_roots(roots: Sequence[Any]) -> list[torch.Tensor]:
-    out = []
+_SIGNATURE = "(context_id: int, roots: List[Tensor], retain_graph: bool = False) -> None"
+
+
+def _check_arguments(context_id: Any, roots: Any, retain_graph: Any) -> list[Any]:
+    """torch's binding's type checks: a TypeError naming what is wrong."""
+    wrong = []
+    if not isinstance(context_id, int):
+        wrong.append(f"context_id is a {type(context_id).__name__}, not an int")
+    if isinstance(roots, (str, bytes)) or not isinstance(roots, Sequence):
+        wrong.append(f"roots is a {type(roots).__name__}, not a list of tensors")
+    else:
+        wrong += [f"roots[{i}] is a {type(r).__name__}, not a Tensor"
+                  for i, r in enumerate(roots) if not isinstance(r, torch.Tensor)]
+    if not isinstance(retain_graph, bool):
+        wrong.append(f"retain_graph is a {type(retain_graph).__name__}, not a bool")
+    if wrong:
+        raise TypeError(f"backward(): incompatible function arguments. The following argument "
+                        f"types are supported:\n    1. {_SIGNATURE}\n\nInvoked with: "
+                        f"{context_id!r}, {roots!r}, {retain_graph!r}: {'; '.join(wrong)}")
+    return list(roots)
+
+
+def _check_roots(ctx: DistAutogradContext, roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """torch's checks of the roots, in its order and words.  A tensor an RPC
+    brought here is a leaf in ucxrpc where torch gives it a recv function:
+    a valid root, as there."""
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
     for i, root in enumerate(roots):
-        if not isinstance(root, torch.Tensor):
-            raise TypeError(f"root {i} is a {type(root).__name__}, not a tensor")
+        if not root.requires_grad:
+            raise RuntimeError(f"requires_grad not set on root {i}")
         if root.numel() != 1:
             raise RuntimeError(f"Found root {i} of shape {tuple(root.shape)}, which is not a "
                                f"scalar, all roots need to be scalar")
-        if not root.requires_grad:
-            raise RuntimeError(f"element {i} of tensors does not require grad and does not "
-                               f"have a grad_fn")
-        out.append(root)
-    if not out:
-        raise RuntimeError("backward needs at least one root")
-    return out
+        if root.grad_fn is None and ctx.recv_slot(root) is None:
+            raise RuntimeError(f"root {i} (a leaf) does not have a valid gradient function.")
+    return roots
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
@@ -227,16 +249,24 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     worker the forward pass touched; returns when all of it is done.
 
     Gradients accumulate in the context on each worker (see
-    :func:`get_gradients`), never in ``.grad``.  On failure anywhere the
-    context is released on every other worker (waited for) and a
-    DistAutogradError names
-    the worker where it failed; this worker's context stays until its
-    ``with`` block ends.
+    :func:`get_gradients`), never in ``.grad``.  On failure anywhere a
+    DistAutogradError names the worker where it failed, once every part of
+    the pass has stopped; the context stays on every worker (as torch's),
+    so a later backward in it can run (with ``retain_graph``, the graph is
+    still there) until its ``with`` block ends.
+
+    Raises:
+        TypeError: arguments of the wrong types (torch's "incompatible
+            function arguments").
+        RuntimeError: no roots, or a root that does not require grad, is not
+            a scalar, or is a leaf; an unknown context.
+        DistAutogradError: the pass failed on some worker.
     """
+    roots = _check_arguments(context_id, roots, retain_graph)
     agent = api._current()
     tbl = table(agent)
     ctx = tbl.get(context_id)
-    roots = _check_roots(list(roots))
+    roots = _check_roots(ctx, roots)
     tbl.backward_passes += 1
     try:
         try:
@@ -249,9 +279,6 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     finally:
         tbl.backward_passes -= 1
     if failure is not None:
-        # Waited for: nothing of the failed pass is left on the others when
-        # the error reaches the caller.
-        _log_lingering(agent, context_id, agent.wait(release_peers(agent, tbl, ctx, exclude=None)))
         raise DistAutogradError(failure.describe(context_id))
 
 

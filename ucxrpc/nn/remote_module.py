@@ -58,7 +58,9 @@ def _instantiate(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  device: str) -> nn.Module:
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
-        raise TypeError(f"{module_cls} built a {type(module).__name__}, not an nn.Module")
+        # torch's words (and type), which its users match on.
+        raise ValueError("Expect `module_cls(*args, **kwargs)` returns an instance of <class "
+                         f"nn.Module>, but it returns an instance of {type(module)}.")
     return module.to(device)
 
 
@@ -79,11 +81,31 @@ def _set_training(module_rref: RRef[nn.Module], mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
+# What a RemoteModule carries over RPC, as torch's
+# ``_REMOTE_MODULE_PICKLED_ATTRIBUTES``: attributes set after construction
+# stay behind.
+_PICKLED_ATTRIBUTES = ("on", "device", "training", "module_rref")
+
+
+def _rebuild(state: dict[str, Any]) -> RemoteModule:
+    module = RemoteModule.__new__(RemoteModule)
+    nn.Module.__init__(module)
+    module.__dict__.update(state)
+    return module
+
+
 class RemoteModule(nn.Module):
     """Instantiate ``module_cls(*args, **kwargs)`` on ``remote_device``.
 
     Blocks until the module exists on its owner (construction errors raise
-    here, with their own type).
+    here, with their own type; a ``module_cls`` that builds no ``nn.Module``
+    raises ValueError).
+
+    A RemoteModule can be sent over RPC, as an argument or a result: the
+    receiver gets one sharing the same remote module (``on``, ``device``,
+    ``training`` and ``module_rref`` travel; attributes added later do not).
+    Pickled outside RPC (``torch.save``, ``pickle.dumps``) it raises
+    RuntimeError.
     """
 
     def __init__(self, remote_device: str, module_cls: type[nn.Module],
@@ -98,6 +120,28 @@ class RemoteModule(nn.Module):
             self.on, _instantiate, (module_cls, tuple(args or ()), dict(kwargs or {}),
                                     self.device))
         api.rpc_sync(self.on, _check_created, (self.module_rref,))
+
+    @staticmethod
+    def init_from_module_rref(remote_device: str, module_rref: RRef[nn.Module],
+                              _module_interface_cls: Any = None) -> RemoteModule:
+        """A RemoteModule for the existing module ``module_rref`` names.
+
+        Several RemoteModules can so share one module (for instance a
+        receiver's, built from a ``module_rref`` sent to it).  Calls go to
+        ``module_rref``'s owner; ``remote_device`` gives the module's device
+        there, in the constructor's format.  Creates nothing, sends nothing.
+
+        Raises:
+            ValueError: ``remote_device`` is malformed.
+            NotImplementedError: ``_module_interface_cls`` is given (ucxrpc
+                has no scripted RemoteModule).
+        """
+        if _module_interface_cls is not None:
+            raise NotImplementedError("ucxrpc's RemoteModule cannot be scripted: "
+                                      "_module_interface_cls is not supported")
+        _, device = parse_remote_device(remote_device)
+        return _rebuild({"on": module_rref.owner(), "device": str(device), "training": True,
+                         "module_rref": module_rref})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on its owner and return the result here."""
@@ -121,14 +165,16 @@ class RemoteModule(nn.Module):
     def eval(self) -> RemoteModule:
         return self.train(False)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce__(self) -> tuple[Any, ...]:
         if devices.extracting_tensors():
             # A CUDA-aware future looking into a value that holds this: its
             # module and parameters live on the owner, none here.
-            return {}
-        raise RuntimeError("Cannot pickle RemoteModule in python pickler. RemoteModule can "
-                           "only be pickled when using RPC; in ucxrpc it cannot be pickled "
-                           "at all: send its module_rref instead")
+            return (tuple, ())
+        if not api.is_initialized() or api._current().pickling_destination() is None:
+            raise RuntimeError("Cannot pickle RemoteModule in python pickler. RemoteModule "
+                               "can only be pickled when using RPC (as an argument or a "
+                               "return value)")
+        return (_rebuild, ({k: self.__dict__[k] for k in _PICKLED_ATTRIBUTES},))
 
 
 def _refuse(name: str) -> Any:
