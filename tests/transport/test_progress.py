@@ -295,11 +295,39 @@ def test_one_driver_at_a_time_never_from_a_turn_nor_when_polling_may_not():
         assert nested == [False, False] and lp.loop.drives == 1
     finally:
         lp.close()
-    blocking = _started(Blocking(), expect=True)
+
+
+def test_where_polling_may_not_the_driver_waits_in_epoll_itself():
+    # The blocking mode (or a contended core): the waiting thread does not
+    # poll, and does not hand the loop back either; it sleeps in epoll, and
+    # the event wakes it, not the parked progress thread.
+    lp = _started(Blocking(), expect=True)
     try:
-        assert blocking.loop.drive(lambda: False) is False and blocking.loop.drives == 0
+        t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
+        _wait_for(lambda: lp.loop._driver_sleeping and lp.loop._parked, "the driver to sleep")
+        turns, driven = lp.loop.turns, lp.loop.driven_turns
+        time.sleep(0.05)
+        assert lp.loop.driven_turns - driven <= 1, "a sleeping driver polled"
+        assert lp.loop.turns == turns, "the progress thread turned while another thread drove"
+        lp.fire()
+        t.join(10)
+        assert out == {"reached": True, "seen_on": "waiter"}
     finally:
-        blocking.close()
+        lp.close()
+
+
+def test_wake_reaches_a_sleeping_driver_not_the_parked_thread():
+    lp = _started(Blocking(), expect=True)
+    ran: list[str] = []
+    try:
+        t, out = _drive_on_thread(lp, lambda: bool(ran))
+        _wait_for(lambda: lp.loop._driver_sleeping and lp.loop._parked, "the driver to sleep")
+        lp.calls.append(lambda: ran.append(threading.current_thread().name))
+        lp.loop.wake()  # as a sender does after queueing work for the loop
+        t.join(10)
+        assert out["reached"] is True and ran == ["waiter"]
+    finally:
+        lp.close()
 
 
 @pytest.mark.parametrize("reached", [False, True], ids=["gave-up", "done"])

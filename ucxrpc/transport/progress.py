@@ -260,17 +260,20 @@ class ProgressThread:
         self._pending = pending
         self._arm = arm
         self._on_stall = on_stall
-        self._sleeping = False
+        self._sleeping = False         # the progress thread waits in _sleep
+        self._driver_sleeping = False  # a driver waits in _sleep
         self._stopping = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._epoll.register(fd, select.EPOLLIN)
         self._epoll.register(self._wake_fd, select.EPOLLIN)
-        # Where the progress thread parks while another thread drives: the
-        # wake descriptor alone (UCX's stays readable while a driver, which
-        # never arms, consumes its events).
+        # Where the progress thread parks while another thread drives: a
+        # descriptor of its own, so that a wake-up meant for a driver asleep
+        # in _sleep is not taken by the parked thread (UCX's descriptor stays
+        # readable while a driver consumes its events).
+        self._park_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._park_poll = select.epoll()
-        self._park_poll.register(self._wake_fd, select.EPOLLIN)
+        self._park_poll.register(self._park_fd, select.EPOLLIN)
         self._baton = threading.Lock()  # held for a turn, by whoever turns
         self._driver_lock = threading.Lock()
         self._driver: int | None = None  # the driving thread's ident
@@ -322,15 +325,25 @@ class ProgressThread:
             self._epoll.close()
             self._park_poll.close()
             os.close(self._wake_fd)
+            os.close(self._park_fd)
 
     def wake(self, force: bool = False) -> None:
-        """Make the loop turn again now if it sleeps (one flag test when it
-        does not)."""
-        if self._sleeping or self._parked or force:
-            try:
+        """Make the loop turn again now if it sleeps (a few flag tests when
+        it does not): whoever waits in _sleep, or the progress thread parked
+        with no driver (lingering after one left)."""
+        try:
+            if self._sleeping or self._driver_sleeping or force:
                 os.eventfd_write(self._wake_fd, 1)
-            except OSError:  # closed: the loop is gone
-                pass
+            if self._parked and (self._driver is None or force):
+                os.eventfd_write(self._park_fd, 1)
+        except OSError:  # closed: the loop is gone
+            pass
+
+    def _unpark(self) -> None:
+        try:
+            os.eventfd_write(self._park_fd, 1)
+        except OSError:
+            pass
 
     def info(self) -> dict[str, Any]:
         return {**self.strategy.info(), "turns": self.turns, "sleeps": self.sleeps,
@@ -339,18 +352,18 @@ class ProgressThread:
 
     def drive(self, done: Callable[[], bool]) -> bool:
         """Turn the loop on the calling thread until ``done()`` holds, or
-        until polling no longer pays (nothing expected for ``spin_s``, or the
-        strategy saw contention): the caller then blocks as it would have,
-        and the progress thread takes over again.
+        until nothing is expected for ``spin_s``: the caller then blocks as
+        it would have, and the progress thread takes over again.  Between
+        turns the driver polls where the strategy lets it, and otherwise
+        waits in epoll itself (see _drive).
 
         Returns whether ``done()`` held; at once (False) where driving
-        cannot help: on the progress thread, inside a turn (a callback),
-        while another thread drives, or when the strategy may not poll now.
-        On the main thread, Ctrl-C ends the drive between two turns and
-        raises ``KeyboardInterrupt`` from here (interrupts.py).
+        cannot help: on the progress thread, inside a turn (a callback), or
+        while another thread drives.  On the main thread, Ctrl-C ends the
+        drive between two turns and raises ``KeyboardInterrupt`` from here
+        (interrupts.py).
         """
-        if (self._stopping or self.current or getattr(_turning, "on", False)
-                or not self.strategy.may_poll(time.monotonic())):
+        if self._stopping or self.current or getattr(_turning, "on", False):
             return False
         _turning.on = True  # first: nothing below may be cut short by Ctrl-C
         try:
@@ -373,13 +386,20 @@ class ProgressThread:
                 # _parked, and we read _parked after clearing _driver, so
                 # one of us sees the other.)
                 if handed_back and self._parked:
-                    self.wake(force=True)
+                    self._unpark()
         finally:
             _turning.on = False
             _sigint.deliver()
 
     def _drive(self, done: Callable[[], bool]) -> bool:
-        """Turn until ``done()`` (True) or polling stops paying (False)."""
+        """Turn until ``done()`` (True) or nothing is expected (False).
+
+        Where the strategy may not poll (a contended core, or the blocking
+        mode), the driver waits for UCX's next event in epoll itself rather
+        than handing the loop back: the message then wakes the thread that
+        wants it, one wake-up instead of two (the progress thread's, then
+        the waiter's), and the core is free meanwhile.
+        """
         last_event = time.monotonic()
         while not done():
             if self._stopping or _sigint.held:
@@ -395,9 +415,20 @@ class ProgressThread:
             if busy:
                 last_event = now
                 continue
-            if not (self._expecting(now - last_event) and self.strategy.may_poll(now)):
+            idle = now - last_event
+            if not self._expecting(idle):
                 return False
-            self._yield(now)
+            if self.strategy.may_poll(now):
+                self._yield(now)
+                continue
+            self._driver_sleeping = True
+            try:
+                # Until the awaited message is overdue; data in flight keeps
+                # it expected, and its events end the wait.
+                left = self._spin_s - idle
+                self._sleep(now, left if left > 0 else SLEEP_S)
+            finally:
+                self._driver_sleeping = False
         return True
 
     def _run(self) -> None:
@@ -431,7 +462,11 @@ class ProgressThread:
             if self._expecting(now - last_event) and self.strategy.may_poll(now):
                 self._yield(now)
                 continue
-            self._sleep(now)
+            self._sleeping = True
+            try:
+                self._sleep(now, SLEEP_S)
+            finally:
+                self._sleeping = False
             last_event = time.monotonic()
 
     def _one_turn(self) -> bool:
@@ -456,7 +491,7 @@ class ProgressThread:
         finally:
             self._parked = False
             try:
-                os.eventfd_read(self._wake_fd)
+                os.eventfd_read(self._park_fd)
             except BlockingIOError:
                 pass
 
@@ -471,14 +506,16 @@ class ProgressThread:
         return self._in_flight() or (idle_s < self._spin_s and (self._awaited is None
                                                                  or self._awaited()))
 
-    def _sleep(self, now: float) -> None:
-        self._sleeping = True
+    def _sleep(self, now: float, timeout: float) -> None:
+        """Wait in epoll for UCX or :meth:`wake`, up to ``timeout``; the
+        caller set its sleeping flag first (so a waker that changed state
+        after the checks here writes the wake descriptor)."""
         try:
             if self._pending() or self._stopping:
                 return
             if self._arm():
                 self.sleeps += 1
-                self._epoll.poll(SLEEP_S)
+                self._epoll.poll(timeout)
             else:
                 # UCX has work to do before it can wait (a rendezvous moving
                 # fragment by fragment, say): turn again, but not before
@@ -486,7 +523,6 @@ class ProgressThread:
                 self.arm_busy += 1
                 self._yield(now)
         finally:
-            self._sleeping = False
             try:
                 os.eventfd_read(self._wake_fd)
             except BlockingIOError:
