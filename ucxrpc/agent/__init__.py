@@ -2,9 +2,9 @@
 
 One agent per process (:mod:`.core`), in parts: who a worker is
 (:mod:`.info`), the agent's life (:mod:`.state`), the calls it waits for
-and their deadlines (:mod:`.calls`), errors across the wire
-(:mod:`.remote_errors`), and what the layers above plug in
-(:mod:`.hooks`).
+and their deadlines (:mod:`.calls`), the requests it runs and answers
+(:mod:`.serving`), errors across the wire (:mod:`.remote_errors`), and
+what the layers above plug in (:mod:`.hooks`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The RPC agent: sends calls, serves calls, owns the transport and pool.
 
-Requests run on a :class:`WorkerPool`; responses complete
+Requests run on a :class:`WorkerPool` and are answered by the server
+(:mod:`.serving`); responses complete
 ``torch.futures.Future`` objects where they land (the transport's progress
 thread, or a caller driving it), or on a callback pool where a callback
 was hooked on (:mod:`.calls`).  A pipe that breaks fails every call
@@ -14,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
 
@@ -28,8 +29,8 @@ from ..transport import Limits, Transport
 from .calls import CallFuture, CallTable
 from .hooks import Hooks
 from .info import WorkerInfo
-from .remote_errors import (describe_exception, not_a_future, rebuild_exception,
-                            undecodable_request, user_failure)
+from .remote_errors import rebuild_exception
+from .serving import Server
 from .state import AgentState
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,7 @@ class RpcAgent:
         self.default_timeout = timeouts.of_option(options.rpc_timeout)
         self.state = AgentState.NEW
         self._broken: dict[int, BaseException] = {}
-        self._serving = 0  # requests received and not yet answered
         self._last_was_request = False
-        self._serving_lock = threading.Lock()
         self.counters = {"calls_sent": 0, "calls_served": 0, "remote_errors": 0,
                          "peer_failures": 0}
         secret = rendezvous.job_secret(store, rank)
@@ -92,6 +91,7 @@ class RpcAgent:
                                                    for d in m)])
         self._pool = WorkerPool(options.num_worker_threads, on_quiet=self.transport.wake,
                                 idle_wait=self._drive)
+        self._server = Server(self, self._pool)
         self.workers: dict[int, WorkerInfo] = {}
         # Set at join: where this worker's tensors land on each peer, by peer
         # id (requests), the reverse (replies), and the devices it uses.
@@ -256,7 +256,7 @@ class RpcAgent:
 
     def _drain(self, timeout: float | None) -> None:
         """Wait for our outstanding calls and the requests we are serving."""
-        _wait_until(lambda: not (self.calls or self._serving), timeout)
+        _wait_until(lambda: not (self.calls or self._server.unanswered), timeout)
 
     def _teardown(self) -> None:
         self.state = AgentState.CLOSED
@@ -285,7 +285,7 @@ class RpcAgent:
             wrapped = self.hooks.wrap_call(to, func, args, kwargs)
             if wrapped is not None:
                 func, args, kwargs, finish = wrapped
-        pickled = self._dumps_for(to.id, (func, args, kwargs))
+        pickled = self.dumps_for(to.id, (func, args, kwargs))
         fut = CallFuture(self.devices)
         msg_id = next(self._ids)
         self.counters["calls_sent"] += 1
@@ -295,11 +295,11 @@ class RpcAgent:
         payload = wire.encode(wire.MsgKind.REQUEST, msg_id, pickled.payload)
         try:
             if to.id == self.info.id:
-                self._loopback(payload, pickled.buffers)
+                self.loopback(payload, pickled.buffers)
             else:
                 self.transport.send(to.id, payload, pickled.buffers,
                                     wire.hint(wire.MsgKind.REQUEST, msg_id),
-                                    self._cuda_targets(to.id, pickled))
+                                    self.cuda_targets(to.id, pickled))
                 if not waited:
                     self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:
@@ -321,7 +321,7 @@ class RpcAgent:
         """
         return not self._pool.computing() and (bool(self.calls) or self._last_was_request)
 
-    def _loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
+    def loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
         # A call to oneself gets copies, as a remote callee would.  The
         # copies are queued on this thread's streams, and the callee reads
         # them on its pool's: settled first, as a remote call's buffers are
@@ -329,18 +329,6 @@ class RpcAgent:
         copies = [b.clone() for b in buffers]
         devices.settle(copies)
         self._on_message(self.info.id, memoryview(payload), copies)
-
-    def _answered(self) -> None:
-        with self._serving_lock:
-            self._serving -= 1
-
-    def _send(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
-              buffers: list[torch.Tensor], targets: list[int] | None = None) -> None:
-        payload = wire.encode(kind, msg_id, body)
-        if peer == self.info.id:
-            self._loopback(payload, buffers)
-        else:
-            self.transport.send(peer, payload, buffers, wire.hint(kind, msg_id), targets)
 
     def wait(self, fut: torch.futures.Future) -> Any:
         """``fut.wait()`` that lets the pool replace a thread blocked here,
@@ -367,9 +355,7 @@ class RpcAgent:
         hdr, body = wire.decode(payload)
         self._last_was_request = hdr.kind is wire.MsgKind.REQUEST
         if hdr.kind is wire.MsgKind.REQUEST:
-            with self._serving_lock:
-                self._serving += 1
-            self._pool.submit(self._serve, peer, hdr.msg_id, body, buffers)
+            self._server.accept(peer, hdr.msg_id, body, buffers)
         elif hdr.kind is wire.MsgKind.RESPONSE:
             call = self.calls.pop(hdr.msg_id)
             if call is None:
@@ -393,15 +379,13 @@ class RpcAgent:
         logger.warning("%s: message %s from %s rejected: %s", self.info.name, msg_id,
                        self.name_of(peer), exc)
         if kind == wire.MsgKind.REQUEST:
-            with self._serving_lock:
-                self._serving += 1
-            self._reply_error(peer, msg_id, FrameError(
+            self._server.refuse(peer, msg_id, FrameError(
                 f"message rejected by {self.info.name}: {exc}"))
         elif kind in (wire.MsgKind.RESPONSE, wire.MsgKind.ERROR):
             self.calls.fail(msg_id, FrameError(f"the reply from {self.name_of(peer)} was rejected "
                                           f"by {self.info.name}: {exc}"))
 
-    def _dumps_for(self, dest: int, obj: Any) -> Any:
+    def dumps_for(self, dest: int, obj: Any) -> Any:
         """Serialize ``obj`` for worker ``dest`` (see :meth:`pickling_destination`)."""
         outer = getattr(self._dest, "id", None)
         self._dest.id = dest
@@ -494,34 +478,7 @@ class RpcAgent:
         wi = self.workers.get(peer)
         return wi.name if wi is not None else f"id {peer}"
 
-    def _serve(self, peer: int, msg_id: int, body: memoryview, buffers: list[torch.Tensor]) -> None:
-        self.counters["calls_served"] += 1
-        try:
-            func, args, kwargs = cast(tuple[Any, Any, Any], self.serializer.loads(body, buffers))
-        except Exception as exc:
-            self._reply_error(peer, msg_id,
-                              undecodable_request(exc, self.info.name, self.name_of(peer)))
-            return
-        streams = (devices.callee_streams(self.devices, buffers) if self.devices
-                   else devices.NO_STREAMS)
-        with streams:  # the reply's CUDA tensors are settled on these streams too
-            try:
-                result = func(*(args or ()), **(kwargs or {}))
-            except Exception as exc:
-                self._reply_error(peer, msg_id, user_failure(func, args, kwargs, exc, self.info))
-                return
-            # Drop the arguments before replying: the caller's next message may
-            # arrive at once and should find their pooled buffers free again.
-            del args, kwargs, body, buffers
-            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-                if not isinstance(result, torch._C.Future):
-                    self._reply_error(peer, msg_id, not_a_future(func, result))
-                    return
-                result.add_done_callback(lambda f: self._reply_future(peer, msg_id, f))
-                return
-            self._reply(peer, msg_id, result, func)
-
-    def _cuda_targets(self, peer: int, pickled: Any, replying: bool = False) -> list[int] | None:
+    def cuda_targets(self, peer: int, pickled: Any, replying: bool = False) -> list[int] | None:
         """Where each of a message's buffers lands on ``peer`` (None: host
         only), its CUDA buffers settled first; replies travel the reverse of
         the caller's map."""
@@ -532,58 +489,6 @@ class RpcAgent:
                                          self.name_of(peer), replying=replying)
         devices.settle(pickled.buffers)
         return targets
-
-    def _reply_future(self, peer: int, msg_id: int, fut: torch.futures.Future) -> None:
-        """Answer an ``@async_execution`` call with its future's value.
-
-        Runs as the future's callback, so its CUDA tensors are settled on the
-        streams current there.  A future that knows its devices (torch's
-        ``Future(devices=...)``, the futures ucxrpc's calls return) runs it
-        on streams that wait for the work behind its value.  A plain future
-        runs it on the streams of the thread that completes it: whoever
-        completes one with CUDA tensors must do so on the streams that made
-        them, or after synchronizing them.  torch's agent relies on the same
-        (it cannot know which streams made a plain future's value either).
-        """
-        try:
-            value = fut.value()
-        except Exception as exc:
-            self._reply_error(peer, msg_id, exc)
-            return
-        self._reply(peer, msg_id, value, None)
-
-    def _reply(self, peer: int, msg_id: int, result: Any, func: Any) -> None:
-        try:
-            pickled = self._dumps_for(peer, result)
-        except Exception as exc:
-            name = getattr(func, "__qualname__", "the function")
-            self._reply_error(peer, msg_id, SerializationError(
-                f"cannot pickle the result of {name} on {self.info.name}: "
-                f"{type(exc).__name__}: {exc}"))
-            return
-        targets = None
-        if peer != self.info.id:
-            try:
-                targets = self._cuda_targets(peer, pickled, replying=True)
-            except RpcError as exc:
-                self._reply_error(peer, msg_id, exc)
-                return
-        try:
-            self._send(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload, pickled.buffers,
-                       targets)
-        except FrameError as exc:
-            self._reply_error(peer, msg_id, exc)
-            return
-        except RpcError as exc:
-            logger.warning("%s: reply to %s lost: %s", self.info.name, self.name_of(peer), exc)
-        self._answered()
-
-    def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
-        try:
-            self._send(peer, wire.MsgKind.ERROR, msg_id, describe_exception(exc, self.info), [])
-        except RpcError as err:
-            logger.warning("%s: error reply to %s lost: %s", self.info.name, self.name_of(peer), err)
-        self._answered()
 
     # ---------------------------------------------------------------- info
 

@@ -1,0 +1,150 @@
+"""The serving side of an agent: a request from a peer runs on the worker
+pool and is answered with its result, its future's value (for an
+``@async_execution`` function), or its error.
+
+Every request is counted from its arrival until its answer left
+(:attr:`Server.unanswered`), so that a graceful shutdown can wait for what
+this worker still owes its peers.  An answer that cannot leave (the peer
+died meanwhile) is logged and counted as given: nobody waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from .. import devices, wire
+from .._pool import WorkerPool
+from ..errors import FrameError, RpcError, SerializationError
+from .remote_errors import describe_exception, not_a_future, undecodable_request, user_failure
+
+if TYPE_CHECKING:
+    from .core import RpcAgent
+
+__all__ = ["Server"]
+
+logger = logging.getLogger(__name__)
+
+
+class Server:
+    """Runs and answers the requests that reach ``agent``, on ``pool``."""
+
+    def __init__(self, agent: RpcAgent, pool: WorkerPool) -> None:
+        self._agent = agent
+        self._pool = pool
+        self._lock = threading.Lock()
+        #: Requests received and not yet answered.
+        self.unanswered = 0
+
+    def accept(self, peer: int, msg_id: int, body: memoryview,
+               buffers: list[torch.Tensor]) -> None:
+        """A request arrived: it runs on the pool."""
+        with self._lock:
+            self.unanswered += 1
+        self._pool.submit(self._serve, peer, msg_id, body, buffers)
+
+    def refuse(self, peer: int, msg_id: int, exc: BaseException) -> None:
+        """A request that cannot run (it broke a limit): answered with ``exc``."""
+        with self._lock:
+            self.unanswered += 1
+        self._reply_error(peer, msg_id, exc)
+
+    def _answered(self) -> None:
+        with self._lock:
+            self.unanswered -= 1
+
+    def _serve(self, peer: int, msg_id: int, body: memoryview,
+               buffers: list[torch.Tensor]) -> None:
+        agent = self._agent
+        agent.counters["calls_served"] += 1
+        try:
+            func, args, kwargs = cast(tuple[Any, Any, Any], agent.serializer.loads(body, buffers))
+        except Exception as exc:
+            self._reply_error(peer, msg_id,
+                              undecodable_request(exc, agent.info.name, agent.name_of(peer)))
+            return
+        streams = (devices.callee_streams(agent.devices, buffers) if agent.devices
+                   else devices.NO_STREAMS)
+        with streams:  # the reply's CUDA tensors are settled on these streams too
+            try:
+                result = func(*(args or ()), **(kwargs or {}))
+            except Exception as exc:
+                self._reply_error(peer, msg_id, user_failure(func, args, kwargs, exc, agent.info))
+                return
+            # Drop the arguments before replying: the caller's next message may
+            # arrive at once and should find their pooled buffers free again.
+            del args, kwargs, body, buffers
+            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                if not isinstance(result, torch._C.Future):
+                    self._reply_error(peer, msg_id, not_a_future(func, result))
+                    return
+                result.add_done_callback(lambda f: self._reply_future(peer, msg_id, f))
+                return
+            self._reply(peer, msg_id, result, func)
+
+    def _reply_future(self, peer: int, msg_id: int, fut: torch.futures.Future) -> None:
+        """Answer an ``@async_execution`` call with its future's value.
+
+        Runs as the future's callback, so its CUDA tensors are settled on the
+        streams current there.  A future that knows its devices (torch's
+        ``Future(devices=...)``, the futures ucxrpc's calls return) runs it
+        on streams that wait for the work behind its value.  A plain future
+        runs it on the streams of the thread that completes it: whoever
+        completes one with CUDA tensors must do so on the streams that made
+        them, or after synchronizing them.  torch's agent relies on the same
+        (it cannot know which streams made a plain future's value either).
+        """
+        try:
+            value = fut.value()
+        except Exception as exc:
+            self._reply_error(peer, msg_id, exc)
+            return
+        self._reply(peer, msg_id, value, None)
+
+    def _reply(self, peer: int, msg_id: int, result: Any, func: Any) -> None:
+        agent = self._agent
+        try:
+            pickled = agent.dumps_for(peer, result)
+        except Exception as exc:
+            name = getattr(func, "__qualname__", "the function")
+            self._reply_error(peer, msg_id, SerializationError(
+                f"cannot pickle the result of {name} on {agent.info.name}: "
+                f"{type(exc).__name__}: {exc}"))
+            return
+        targets = None
+        if peer != agent.info.id:
+            try:
+                targets = agent.cuda_targets(peer, pickled, replying=True)
+            except RpcError as exc:
+                self._reply_error(peer, msg_id, exc)
+                return
+        try:
+            self._send(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload, pickled.buffers,
+                       targets)
+        except FrameError as exc:
+            self._reply_error(peer, msg_id, exc)
+            return
+        except RpcError as exc:
+            logger.warning("%s: reply to %s lost: %s", agent.info.name, agent.name_of(peer), exc)
+        self._answered()
+
+    def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
+        agent = self._agent
+        try:
+            self._send(peer, wire.MsgKind.ERROR, msg_id, describe_exception(exc, agent.info), [])
+        except RpcError as err:
+            logger.warning("%s: error reply to %s lost: %s", agent.info.name,
+                           agent.name_of(peer), err)
+        self._answered()
+
+    def _send(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
+              buffers: list[torch.Tensor], targets: list[int] | None = None) -> None:
+        agent = self._agent
+        payload = wire.encode(kind, msg_id, body)
+        if peer == agent.info.id:
+            agent.loopback(payload, buffers)
+        else:
+            agent.transport.send(peer, payload, buffers, wire.hint(kind, msg_id), targets)
