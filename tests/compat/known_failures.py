@@ -12,62 +12,6 @@ from __future__ import annotations
 __all__ = ["KNOWN_FAILURES"]
 
 KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "@async_execution through RRef proxies": (
-        "`rref.rpc_sync().method(...)` (and `rpc_async()`, `remote()`) on a method decorated "
-        "with `@rpc.functions.async_execution` (static, class or instance method) returns "
-        "the Future itself instead of waiting for it: \"cannot pickle the result of the "
-        "function on workerN: RuntimeError: Can not pickle torch.futures.Future\". The "
-        "parameter-server example (`test_my_parameter_server*`) uses this.",
-        (
-            "RpcTest.test_async_class_rref_proxy",
-            "RpcTest.test_async_class_rref_proxy_async",
-            "RpcTest.test_async_class_rref_proxy_remote",
-            "RpcTest.test_my_parameter_server",
-            "TensorPipeAgentRpcTest.test_my_parameter_server_sparse",
-        ),
-    ),
-    "@async_execution function that returns no Future": (
-        "torch raises RuntimeError \"Functions decorated with @rpc.async_function must "
-        "return a torch.futures.Future object, ...\" on the caller. ucxrpc raises TypeError "
-        "(\"@async_execution function async_wrong_type returned Tensor, not a "
-        "torch.futures.Future\") for rpc_sync / rpc_async, and for `remote()` raises "
-        "nothing: `to_here()` returns the Tensor.",
-        (
-            "RpcTest.test_async_function_wrong_return_type",
-            "RpcTest.test_async_function_wrong_return_type_async",
-            "RpcTest.test_async_function_wrong_return_type_remote",
-        ),
-    ),
-    "Sparse tensors in distributed autograd": (
-        "Sparse tensors that need grad come out of RPCs without autograd history (the "
-        "backward pass finds no grad_fn: \"element 0 of tensors does not require grad\"), "
-        "and "
-        "sparse gradients cannot be stored in the context "
-        "(`ucxrpc/autograd/_engine.py` `_owned` calls `untyped_storage()`: \"Cannot access "
-        "storage of SparseTensorImpl\"). `test_trainer_ps_sparse` hangs: its trainers fail "
-        "this way and the test polls forever for them (torch's test has no deadline), so "
-        "it ends at the runner's timeout.",
-        (
-            "TensorPipeAgentDistAutogradTest.test_backward_different_dtypes_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backward_multiple_round_trips_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backward_no_grad_on_tensor_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backward_rref_multi_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backward_rref_nested_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backward_rref_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backward_simple_python_udf_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backward_simple_sparse",
-            "TensorPipeAgentDistAutogradTest.test_backwards_nested_python_udf_sparse",
-            "TensorPipeAgentDistAutogradTest.test_mixed_requires_grad_sparse",
-            "TensorPipeAgentDistAutogradTest.test_multiple_backward_sparse",
-            "TensorPipeAgentDistAutogradTest.test_nested_backward_accumulate_grads_sparse",
-            "TensorPipeAgentDistAutogradTest.test_trainer_ps_sparse",
-            "TensorPipeAgentDistAutogradTest.test_embedding_bag_with_no_grad_tensors",
-            "DistAutogradTest.test_no_grad_copy_sparse",
-            "DistAutogradTest.test_grad_copy_sparse_indices_extra_ref",
-            "DdpComparisonTest.test_ddp_dist_autograd_sparse_grads",
-        ),
-    ),
     "DDP inside distributed autograd": (
         "Gradients differ from the local run (\"Tensor-likes are not close\"); the uneven-"
         "inputs variant times out. Probable cause: torch's DDP reducer (C++) puts its "
@@ -78,6 +22,7 @@ KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
             "DdpUnderDistAutogradTest.test_backward_ddp_outside",
             "DdpUnderDistAutogradTest.test_backward_ddp_outside_uneven_inputs",
             "DdpComparisonTest.test_ddp_comparison",
+            "DdpComparisonTest.test_ddp_dist_autograd_sparse_grads",
             "DdpComparisonTest.test_ddp_comparison_uneven_inputs",
             "DdpComparisonTest.test_ddp_dist_autograd_local_vs_remote",
         ),
