@@ -349,7 +349,9 @@ def _errors(rank, world_size, init_method):
             b = rpc.rpc_sync("worker2", exp_of, (w,))
             loss = (a * b).sum()
             for _ in range(2):
-                with pytest.raises(RuntimeError, match=r"(?s)worker1.*boom in backward") as info:
+                # torch's first line, then the worker's name and the error's type
+                with pytest.raises(RuntimeError, match=r"(?s)Error on Node 1: boom in backward\n"
+                                   r"\(ValueError on worker worker1, .*boom in backward") as info:
                     dist_autograd.backward(ctx, [loss], retain_graph=True)
                 assert isinstance(info.value, rpc.RpcError)
             # as torch's: the context stays everywhere, and once the error is

@@ -32,14 +32,11 @@ KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
         "copies (an in-place change to one gradient changes the other); "
         "`test_post_hooks`: hooks on AccumulateGrad nodes fire a different number of times; "
         "`test_backward_unused_send_function`: backward returns where torch keeps waiting "
-        "for the unused send function; "
-        "`test_backward_autograd_engine_error`: the error is not torch's \"Error on Node N: "
-        "...\" form.",
+        "for the unused send function.",
         (
             "DistAutogradTest.test_no_grad_copy",
             "DistAutogradTest.test_post_hooks",
             "DistAutogradTest.test_backward_unused_send_function",
-            "DistAutogradTest.test_backward_autograd_engine_error",
         ),
     ),
     "Futures: wait_all exits early": (

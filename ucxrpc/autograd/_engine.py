@@ -42,21 +42,30 @@ _Future = torch.futures.Future
 
 @dataclass(frozen=True)
 class Failure:
-    """Where and how a backward pass failed."""
+    """Where and how a backward pass failed: the worker (its name and id),
+    the error's type and message, and its traceback where it was raised."""
 
     worker: str
+    node: int
+    kind: str
     error: str
     traceback: str = ""
 
     def describe(self, context_id: int) -> str:
-        text = (f"Error on worker {self.worker} during the distributed backward pass of "
-                f"autograd context {context_id}: {self.error}")
+        # torch's first line ("Error on Node N: message"), which its tests
+        # and users match on; then ours, naming the worker and the error's type.
+        text = (f"Error on Node {self.node}: {self.error}\n({self.kind} on worker {self.worker}, "
+                f"in the distributed backward pass of autograd context {context_id})")
         return f"{text}\n{self.traceback}" if self.traceback else text
 
 
+def _failure(agent: RpcAgent, node: int, exc: BaseException, trace: bool) -> Failure:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if trace else ""
+    return Failure(agent.name_of(node), node, type(exc).__name__, str(exc), tb)
+
+
 def _here(agent: RpcAgent, exc: BaseException) -> Failure:
-    return Failure(agent.info.name, f"{type(exc).__name__}: {exc}",
-                   "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    return _failure(agent, agent.info.id, exc, trace=True)
 
 
 # -- the local pass -------------------------------------------------------------
@@ -166,7 +175,7 @@ def _gather(agent: RpcAgent, calls: list[tuple[int, _Future]]) -> _Future:
         try:
             result = f.value()
         except Exception as exc:
-            result = Failure(agent.name_of(peer), f"{type(exc).__name__}: {exc}")
+            result = _failure(agent, peer, exc, trace=False)
         with lock:
             if isinstance(result, Failure) and state["failure"] is None:
                 state["failure"] = result
@@ -339,4 +348,4 @@ def release(context_id: int) -> None:
 def _log_lingering(agent: RpcAgent, context_id: int, failure: Failure | None) -> None:
     if failure is not None:
         logger.warning("%s: autograd context %d may linger on %s: %s", agent.info.name,
-                       context_id, failure.worker, failure.error)
+                       context_id, failure.worker, f"{failure.kind}: {failure.error}")
