@@ -438,6 +438,37 @@ def test_concurrent_contexts_from_two_trainers():
     run_workers(_trainers, 3, timeout=100)
 
 
+def _accumulate_grad_hooks(rank, world_size, init_method):
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    out = None
+    if rank == 0:
+        t = torch.ones(3, requires_grad=True)
+        t.grad = torch.full((3,), 7.0)  # a local gradient, which dist autograd leaves alone
+        calls = []
+        # t's AccumulateGrad node (kept alive here, so its hooks stay on it)
+        node = (t * 1).grad_fn.next_functions[0][0]
+        node.register_hook(lambda grad_inputs, grad_outputs: calls.append(1))
+        with dist_autograd.context() as ctx:
+            y = rpc.rpc_sync("worker1", torch.mul, (t, 2.0))
+            dist_autograd.backward(ctx, [(y + t).sum()])
+            grads = dist_autograd.get_gradients(ctx)
+            out = (grads[t].tolist(), t.grad.tolist(), len(calls))
+        assert node is not None
+    rpc.shutdown()
+    return out
+
+
+def test_accumulate_grad_hooks_run_and_grad_is_left_alone():
+    # As torch's distributed engine: a leaf's AccumulateGrad hooks run (DDP's
+    # reducer all-reduces there), once per local pass that reaches the leaf
+    # (here two: the root's, and the propagation back from worker1), while
+    # the gradient goes to the context and .grad keeps its local value.
+    assert run_workers(_accumulate_grad_hooks, 2, timeout=90)[0] == ([3.0] * 3, [7.0] * 3, 2)
+
+
 # -- sparse gradients ---------------------------------------------------------------
 
 def embed_sum(weight, idx, offsets):

@@ -8,6 +8,14 @@ and so on.  A worker answers a propagation only once its own pass and every
 propagation it started have finished, so when the initiator's propagations
 are all answered the whole distributed graph is done.
 
+A local pass runs torch's engine as a local ``backward`` would, through
+each leaf's AccumulateGrad node, whose hooks run as in torch's distributed
+engine (DDP's reducer all-reduces its gradients there); the leaves' ``.grad``
+is borrowed for the pass and put back, so gradients land in the context
+only (:func:`_run_pass`).  One consequence: a local ``backward`` over the
+same leaves on another thread during a distributed pass would see ``.grad``
+borrowed; torch's engine never touches ``.grad`` at all.
+
 Each send runs its own local pass as soon as its gradients arrive.  Passes
 started by a propagation keep their graph (``retain_graph``) until the context
 is released: two sends may share part of a worker's graph, and nothing says
@@ -23,6 +31,7 @@ import functools
 import logging
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -107,8 +116,7 @@ def _local_pass(agent: RpcAgent, ctx: DistAutogradContext, outputs: Sequence[tor
     outs = [t for t, _ in pairs.values()]
     gouts = [g for _, g in pairs.values()]
     leaves = _leaves(outs)
-    grads = torch.autograd.grad(outs, leaves, gouts, retain_graph=retain_graph,
-                                allow_unused=True)
+    grads = _run_pass(outs, gouts, leaves, retain_graph)
     outgoing: dict[int, tuple[Recv, list[torch.Tensor | None]]] = {}
     storages: set[int] = set()
     for leaf, grad in zip(leaves, grads):
@@ -124,6 +132,62 @@ def _local_pass(agent: RpcAgent, ctx: DistAutogradContext, outputs: Sequence[tor
             entry = outgoing[id(recv)] = (recv, [None] * len(recv.tensors))
         entry[1][position] = grad
     return [(recv.source, _send_grads(agent, ctx.id, recv, gs)) for recv, gs in outgoing.values()]
+
+
+class _LeafLocks:
+    """One lock per leaf a pass borrows (see :func:`_run_pass`), so that two
+    passes sharing a leaf (a parameter server's, in two trainers' contexts)
+    take turns while passes over other leaves run at once.  A pass takes its
+    locks in one global order (by id), so passes cannot deadlock each other;
+    a lock goes when its leaf does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locks: dict[int, threading.Lock] = {}
+
+    def of(self, leaves: list[torch.Tensor]) -> list[threading.Lock]:
+        found: dict[int, threading.Lock] = {}
+        with self._lock:
+            for leaf in leaves:
+                key = id(leaf)
+                lock = self._locks.get(key)
+                if lock is None:
+                    lock = self._locks[key] = threading.Lock()
+                    weakref.finalize(leaf, self._locks.pop, key, None)
+                found[key] = lock
+        return [found[key] for key in sorted(found)]
+
+
+_leaf_locks = _LeafLocks()
+
+
+def _run_pass(outs: list[torch.Tensor], gouts: list[torch.Tensor],
+              leaves: list[torch.Tensor], retain_graph: bool) -> list[torch.Tensor | None]:
+    """The gradients of ``leaves``, computed as torch's engine computes them
+    for a local ``backward``: through each leaf's AccumulateGrad node, so that
+    the node's hooks run (DDP's reducer all-reduces its gradients there, and
+    torch's distributed engine runs them too) and its rules for keeping or
+    copying a gradient apply.  The leaves' own ``.grad`` is set aside for the
+    pass and put back after it: the gradients go to the context, never into
+    ``.grad``; a pass holds its leaves' locks meanwhile."""
+    if not leaves:
+        return []
+    locks = _leaf_locks.of(leaves)
+    for lock in locks:
+        lock.acquire()
+    try:
+        saved = [leaf.grad for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        try:
+            torch.autograd.backward(outs, gouts, retain_graph=retain_graph, inputs=leaves)
+            return [leaf.grad for leaf in leaves]
+        finally:
+            for leaf, grad in zip(leaves, saved):
+                leaf.grad = grad
+    finally:
+        for lock in reversed(locks):
+            lock.release()
 
 
 def _owned(grad: torch.Tensor, storages: set[int]) -> torch.Tensor:
