@@ -12,30 +12,36 @@ from __future__ import annotations
 __all__ = ["KNOWN_FAILURES"]
 
 KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "DDP inside distributed autograd": (
-        "Gradients differ from the local run (\"Tensor-likes are not close\"); the uneven-"
-        "inputs variant times out. Probable cause: torch's DDP reducer (C++) puts its "
-        "all-reduced gradients into torch's own thread-local distributed-autograd context "
-        "when one is active; ucxrpc's context is a Python object the reducer cannot see.",
+    "DDP wrapping a model that calls other workers": (
+        "With the whole hybrid model under DDP (`DdpMode.OUTSIDE`), some DDP parameters "
+        "get their gradients in the trainer's first local pass and others in a later one, "
+        "started by gradients coming back from the remote part. DDP's reducer finalizes "
+        "at the end of the first pass, so the later parameters are not all-reduced (their "
+        "gradients do not cancel out). torch's distributed engine runs the callbacks queued "
+        "in a pass (DDP's finalize) only once the whole distributed backward is done; "
+        "ucxrpc runs each local pass as a separate torch backward.",
         (
-            "DdpUnderDistAutogradTest.test_backward_ddp_inside",
             "DdpUnderDistAutogradTest.test_backward_ddp_outside",
-            "DdpUnderDistAutogradTest.test_backward_ddp_outside_uneven_inputs",
+        ),
+    ),
+    "DDP with distributed autograd: a hang at the end of the test": (
+        "Intermittent (seen in 2 of about 20 runs of the DDP comparison tests): every "
+        "iteration passes, then one rank hangs for good destroying DDP's reducer, "
+        "in `ProcessGroupGloo::~ProcessGroupGloo` joining a gloo worker thread (py-spy "
+        "stack), while the others wait at RPC shutdown. Cause not found yet: a gloo work "
+        "item left pending after distributed autograd ran DDP's hooks is the suspect.",
+        (
             "DdpComparisonTest.test_ddp_comparison",
-            "DdpComparisonTest.test_ddp_dist_autograd_sparse_grads",
             "DdpComparisonTest.test_ddp_comparison_uneven_inputs",
-            "DdpComparisonTest.test_ddp_dist_autograd_local_vs_remote",
         ),
     ),
     "Distributed autograd semantics": (
         "`test_no_grad_copy`: two leaves get one and the same gradient buffer where torch "
         "copies (an in-place change to one gradient changes the other); "
-        "`test_post_hooks`: hooks on AccumulateGrad nodes fire a different number of times; "
         "`test_backward_unused_send_function`: backward returns where torch keeps waiting "
         "for the unused send function.",
         (
             "DistAutogradTest.test_no_grad_copy",
-            "DistAutogradTest.test_post_hooks",
             "DistAutogradTest.test_backward_unused_send_function",
         ),
     ),

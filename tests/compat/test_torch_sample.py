@@ -31,7 +31,6 @@ SAMPLE = (
     "RpcTest.test_async_function_nested",
     "RpcTest.test_py_raise_in_user_func_escaped_str",
     "DistAutogradTest.test_backward_simple",
-    "DdpComparisonTest.test_ddp_dist_autograd_local_vs_remote",
     "DistOptimizerTest.test_dist_optim",
     "RemoteModuleTest.test_remote_parameters",
 )
