@@ -292,16 +292,12 @@ class RpcAgent:
         if to.id in self._broken:
             raise self._peer_error(to.id)
         self.calls.add(msg_id, fut, to.id, waited)
-        payload = wire.encode(wire.MsgKind.REQUEST, msg_id, pickled.payload)
         try:
-            if to.id == self.info.id:
-                self.loopback(payload, pickled.buffers)
-            else:
-                self.transport.send(to.id, payload, pickled.buffers,
-                                    wire.hint(wire.MsgKind.REQUEST, msg_id),
-                                    self.cuda_targets(to.id, pickled))
-                if not waited:
-                    self.transport.wake()  # to poll for the reply (see _spin_while)
+            remote = to.id != self.info.id
+            self.send_message(to.id, wire.MsgKind.REQUEST, msg_id, pickled.payload,
+                              pickled.buffers, self.cuda_targets(to.id, pickled) if remote else None)
+            if remote and not waited:
+                self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:
             self.calls.pop(msg_id)
             raise
@@ -321,7 +317,17 @@ class RpcAgent:
         """
         return not self._pool.computing() and (bool(self.calls) or self._last_was_request)
 
-    def loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
+    def send_message(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
+                     buffers: list[torch.Tensor], targets: list[int] | None = None) -> None:
+        """Send one message (a request, or the server's answer) to ``peer``,
+        this worker included; ``targets`` as :meth:`cuda_targets` gives them."""
+        payload = wire.encode(kind, msg_id, body)
+        if peer == self.info.id:
+            self._loopback(payload, buffers)
+        else:
+            self.transport.send(peer, payload, buffers, wire.hint(kind, msg_id), targets)
+
+    def _loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
         # A call to oneself gets copies, as a remote callee would.  The
         # copies are queued on this thread's streams, and the callee reads
         # them on its pool's: settled first, as a remote call's buffers are

@@ -122,8 +122,8 @@ class Server:
                 self._reply_error(peer, msg_id, exc)
                 return
         try:
-            self._send(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload, pickled.buffers,
-                       targets)
+            agent.send_message(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload,
+                               pickled.buffers, targets)
         except FrameError as exc:
             self._reply_error(peer, msg_id, exc)
             return
@@ -134,17 +134,9 @@ class Server:
     def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
         agent = self._agent
         try:
-            self._send(peer, wire.MsgKind.ERROR, msg_id, describe_exception(exc, agent.info), [])
+            agent.send_message(peer, wire.MsgKind.ERROR, msg_id,
+                               describe_exception(exc, agent.info), [])
         except RpcError as err:
             logger.warning("%s: error reply to %s lost: %s", agent.info.name,
                            agent.name_of(peer), err)
         self._answered()
-
-    def _send(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
-              buffers: list[torch.Tensor], targets: list[int] | None = None) -> None:
-        agent = self._agent
-        payload = wire.encode(kind, msg_id, body)
-        if peer == agent.info.id:
-            agent.loopback(payload, buffers)
-        else:
-            agent.transport.send(peer, payload, buffers, wire.hint(kind, msg_id), targets)
