@@ -56,7 +56,7 @@ def join(agent: RpcAgent, timeout: float | None, welcome: Callable[[str], None],
         record = agent.publish()
         agent.check_device_maps({**present, me.id: record})
         for m in (record, *present.values()):
-            agent.add_member(m)
+            agent.members.add(m)
         agent.transport.on_unknown_peer = agent.lookup_member
         agent.start()
         rendezvous.set_group_ranks(store, [*present, me.id])
@@ -89,8 +89,8 @@ def _tell(agent: RpcAgent, ranks: list[int], func: Callable[..., Any], args: tup
           timeout: float | None) -> None:
     futures = []
     for r in ranks:
-        to = agent.workers.get(r)
-        if to is None or agent.is_broken(r):
+        to = agent.members.workers.get(r)
+        if to is None or agent.members.is_broken(r):
             continue
         try:
             futures.append((to, agent.call(to, func, args, {}, timeout)))

@@ -93,13 +93,13 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
 @_plain
 def _welcome(record: str) -> None:
     """Run on every present worker when one joins a dynamic group."""
-    _current().add_member(rendezvous.Member.from_json(record.encode()))
+    _current().members.add(rendezvous.Member.from_json(record.encode()))
 
 
 @_plain
 def _farewell(rank: int) -> None:
     """Run on every present worker when one leaves a dynamic group."""
-    _current().remove_member(rank)
+    _current().members.remove(rank)
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
@@ -148,7 +148,7 @@ def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = 
 def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None,
           kwargs: dict[str, Any] | None, timeout: float, waited: bool = False
           ) -> torch.futures.Future:
-    return agent.call(agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
+    return agent.call(agent.members.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
                       timeouts.for_call(timeout, agent.default_timeout), waited=waited)
 
 
@@ -171,7 +171,7 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     agent = _current()
     if worker_name is None:
         return agent.info
-    return agent.resolve(worker_name)
+    return agent.members.resolve(worker_name)
 
 
 def get_rpc_timeout() -> float:
@@ -192,7 +192,7 @@ def get_pipe_info(to: Any = None) -> list[dict[str, Any]]:
         RpcError: RPC is not initialized, or ``to`` is unknown.
     """
     agent = _current()
-    peer = None if to is None else agent.resolve(to).id
+    peer = None if to is None else agent.members.resolve(to).id
     return agent.transport.pipe_info(peer)
 
 

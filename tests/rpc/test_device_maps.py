@@ -22,10 +22,11 @@ def _try_init(rank, world_size, init_method, maps):
     except ValueError as exc:
         return str(exc)
     from ucxrpc import api
-    agent = api._current()
-    out = {"maps": {k: {str(s): str(d) for s, d in m.items()} for k, m in agent.device_maps.items()},
+    members = api._current().members
+    out = {"maps": {k: {str(s): str(d) for s, d in m.items()}
+                    for k, m in members.device_maps.items()},
            "reverse": {k: {str(s): str(d) for s, d in m.items()}
-                       for k, m in agent.reverse_device_maps.items()},
+                       for k, m in members.reverse_device_maps.items()},
            "echo": rpc.rpc_sync(f"worker{1 - rank}", torch.add, (torch.ones(2), rank)).tolist()}
     rpc.shutdown()
     return out

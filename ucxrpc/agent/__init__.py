@@ -1,10 +1,12 @@
 """The RPC agent: request/response matching, timeouts, user functions.
 
 One agent per process (:mod:`.core`), in parts: who a worker is
-(:mod:`.info`), the agent's life (:mod:`.state`), the calls it waits for
-and their deadlines (:mod:`.calls`), the requests it runs and answers
-(:mod:`.serving`), errors across the wire (:mod:`.remote_errors`), and
-what the layers above plug in (:mod:`.hooks`).
+(:mod:`.info`), who the job's workers are, what names resolve to, which
+peers are gone and the device maps per peer (:mod:`.members`), the agent's
+life (:mod:`.state`), the calls it waits for and their deadlines
+(:mod:`.calls`), the requests it runs and answers (:mod:`.serving`),
+errors across the wire (:mod:`.remote_errors`), and what the layers above
+plug in (:mod:`.hooks`).
 """
 
 from __future__ import annotations

@@ -21,14 +21,14 @@ import torch
 
 from .. import devices, rendezvous, timeouts, wire
 from .._pool import WorkerPool
-from ..errors import (AuthenticationError, BrokenError, ClosedError, FrameError, PeerLeftError,
-                      RpcError, SerializationError)
+from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
 from ..serialization import Serializer
 from ..transport import Limits, Transport
 from .calls import CallFuture, CallTable
 from .hooks import Hooks
 from .info import WorkerInfo
+from .members import Members
 from .remote_errors import rebuild_exception
 from .serving import Server
 from .state import AgentState
@@ -71,10 +71,8 @@ class RpcAgent:
         #: ``rpc_timeout`` as below the API: seconds, or None for none.
         self.default_timeout = timeouts.of_option(options.rpc_timeout)
         self.state = AgentState.NEW
-        self._broken: dict[int, BaseException] = {}
         self._last_was_request = False
-        self.counters = {"calls_sent": 0, "calls_served": 0, "remote_errors": 0,
-                         "peer_failures": 0}
+        self.counters = {"calls_sent": 0, "calls_served": 0, "remote_errors": 0}
         secret = rendezvous.job_secret(store, rank)
         limits = Limits(max_buffers=options.max_buffers,
                         max_frame_bytes=options.max_frame_bytes,
@@ -92,13 +90,11 @@ class RpcAgent:
         self._pool = WorkerPool(options.num_worker_threads, on_quiet=self.transport.wake,
                                 idle_wait=self._drive)
         self._server = Server(self, self._pool)
-        self.workers: dict[int, WorkerInfo] = {}
-        # Set at join: where this worker's tensors land on each peer, by peer
-        # id (requests), the reverse (replies), and the devices it uses.
-        self.device_maps: dict[int, devices.DeviceMap] = {}
-        self.reverse_device_maps: dict[int, devices.DeviceMap] = {}
+        #: The workers, their names, device maps, and which of them are gone.
+        self.members = Members(self.info, add_peer=self.transport.add_peer,
+                               on_gone=self._peer_gone, my_maps=options.maps)
+        #: The CUDA devices this worker uses (set at join).
         self.devices: list[torch.device] = []
-        self._names: dict[str, WorkerInfo] = {}
         # For the layers above (RRefs, autograd, membership), which the agent
         # must not import: their per-agent state, and what they plug in.
         self.extensions: dict[str, Any] = {}
@@ -155,7 +151,7 @@ class RpcAgent:
         members = rendezvous.collect(self.store, self.world_size)
         self.check_device_maps(members)
         for m in members.values():
-            self.add_member(m)
+            self.members.add(m)
         self.start()
         rendezvous.barrier(self.store, "init", self.info.id, self.world_size, timeout)
         self.joined()
@@ -186,8 +182,8 @@ class RpcAgent:
                          all_maps, all_devices)
         ids = {m.name: m.rank for m in members.values()}
         mine = all_maps[self.info.name]
-        self.device_maps = {ids[to]: mp for to, mp in mine.items()}
-        self.reverse_device_maps = {ids[src]: mp for src, mp in reverse.items()}
+        self.members.device_maps = {ids[to]: mp for to, mp in mine.items()}
+        self.members.reverse_device_maps = {ids[src]: mp for src, mp in reverse.items()}
         self.devices = all_devices[self.info.name] or devices.default_devices(mine, reverse)
 
     def shutdown(self, graceful: bool, timeout: float | None) -> None:
@@ -223,13 +219,13 @@ class RpcAgent:
             # Dead workers are not waited for: the kernel tells us, and a
             # worker never talked to is checked (its lifeline connected).
             rendezvous.barrier(self.store, "shutdown", me, self.world_size, timeout,
-                               gone=lambda: set(self._broken), poke=self.transport.check)
+                               gone=self.members.broken, poke=self.transport.check)
             if me == 0:
                 # The store lives in rank 0: keep it up until all have left
                 # it, then leave it clean for the next job.
                 rendezvous.barrier(self.store, "shutdown-done", me, self.world_size,
                                    5.0 if timeout is None else min(timeout, 5.0),
-                                   gone=lambda: set(self._broken))
+                                   gone=self.members.broken)
                 rendezvous.clear(self.store, self.world_size)
             else:
                 rendezvous.arrive(self.store, "shutdown-done", me)
@@ -246,7 +242,7 @@ class RpcAgent:
     def _await_gone(self, peer: int, timeout: float) -> None:
         """Wait until ``peer`` shut down (or died), ``timeout`` s at most."""
         self.transport.check(peer)
-        _wait_until(lambda: peer in self._broken, timeout)
+        _wait_until(lambda: self.members.is_broken(peer), timeout)
 
     def _drop_store(self) -> None:
         """Release our reference to the store: a client's connection closes,
@@ -289,13 +285,14 @@ class RpcAgent:
         fut = CallFuture(self.devices)
         msg_id = next(self._ids)
         self.counters["calls_sent"] += 1
-        if to.id in self._broken:
-            raise self._peer_error(to.id)
+        if self.members.is_broken(to.id):
+            raise self.members.peer_error(to.id)
         self.calls.add(msg_id, fut, to.id, waited)
         try:
             remote = to.id != self.info.id
             self.send_message(to.id, wire.MsgKind.REQUEST, msg_id, pickled.payload,
-                              pickled.buffers, self.cuda_targets(to.id, pickled) if remote else None)
+                              pickled.buffers,
+                              self.members.cuda_targets(to.id, pickled) if remote else None)
             if remote and not waited:
                 self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:
@@ -320,7 +317,7 @@ class RpcAgent:
     def send_message(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
                      buffers: list[torch.Tensor], targets: list[int] | None = None) -> None:
         """Send one message (a request, or the server's answer) to ``peer``,
-        this worker included; ``targets`` as :meth:`cuda_targets` gives them."""
+        this worker included; ``targets`` as :meth:`Members.cuda_targets` gives them."""
         payload = wire.encode(kind, msg_id, body)
         if peer == self.info.id:
             self._loopback(payload, buffers)
@@ -370,7 +367,7 @@ class RpcAgent:
                 value = self.serializer.loads(body, buffers)
             except Exception as exc:
                 self.calls.complete(call, exc=SerializationError(
-                    f"cannot decode the response from {self.name_of(peer)}: {exc}"))
+                    f"cannot decode the response from {self.members.name_of(peer)}: {exc}"))
                 return
             self.calls.complete(call, value)
         elif hdr.kind is wire.MsgKind.ERROR:
@@ -383,13 +380,13 @@ class RpcAgent:
         """A message from ``peer`` broke one of our limits: answer or fail it."""
         kind, msg_id = wire.parse_hint(hint)
         logger.warning("%s: message %s from %s rejected: %s", self.info.name, msg_id,
-                       self.name_of(peer), exc)
+                       self.members.name_of(peer), exc)
         if kind == wire.MsgKind.REQUEST:
             self._server.refuse(peer, msg_id, FrameError(
                 f"message rejected by {self.info.name}: {exc}"))
         elif kind in (wire.MsgKind.RESPONSE, wire.MsgKind.ERROR):
-            self.calls.fail(msg_id, FrameError(f"the reply from {self.name_of(peer)} was rejected "
-                                          f"by {self.info.name}: {exc}"))
+            self.calls.fail(msg_id, FrameError(f"the reply from {self.members.name_of(peer)} was "
+                                               f"rejected by {self.info.name}: {exc}"))
 
     def dumps_for(self, dest: int, obj: Any) -> Any:
         """Serialize ``obj`` for worker ``dest`` (see :meth:`pickling_destination`)."""
@@ -406,41 +403,6 @@ class RpcAgent:
         destination and refuse to pickle outside RPC."""
         return getattr(self._dest, "id", None)
 
-    def add_member(self, m: rendezvous.Member) -> None:
-        """Know worker ``m`` (this one too): at join, and when a worker joins
-        a dynamic group (maybe again, at a new address)."""
-        if m.rank != self.info.id:
-            mine = self.options.maps().get(m.name)
-            if mine:
-                self.device_maps[m.rank] = mine
-            theirs = m.device_maps.get(self.info.name)
-            if theirs:
-                self.reverse_device_maps[m.rank] = {
-                    dst: src for src, dst in devices.to_device_map(theirs).items()}
-            self.transport.add_peer(m.rank, m.name, m.address, m.cuda_direct,
-                                    m.max_frame_bytes, m.lifeline)
-            self._broken.pop(m.rank, None)
-        wi = WorkerInfo(m.name, m.rank)
-        self.workers[m.rank] = wi
-        self._names[m.name] = wi
-
-    def remove_member(self, rank: int) -> None:
-        """A worker left a dynamic group: its calls fail, the layers above
-        drop what it held (RRef forks, autograd contexts), and its name is
-        unknown from now on."""
-        wi = self.workers.get(rank)
-        if wi is None or rank == self.info.id:
-            return
-        self._peer_gone(rank, PeerLeftError(f"worker {wi.name} left the group"))
-        self.workers.pop(rank, None)
-        if self._names.get(wi.name) == wi:
-            del self._names[wi.name]
-        self.device_maps.pop(rank, None)
-        self.reverse_device_maps.pop(rank, None)
-
-    def is_broken(self, peer: int) -> bool:
-        return peer in self._broken
-
     def lookup_member(self, peer: int) -> tuple[str, bytes, bool, int, str | None] | None:
         """Where an unknown worker id lives, from its record in the store (the
         transport asks when such a worker opens a pipe to us)."""
@@ -450,81 +412,26 @@ class RpcAgent:
                                        m.lifeline)
 
     def _on_broken(self, peer: int, exc: BaseException) -> None:
-        if peer not in self.workers or peer in self._broken:
-            return  # it left the group, or its failure is known: keep the first cause
-        self.counters["peer_failures"] += 1
-        self._peer_gone(peer, exc)
+        # The transport is made before the members, so it calls back here.
+        self.members.fail(peer, exc)
 
-    def _peer_gone(self, peer: int, exc: BaseException) -> None:
-        self._broken[peer] = exc
-        self.calls.fail_peer(peer, self._peer_error(peer))
+    def _peer_gone(self, peer: int, err: BaseException) -> None:
+        """``peer`` failed or left (see :class:`Members`): its calls fail
+        with ``err``, then the layers above drop what it held."""
+        self.calls.fail_peer(peer, err)
         for hook in list(self.hooks.on_peer_failure):
             try:
                 hook(peer)
             except Exception:
                 logger.exception("%s: peer-failure hook failed", self.info)
 
-    def _peer_error(self, peer: int) -> BaseException:
-        cause = self._broken.get(peer)
-        err: RpcError
-        if isinstance(cause, AuthenticationError):
-            err = AuthenticationError(f"pipe to worker {self.name_of(peer)} (id {peer}) "
-                                      f"refused: {cause}")
-        elif isinstance(cause, PeerLeftError):
-            err = PeerLeftError(f"worker {self.name_of(peer)} (id {peer}) left the group")
-        elif isinstance(cause, ClosedError):
-            err = ClosedError(f"worker {self.name_of(peer)} (id {peer}) is gone: {cause}")
-        else:
-            err = BrokenError(f"worker {self.name_of(peer)} (id {peer}) is unreachable: {cause}")
-        err.__cause__ = cause
-        return err
-
-    def name_of(self, peer: int) -> str:
-        """The name of worker ``peer``, or "id N" for one we do not know."""
-        wi = self.workers.get(peer)
-        return wi.name if wi is not None else f"id {peer}"
-
-    def cuda_targets(self, peer: int, pickled: Any, replying: bool = False) -> list[int] | None:
-        """Where each of a message's buffers lands on ``peer`` (None: host
-        only), its CUDA buffers settled first; replies travel the reverse of
-        the caller's map."""
-        if not pickled.cuda:
-            return None
-        maps = self.reverse_device_maps if replying else self.device_maps
-        targets = devices.target_devices([b.device for b in pickled.buffers], maps.get(peer),
-                                         self.name_of(peer), replying=replying)
-        devices.settle(pickled.buffers)
-        return targets
-
     # ---------------------------------------------------------------- info
 
-    def resolve(self, to: Any) -> WorkerInfo:
-        if isinstance(to, WorkerInfo):
-            if self.workers.get(to.id) != to:
-                raise RpcError(f"Unknown destination worker {to}: could not find destination "
-                               f"id {to.id}")
-            return to
-        if isinstance(to, str):
-            wi = self._names.get(to)
-            if wi is None:
-                raise RpcError(f"Unknown destination worker {to}: could not find "
-                               f"destination name {to}")
-            return wi
-        if isinstance(to, int) and not isinstance(to, bool):
-            wi = self.workers.get(to)
-            if wi is None:
-                raise RpcError(f"Unknown destination worker {to}: could not find "
-                               f"destination id {to}")
-            return wi
-        if isinstance(to, float):  # a value of the right kind, wrong: torch's ValueError
-            raise ValueError(f"'to' must be a worker name, rank or WorkerInfo; a rank is an int, "
-                             f"got {to!r}")
-        raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
-
     def debug_info(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.counters, timeouts=self.calls.timeouts)
+        out: dict[str, Any] = dict(self.counters, peer_failures=self.members.failures,
+                                   timeouts=self.calls.timeouts)
         out.update({"outstanding_calls": len(self.calls), "pending_requests": self._pool.pending(),
-                    "broken_peers": sorted(self._broken), "state": self.state.value,
+                    "broken_peers": sorted(self.members.broken()), "state": self.state.value,
                     "armed_deadlines": self.calls.armed()})
         out.update(self.transport.stats())
         for source in list(self.hooks.debug_sources):

@@ -63,8 +63,8 @@ class Server:
         try:
             func, args, kwargs = cast(tuple[Any, Any, Any], agent.serializer.loads(body, buffers))
         except Exception as exc:
-            self._reply_error(peer, msg_id,
-                              undecodable_request(exc, agent.info.name, agent.name_of(peer)))
+            self._reply_error(peer, msg_id, undecodable_request(exc, agent.info.name,
+                                                                agent.members.name_of(peer)))
             return
         streams = (devices.callee_streams(agent.devices, buffers) if agent.devices
                    else devices.NO_STREAMS)
@@ -117,7 +117,7 @@ class Server:
         targets = None
         if peer != agent.info.id:
             try:
-                targets = agent.cuda_targets(peer, pickled, replying=True)
+                targets = agent.members.cuda_targets(peer, pickled, replying=True)
             except RpcError as exc:
                 self._reply_error(peer, msg_id, exc)
                 return
@@ -128,7 +128,8 @@ class Server:
             self._reply_error(peer, msg_id, exc)
             return
         except RpcError as exc:
-            logger.warning("%s: reply to %s lost: %s", agent.info.name, agent.name_of(peer), exc)
+            logger.warning("%s: reply to %s lost: %s", agent.info.name,
+                           agent.members.name_of(peer), exc)
         self._answered()
 
     def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
@@ -138,5 +139,5 @@ class Server:
                                describe_exception(exc, agent.info), [])
         except RpcError as err:
             logger.warning("%s: error reply to %s lost: %s", agent.info.name,
-                           agent.name_of(peer), err)
+                           agent.members.name_of(peer), err)
         self._answered()

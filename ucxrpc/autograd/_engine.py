@@ -70,7 +70,7 @@ class Failure:
 
 def _failure(agent: RpcAgent, node: int, exc: BaseException, trace: bool) -> Failure:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if trace else ""
-    return Failure(agent.name_of(node), node, type(exc).__name__, str(exc), tb)
+    return Failure(agent.members.name_of(node), node, type(exc).__name__, str(exc), tb)
 
 
 def _here(agent: RpcAgent, exc: BaseException) -> Failure:
@@ -218,7 +218,7 @@ def _owned(grad: torch.Tensor, storages: set[int]) -> torch.Tensor:
 def _send_grads(agent: RpcAgent, context_id: int, recv: Recv,
                 grads: list[torch.Tensor | None]) -> _Future:
     try:
-        return agent.call(agent.workers[recv.source], _propagate,
+        return agent.call(agent.members.workers[recv.source], _propagate,
                           (context_id, recv.send_id, grads), {}, agent.default_timeout)
     except Exception as exc:  # a broken pipe, a closed agent: fail this branch only
         fut: _Future = _Future()
@@ -367,14 +367,14 @@ def release_peers(agent: RpcAgent, tbl: ContextTable, ctx: DistAutogradContext,
     """Release ``ctx`` on the workers it touched (they pass it on)."""
     calls = []
     for peer in sorted(ctx.peers(tbl.me)):
-        if peer == exclude or peer not in agent.workers:
+        if peer == exclude or peer not in agent.members.workers:
             continue
         try:
-            calls.append((peer, agent.call(agent.workers[peer], _release, (ctx.id, tbl.me), {},
-                                           agent.default_timeout)))
+            calls.append((peer, agent.call(agent.members.workers[peer], _release,
+                                           (ctx.id, tbl.me), {}, agent.default_timeout)))
         except RpcError as exc:  # a dead peer has nothing left to release
             logger.debug("%s: cannot release context %d on %s: %s", agent.info.name,
-                         ctx.id, agent.name_of(peer), exc)
+                         ctx.id, agent.members.name_of(peer), exc)
     return _gather(agent, calls)
 
 

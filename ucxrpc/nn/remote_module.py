@@ -114,7 +114,7 @@ class RemoteModule(nn.Module):
         super().__init__()
         target, device = parse_remote_device(remote_device)
         agent = api._current()
-        self.on: WorkerInfo = agent.resolve(target)
+        self.on: WorkerInfo = agent.members.resolve(target)
         self.device = str(device)
         self.module_rref: RRef[nn.Module] = remote(
             self.on, _instantiate, (module_cls, tuple(args or ()), dict(kwargs or {}),

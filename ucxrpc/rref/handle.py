@@ -107,7 +107,7 @@ class RRef(Generic[T]):
             else:
                 # Registered before the message exists: the owner always
                 # knows of the child before the child can drop it.
-                owner = agent.workers[self._owner_id]
+                owner = agent.members.workers[self._owner_id]
                 agent.wait(agent.call(owner, _owner_add_fork, (self._rref_id, fork_id, dest),
                                       {}, agent.default_timeout))
         return (_rebuild_rref, (self._owner_id, self._rref_id, fork_id))
@@ -118,7 +118,7 @@ class RRef(Generic[T]):
         return self._owner_id == self._registry.me
 
     def owner(self) -> WorkerInfo:
-        return self._registry.agent.workers[self._owner_id]
+        return self._registry.agent.members.workers[self._owner_id]
 
     def owner_name(self) -> str:
         return self.owner().name
@@ -285,7 +285,7 @@ def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
     own exception, surface on the RRef's next use (``to_here``, proxies).
     """
     agent = api._current()
-    dest = agent.resolve(to)
+    dest = agent.members.resolve(to)
     reg = registry(agent)
     rref_id = new_id(reg.me)
     args, kwargs = tuple(args or ()), dict(kwargs or {})

@@ -35,7 +35,7 @@ def registry(agent: RpcAgent | None = None) -> Registry:
 def _new_registry(agent: RpcAgent) -> Registry:
     reg = Registry(agent)
     janitor = Janitor(reg, lambda owner, items: agent.call(
-        agent.workers[owner], _owner_del_forks, (items,), {}, None))
+        agent.members.workers[owner], _owner_del_forks, (items,), {}, None))
     janitor.start()
     agent.hooks.before_shutdown.append(janitor.flush)
     agent.hooks.on_peer_failure.append(reg.drop_forks_of)

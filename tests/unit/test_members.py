@@ -1,0 +1,193 @@
+"""One agent's view of the job's workers (agent/members.py), without processes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ucxrpc.agent.info import WorkerInfo
+from ucxrpc.agent.members import Members
+from ucxrpc.errors import (AuthenticationError, BrokenError, ClosedError, PeerLeftError,
+                           RpcError)
+from ucxrpc.rendezvous import Member
+
+D = torch.device
+
+
+class Recorder:
+    """Stands in for the transport (peers added) and the agent (peers gone)."""
+
+    def __init__(self) -> None:
+        self.peers: list[tuple] = []
+        self.gone: list[tuple[int, BaseException]] = []
+
+    def add_peer(self, *args) -> None:
+        self.peers.append(args)
+
+    def on_gone(self, peer: int, err: BaseException) -> None:
+        self.gone.append((peer, err))
+
+
+def _member(rank: int, name: str, maps: dict | None = None) -> Member:
+    return Member(rank, name, f"addr{rank}".encode(), "host", 100 + rank,
+                  device_maps=maps or {}, lifeline=f"life{rank}")
+
+
+@pytest.fixture
+def rec() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def members(rec: Recorder) -> Members:
+    m = Members(WorkerInfo("w0", 0), add_peer=rec.add_peer, on_gone=rec.on_gone,
+                my_maps=lambda: {"w1": {D("cuda:0"): D("cuda:1")}})
+    for rank in range(3):
+        m.add(_member(rank, f"w{rank}", {"w0": {"cuda:2": "cuda:3"}} if rank == 1 else None))
+    return m
+
+
+# -- the table and resolution ----------------------------------------------------
+
+def test_peers_go_to_the_transport_and_this_worker_does_not(members: Members,
+                                                            rec: Recorder) -> None:
+    assert [p[:3] for p in rec.peers] == [(1, "w1", b"addr1"), (2, "w2", b"addr2")]
+    assert rec.peers[0][3:] == (False, 1 << 30, "life1")
+    assert sorted(members.workers) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("to", ["w1", 1, WorkerInfo("w1", 1)])
+def test_a_worker_resolves_by_name_id_or_info(members: Members, to) -> None:
+    assert members.resolve(to) == WorkerInfo("w1", 1)
+
+
+@pytest.mark.parametrize("to, message", [
+    ("nobody", "Unknown destination worker nobody: could not find destination name nobody"),
+    (7, "Unknown destination worker 7: could not find destination id 7"),
+    (WorkerInfo("w1", 2), "Unknown destination worker WorkerInfo(id=2, name=w1): could not "
+                          "find destination id 2")])
+def test_an_unknown_worker_is_torchs_error_naming_it(members: Members, to, message) -> None:
+    with pytest.raises(RpcError) as info:
+        members.resolve(to)
+    assert str(info.value) == message
+
+
+def test_a_float_is_a_value_error_and_anything_else_a_type_error(members: Members) -> None:
+    with pytest.raises(ValueError, match="a rank is an int, got 1.0"):
+        members.resolve(1.0)
+    with pytest.raises(TypeError, match="got bool"):
+        members.resolve(True)
+    with pytest.raises(TypeError, match="got NoneType"):
+        members.resolve(None)
+
+
+def test_name_of_an_unknown_worker_is_its_id(members: Members) -> None:
+    assert members.name_of(2) == "w2" and members.name_of(9) == "id 9"
+
+
+def test_device_maps_are_set_per_peer_from_both_sides(members: Members) -> None:
+    assert members.device_maps == {1: {D("cuda:0"): D("cuda:1")}}
+    # w1 maps its cuda:2 to our cuda:3: our replies go back the other way.
+    assert members.reverse_device_maps == {1: {D("cuda:3"): D("cuda:2")}}
+
+
+# -- leaving ----------------------------------------------------------------------
+
+def test_a_worker_that_left_is_gone_with_its_name_and_maps(members: Members,
+                                                          rec: Recorder) -> None:
+    members.remove(1)
+    [(peer, err)] = rec.gone
+    assert peer == 1 and type(err) is PeerLeftError
+    assert str(err) == "worker w1 (id 1) left the group"
+    assert 1 not in members.workers and members.is_broken(1) and members.broken() == {1}
+    assert members.device_maps == {} and members.reverse_device_maps == {}
+    with pytest.raises(RpcError, match="could not find destination name w1"):
+        members.resolve("w1")
+    assert members.failures == 0  # leaving is not failing
+
+
+def test_removing_this_worker_or_a_stranger_does_nothing(members: Members,
+                                                         rec: Recorder) -> None:
+    members.remove(0)
+    members.remove(9)
+    assert rec.gone == [] and sorted(members.workers) == [0, 1, 2]
+
+
+def test_a_name_taken_again_stays_with_its_new_rank(members: Members) -> None:
+    members.add(_member(5, "w1"))  # w1 rejoined as rank 5 before rank 1's farewell
+    members.remove(1)
+    assert members.resolve("w1") == WorkerInfo("w1", 5)
+
+
+def test_on_gone_sees_the_worker_still_in_the_table(rec: Recorder) -> None:
+    seen = []
+    m = Members(WorkerInfo("w0", 0), add_peer=rec.add_peer,
+                on_gone=lambda peer, err: seen.append(m.name_of(peer)))
+    m.add(_member(1, "w1"))
+    m.remove(1)
+    assert seen == ["w1"]
+
+
+# -- failures ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("cause, kind, message", [
+    (AuthenticationError("bad secret"), AuthenticationError,
+     "pipe to worker w2 (id 2) refused: bad secret"),
+    (PeerLeftError("bye"), PeerLeftError, "worker w2 (id 2) left the group"),
+    (ClosedError("shut down"), ClosedError, "worker w2 (id 2) is gone: shut down"),
+    (OSError("reset"), BrokenError, "worker w2 (id 2) is unreachable: reset")])
+def test_a_failed_peers_error_says_how_and_names_it(members: Members, rec: Recorder, cause,
+                                                    kind, message) -> None:
+    members.fail(2, cause)
+    [(peer, err)] = rec.gone
+    assert peer == 2 and type(err) is kind and str(err) == message and err.__cause__ is cause
+    again = members.peer_error(2)
+    assert type(again) is kind and str(again) == message
+    assert members.failures == 1
+
+
+def test_the_first_failure_is_the_one_kept(members: Members, rec: Recorder) -> None:
+    members.fail(2, OSError("first"))
+    members.fail(2, OSError("second"))
+    assert len(rec.gone) == 1 and members.failures == 1
+    assert str(members.peer_error(2)).endswith("unreachable: first")
+
+
+def test_a_failure_of_a_stranger_or_a_leaver_is_ignored(members: Members,
+                                                        rec: Recorder) -> None:
+    members.remove(1)
+    members.fail(1, OSError("late"))
+    members.fail(9, OSError("who"))
+    assert [p for p, _ in rec.gone] == [1] and members.failures == 0
+
+
+def test_joining_again_forgets_the_failure(members: Members) -> None:
+    members.fail(2, OSError("reset"))
+    members.add(_member(2, "w2"))
+    assert not members.is_broken(2) and members.broken() == set()
+
+
+# -- where CUDA buffers land ------------------------------------------------------
+
+def _pickled(*devs: str) -> SimpleNamespace:
+    # Not real CUDA tensors (no GPU needed): is_cuda False keeps settle() away.
+    bufs = [SimpleNamespace(device=D(d), is_cuda=False) for d in devs]
+    return SimpleNamespace(cuda=any(d.startswith("cuda") for d in devs), buffers=bufs)
+
+
+def test_host_only_messages_have_no_targets(members: Members) -> None:
+    assert members.cuda_targets(1, _pickled("cpu")) is None
+
+
+def test_cuda_buffers_follow_the_map_and_replies_its_reverse(members: Members) -> None:
+    assert members.cuda_targets(1, _pickled("cpu", "cuda:0")) == [-1, 1]
+    assert members.cuda_targets(1, _pickled("cuda:3"), replying=True) == [2]
+
+
+def test_a_cuda_buffer_without_a_map_is_refused_naming_the_peer(members: Members) -> None:
+    with pytest.raises(RpcError, match=r"a tensor on cuda:0 cannot go to w2: .*set_device_map"):
+        members.cuda_targets(2, _pickled("cuda:0"))
+    with pytest.raises(RpcError, match="the reverse of w2's device map"):
+        members.cuda_targets(2, _pickled("cuda:0"), replying=True)

@@ -1,0 +1,190 @@
+"""Who the workers of a job are, what their names resolve to, and which
+of them failed or left.
+
+:class:`Members` is one agent's view of the job: the worker table (this
+worker included), name resolution with torch's error messages, the record
+of peers whose pipe broke or who left a dynamic group (with the error their
+calls fail with), and the device maps per peer, set at join.  It opens no
+pipe itself: a new peer is handed to ``add_peer`` (the transport's), and a
+peer that is gone to ``on_gone(peer, error)`` (the agent fails its calls and
+tells the layers above), so it can be built and tested without a process.
+
+Contract:
+
+* :meth:`add` of a known worker replaces its entry and forgets its earlier
+  failure: it joined again (maybe at a new address, which the transport
+  opens a new pipe to).
+* A peer's first failure is kept; later reports of it are ignored, and so
+  are reports about a worker that is not (or no longer) a member.
+* ``on_gone`` runs once per failure or departure, while the worker is still
+  in the table (its name still resolves in what ``on_gone`` does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from .. import devices
+from ..errors import AuthenticationError, BrokenError, ClosedError, PeerLeftError, RpcError
+from ..rendezvous import Member
+from .info import WorkerInfo
+
+__all__ = ["AddPeer", "Members"]
+
+#: The transport's ``add_peer(id, name, address, cuda_direct,
+#: max_frame_bytes, lifeline)``.
+AddPeer = Callable[[int, str, bytes, bool, int | None, str | None], None]
+
+
+class Members:
+    """The workers one agent knows, by id and by name, and their state."""
+
+    def __init__(self, me: WorkerInfo, *, add_peer: AddPeer,
+                 on_gone: Callable[[int, BaseException], None],
+                 my_maps: Callable[[], Mapping[str, devices.DeviceMap]] = dict) -> None:
+        """``me``: this worker; ``my_maps()``: its device maps by peer name
+        (the options', read at each :meth:`add`)."""
+        self.me = me
+        self._add_peer = add_peer
+        self._on_gone = on_gone
+        self._my_maps = my_maps
+        self.workers: dict[int, WorkerInfo] = {}
+        self._names: dict[str, WorkerInfo] = {}
+        # By peer id: where this worker's tensors land on the peer (requests),
+        # and the reverse of the peer's map to us (replies).
+        self.device_maps: dict[int, devices.DeviceMap] = {}
+        self.reverse_device_maps: dict[int, devices.DeviceMap] = {}
+        self._broken: dict[int, BaseException] = {}
+        #: How many pipes to peers broke (departures not counted).
+        self.failures = 0
+
+    # ------------------------------------------------------------ the table
+
+    def add(self, m: Member) -> None:
+        """Know worker ``m`` (this one too): at join, and when a worker joins
+        a dynamic group (maybe again, at a new address)."""
+        if m.rank != self.me.id:
+            mine = self._my_maps().get(m.name)
+            if mine:
+                self.device_maps[m.rank] = mine
+            theirs = m.device_maps.get(self.me.name)
+            if theirs:
+                self.reverse_device_maps[m.rank] = {
+                    dst: src for src, dst in devices.to_device_map(theirs).items()}
+            self._add_peer(m.rank, m.name, m.address, m.cuda_direct, m.max_frame_bytes,
+                           m.lifeline)
+            self._broken.pop(m.rank, None)
+        wi = WorkerInfo(m.name, m.rank)
+        self.workers[m.rank] = wi
+        self._names[m.name] = wi
+
+    def remove(self, rank: int) -> None:
+        """A worker left a dynamic group: its calls fail (``on_gone``, with a
+        :class:`PeerLeftError`), then its name is unknown from now on and its
+        device maps are dropped.  Unknown ranks and this worker are ignored."""
+        wi = self.workers.get(rank)
+        if wi is None or rank == self.me.id:
+            return
+        self._gone(rank, PeerLeftError(f"worker {wi.name} left the group"))
+        self.workers.pop(rank, None)
+        # The name may belong to a newer worker already (it left and rejoined
+        # under another rank): only our own entry goes.
+        if self._names.get(wi.name) == wi:
+            del self._names[wi.name]
+        self.device_maps.pop(rank, None)
+        self.reverse_device_maps.pop(rank, None)
+
+    def name_of(self, peer: int) -> str:
+        """The name of worker ``peer``, or "id N" for one we do not know."""
+        wi = self.workers.get(peer)
+        return wi.name if wi is not None else f"id {peer}"
+
+    def resolve(self, to: Any) -> WorkerInfo:
+        """The member ``to`` names: a name, an id, or a WorkerInfo.
+
+        Raises:
+            RpcError: no such member (torch's message, naming ``to``).
+            ValueError: a float (torch's type for a wrong rank value).
+            TypeError: anything else.
+        """
+        if isinstance(to, WorkerInfo):
+            if self.workers.get(to.id) != to:
+                raise RpcError(f"Unknown destination worker {to}: could not find destination "
+                               f"id {to.id}")
+            return to
+        if isinstance(to, str):
+            wi = self._names.get(to)
+            if wi is None:
+                raise RpcError(f"Unknown destination worker {to}: could not find "
+                               f"destination name {to}")
+            return wi
+        if isinstance(to, int) and not isinstance(to, bool):
+            wi = self.workers.get(to)
+            if wi is None:
+                raise RpcError(f"Unknown destination worker {to}: could not find "
+                               f"destination id {to}")
+            return wi
+        if isinstance(to, float):  # a value of the right kind, wrong: torch's ValueError
+            raise ValueError(f"'to' must be a worker name, rank or WorkerInfo; a rank is an int, "
+                             f"got {to!r}")
+        raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
+
+    # ------------------------------------------------------------- failures
+
+    def fail(self, peer: int, exc: BaseException) -> None:
+        """The pipe to ``peer`` broke, ``exc`` says how (the transport's
+        report): recorded and passed to ``on_gone``, unless the peer left
+        the group or failed already (the first cause is the one to tell:
+        a pipe's later errors follow from it)."""
+        if peer not in self.workers or peer in self._broken:
+            return
+        self.failures += 1
+        self._gone(peer, exc)
+
+    def _gone(self, peer: int, exc: BaseException) -> None:
+        self._broken[peer] = exc
+        self._on_gone(peer, self.peer_error(peer))
+
+    def is_broken(self, peer: int) -> bool:
+        """Whether ``peer`` failed or left (and did not join again)."""
+        return peer in self._broken
+
+    def broken(self) -> set[int]:
+        """The ids of the peers that failed or left."""
+        return set(self._broken)
+
+    def peer_error(self, peer: int) -> BaseException:
+        """The error a call to the failed ``peer`` fails with, naming it;
+        its type says how the peer went, and its ``__cause__`` is the
+        report."""
+        cause = self._broken.get(peer)
+        who = f"worker {self.name_of(peer)} (id {peer})"
+        err: RpcError
+        if isinstance(cause, AuthenticationError):
+            err = AuthenticationError(f"pipe to {who} refused: {cause}")
+        elif isinstance(cause, PeerLeftError):
+            err = PeerLeftError(f"{who} left the group")
+        elif isinstance(cause, ClosedError):
+            err = ClosedError(f"{who} is gone: {cause}")
+        else:
+            err = BrokenError(f"{who} is unreachable: {cause}")
+        err.__cause__ = cause
+        return err
+
+    # -------------------------------------------------------------- devices
+
+    def cuda_targets(self, peer: int, pickled: Any, replying: bool = False) -> list[int] | None:
+        """Where each of a message's buffers lands on ``peer`` (None: host
+        only), its CUDA buffers settled first; replies travel the reverse of
+        the caller's map.
+
+        Raises:
+            RpcError: a CUDA buffer with no device map to ``peer``.
+        """
+        if not pickled.cuda:
+            return None
+        maps = self.reverse_device_maps if replying else self.device_maps
+        targets = devices.target_devices([b.device for b in pickled.buffers], maps.get(peer),
+                                         self.name_of(peer), replying=replying)
+        devices.settle(pickled.buffers)
+        return targets
