@@ -9,6 +9,11 @@ Python stacks dumped and included in :class:`WorkerTimeout`. Whatever happens,
 every child is terminated, then killed, before ``run_workers`` returns or
 raises.
 
+Starting, watching and stopping the processes is :mod:`ucxrpc._launch`'s
+(the launcher the benchmark and the examples use too); what is the tests'
+own lives here: the error types, the failure grace, and the stack dumps
+(faulthandler in every child, on :data:`_DUMP_SIGNAL` from the parent).
+
 Rules for targets (they run in a fresh interpreter):
 
 * a target is a module-level function of an importable module (not a lambda,
@@ -20,28 +25,33 @@ Rules for targets (they run in a fresh interpreter):
 
 Ports come from :func:`free_port`, which binds port 0; never guess them.
 
-Only the standard library is imported here, so that a child's start-up costs
-what its target's module costs and nothing more.
+Only the standard library and ``ucxrpc._launch`` (standard library only) are
+imported here, so that a child's start-up costs what its target's module
+costs and nothing more.  Import the launcher with ``from ucxrpc._launch
+import``: in a child, that finds the copy the launcher loaded without
+importing the ``ucxrpc`` package (torch, about 2 s).
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import importlib
 import multiprocessing
 import os
 import pickle
-import queue as queue_module
 import signal
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+
+from ucxrpc._launch import (Outcome, Ranks, die_with_parent, free_port, spawn, start,
+                            stop_process, target_ref)
+
+# tests/faults/test_partition.py's preexec_fn, by its old name.
+_die_with_parent = die_with_parent
 
 __all__ = [
     "FAILURE_GRACE_S",
@@ -70,9 +80,6 @@ _POLL_S = 0.05
 # The signal on which children dump every thread's Python stack. UCX uses
 # SIGHUP for its own debug dumps (UCX_DEBUG_SIGNO), so not that one.
 _DUMP_SIGNAL = signal.SIGUSR1
-
-_OK = "ok"
-_ERROR = "error"
 
 
 class WorkerError(Exception):
@@ -146,15 +153,6 @@ class WorkerTimeout(WorkerError):
         super().__init__("\n".join(lines))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """:func:`ucxrpc.rendezvous.free_port`, imported only when called: this
-    module is imported by every rank it starts, which must reach its target
-    without loading torch.distributed first (test_workers_helper's deadlines)."""
-    from ucxrpc.rendezvous import free_port as port
-
-    return port(host)
-
-
 def run_workers(
     target: Callable[..., object],
     world_size: int,
@@ -193,31 +191,23 @@ def run_workers(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    module_name, qualname = _target_ref(target)
+    module_name, qualname = target_ref(target)
     if init_method is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
+    # Pickled here and unpickled by _run_rank, after env is applied: the
+    # launcher unpickles its own arguments before that.
     payload = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
     deadline = time.monotonic() + timeout
-    ctx = multiprocessing.get_context("spawn")
-    results_queue = ctx.Queue()
-    procs: list[BaseProcess] = []
     with tempfile.TemporaryDirectory(prefix="ucxrpc-workers-") as stack_dir:
-        try:
-            for rank in range(world_size):
-                proc = ctx.Process(
-                    target=_run_rank,
-                    args=(module_name, qualname, rank, world_size, init_method,
-                          payload, dict(env or {}), results_queue, stack_dir),
-                    name=f"worker-rank{rank}",
-                )
-                proc.start()
-                procs.append(proc)
-            return _collect(procs, results_queue, deadline, timeout, Path(stack_dir))
-        finally:
-            for proc in procs:
-                stop_worker(proc)
-            results_queue.close()
-            results_queue.join_thread()
+        ranks = start(
+            _run_rank,
+            [(module_name, qualname, rank, world_size, init_method, payload, stack_dir)
+             for rank in range(world_size)],
+            env=env,
+            names=[f"worker-rank{rank}" for rank in range(world_size)],
+        )
+        with ranks:
+            return _collect(ranks, deadline, timeout, Path(stack_dir))
 
 
 def spawn_worker(
@@ -249,16 +239,10 @@ def spawn_worker(
     Raises:
         TypeError: ``target`` is not an importable module-level function.
     """
-    module_name, qualname = _target_ref(target)
+    module_name, qualname = target_ref(target)
     payload = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(
-        target=_run_single,
-        args=(module_name, qualname, payload, dict(env or {})),
-        name=f"worker-{qualname}",
-    )
-    proc.start()
-    return proc
+    return spawn(_run_single, (module_name, qualname, payload), env=env,
+                 name=f"worker-{qualname}")
 
 
 def run_with_victim(victim: Callable[..., object], target: Callable[..., object],
@@ -284,24 +268,11 @@ def run_with_victim(victim: Callable[..., object], target: Callable[..., object]
 
 def stop_worker(proc: BaseProcess, timeout: float = _TERMINATE_WAIT_S) -> None:
     """Stop ``proc``: SIGTERM (and SIGCONT, should it be stopped), wait up to
-    ``timeout`` s, then SIGKILL and reap it.
+    ``timeout`` s, then SIGKILL and reap it (:func:`ucxrpc._launch.stop_process`).
 
     Idempotent; safe on a process that has already exited or never started.
     """
-    if proc.pid is None:
-        return
-    if proc.is_alive():
-        proc.terminate()
-        try:  # a stopped process (SIGSTOP) takes the SIGTERM only once continued
-            os.kill(proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout)
-    else:
-        proc.join(0)
+    stop_process(proc, timeout)
 
 
 def child_pids(pid: int | None = None) -> list[int]:
@@ -334,119 +305,49 @@ def child_pids(pid: int | None = None) -> list[int]:
 # Parent side.
 
 
-def _target_ref(target: Callable[..., object]) -> tuple[str, str]:
-    """Return (module, qualname) for ``target`` after checking a child can import it."""
-    module_name = getattr(target, "__module__", None)
-    qualname = getattr(target, "__qualname__", None)
-    if not module_name or not qualname or "<" in qualname or "." in qualname:
-        raise TypeError(
-            f"worker target must be a module-level function of an importable module, got {target!r}"
-        )
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    if getattr(module, qualname, None) is not target:
-        raise TypeError(
-            f"worker target {module_name}.{qualname} is not reachable by that name; "
-            "use a module-level function"
-        )
-    return module_name, qualname
-
-
-def _collect(
-    procs: list[BaseProcess],
-    results_queue: Any,
-    deadline: float,
-    timeout: float,
-    stack_dir: Path,
-) -> list[object]:
+def _collect(ranks: Ranks, deadline: float, timeout: float, stack_dir: Path) -> list[object]:
     """Wait for every rank's report and exit; raise if any failed or the deadline passed."""
-    world_size = len(procs)
-    results: dict[int, object] = {}
-    failures: dict[int, str] = {}
-    reported: set[int] = set()
-    failed_at: float | None = None
-
-    def drain(wait: float) -> None:
-        # The first get waits up to `wait`; whatever else is queued is taken
-        # without waiting.
-        while True:
-            try:
-                rank, status, data = results_queue.get(timeout=wait)
-            except queue_module.Empty:
-                return
-            wait = 0.0
-            reported.add(rank)
-            if status == _OK:
-                try:
-                    results[rank] = pickle.loads(data)
-                except Exception:
-                    failures[rank] = "its return value could not be unpickled here:\n" + traceback.format_exc()
-            else:
-                failures[rank] = data
-
-    while True:
-        now = time.monotonic()
-        drain(max(0.0, min(_POLL_S, deadline - now)))
-        for rank, proc in enumerate(procs):
-            if proc.is_alive() or proc.exitcode is None:
-                continue
-            if rank not in reported:
-                drain(0.5)  # a report written just before exit may still be in the pipe
-            if rank not in reported:
-                reported.add(rank)
-                failures[rank] = _describe_exit(proc, "without reporting a result", stack_dir, rank)
-            elif proc.exitcode != 0 and rank not in failures:
-                failures[rank] = _describe_exit(proc, "after returning its result", stack_dir, rank)
-                results.pop(rank, None)
-        if failures and failed_at is None:
-            failed_at = time.monotonic()
-        running = [r for r, p in enumerate(procs) if p.is_alive()]
-        if not running:
-            break
-        now = time.monotonic()
-        if now >= deadline:
-            stacks = _dump_stacks(procs, running, stack_dir)
-            unreported = [r for r in running if r not in reported]
-            if unreported:
-                raise WorkerTimeout(unreported, stacks, timeout, results=results, failures=failures)
-            # Every running rank returned but its process did not exit.
-            for rank in running:
-                failures[rank] = (
-                    "returned its result but its process did not exit before the deadline "
-                    "(a non-daemon thread or a hang at interpreter exit?); its stacks:\n"
-                    + (stacks.get(rank) or "(none dumped)")
-                )
-                results.pop(rank, None)
-            break
-        if failed_at is not None and now >= failed_at + FAILURE_GRACE_S:
-            # Ranks that already returned are only slow to exit; the others
-            # are stopped, with their stacks in the error.
-            unreported = [r for r in running if r not in reported]
-            stopped = _dump_stacks(procs, unreported, stack_dir) if unreported else {}
-            raise WorkerFailed(failures, stopped=stopped, results=results)
-
-    if failures:
+    outcomes = ranks.collect(max(0.0, deadline - time.monotonic()),
+                             failure_grace=FAILURE_GRACE_S)
+    results = {out.rank: out.value for out in outcomes if out.ok}
+    failures = {out.rank: _with_own_stacks(out, stack_dir)
+                for out in outcomes if out.error is not None}
+    running = [out.rank for out in outcomes if out.running]
+    if not running:
+        if failures:
+            raise WorkerFailed(failures, results=results)
+        return [results[out.rank] for out in outcomes]
+    unreported = [rank for rank in running if not outcomes[rank].reported]
+    if time.monotonic() >= deadline:
+        stacks = _dump_stacks(ranks.procs, running, stack_dir)
+        if unreported:
+            raise WorkerTimeout(unreported, stacks, timeout, results=results, failures=failures)
+        # Every running rank returned but its process did not exit.
+        for rank in running:
+            failures[rank] = (
+                "returned its result but its process did not exit before the deadline "
+                "(a non-daemon thread or a hang at interpreter exit?); its stacks:\n"
+                + (stacks.get(rank) or "(none dumped)")
+            )
+            results.pop(rank, None)
         raise WorkerFailed(failures, results=results)
-    return [results[rank] for rank in range(world_size)]
+    # The failure grace is over. Ranks that already returned are only slow
+    # to exit; the others are stopped, with their stacks in the error.
+    stopped = _dump_stacks(ranks.procs, unreported, stack_dir) if unreported else {}
+    raise WorkerFailed(failures, stopped=stopped, results=results)
 
 
-def _describe_exit(proc: BaseProcess, what: str, stack_dir: Path, rank: int) -> str:
-    code = proc.exitcode
-    assert code is not None
-    if code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"was killed by signal {-code}"
-    else:
-        how = f"exited with code {code}"
-    text = f"process {how} {what}"
-    dumped = _read_stacks(stack_dir, rank)
+def _with_own_stacks(outcome: Outcome, stack_dir: Path) -> str:
+    """A failed rank's error, with the stacks it wrote itself (faulthandler on
+    a fatal signal: SIGSEGV, SIGABRT, ...), should there be any."""
+    assert outcome.error is not None
+    dumped = _read_stacks(stack_dir, outcome.rank)
     if dumped.strip():
-        text += "\nfaulthandler output:\n" + dumped
-    return text
+        return outcome.error + "\nfaulthandler output:\n" + dumped
+    return outcome.error
 
 
-def _dump_stacks(procs: list[BaseProcess], ranks: list[int], stack_dir: Path) -> dict[int, str]:
+def _dump_stacks(procs: Sequence[BaseProcess], ranks: list[int], stack_dir: Path) -> dict[int, str]:
     """Ask the given ranks to dump their stacks and return what each wrote."""
     before = {rank: _stack_size(stack_dir, rank) for rank in ranks}
     for rank in ranks:
@@ -489,27 +390,8 @@ def _read_stacks(stack_dir: Path, rank: int) -> str:
 
 
 # --------------------------------------------------------------------------
-# Child side. These run in the spawned interpreter.
-
-
-def _die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux only).
-
-    Covers the case no ``finally`` can: the test runner itself being killed.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _prepare_child(env: Mapping[str, str]) -> None:
-    _die_with_parent()
-    os.environ.update(env)
+# Child side. These run in the spawned interpreter, after the launcher has
+# tied it to its parent and applied ``env``.
 
 
 def _load_target(module_name: str, qualname: str) -> Callable[..., object]:
@@ -525,35 +407,19 @@ def _run_rank(
     world_size: int,
     init_method: str,
     payload: bytes,
-    env: Mapping[str, str],
-    results_queue: Any,
     stack_dir: str,
-) -> None:
-    _prepare_child(env)
-    # Kept open for the life of the process: faulthandler writes to its fd
-    # on a crash or on _DUMP_SIGNAL from the parent.
+) -> object:
+    # Open for the life of the process (faulthandler keeps a reference): it
+    # writes to it on a crash or on _DUMP_SIGNAL from the parent, also after
+    # the target has returned.
     stack_file = open(_stack_file(stack_dir, rank), "w")  # noqa: SIM115
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
-    try:
-        target = _load_target(module_name, qualname)
-        args = pickle.loads(payload)
-        value = target(rank, world_size, init_method, *args)
-        try:
-            message = (rank, _OK, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-        except Exception:
-            message = (rank, _ERROR, "its return value does not pickle:\n" + traceback.format_exc())
-    except BaseException:
-        message = (rank, _ERROR, traceback.format_exc())
-    results_queue.put(message)
-    # Process exit joins the queue's feeder thread, so the message is in the
-    # pipe before the parent sees this process end.
-    if message[1] == _ERROR:
-        sys.exit(1)
+    target = _load_target(module_name, qualname)
+    return target(rank, world_size, init_method, *pickle.loads(payload))
 
 
-def _run_single(module_name: str, qualname: str, payload: bytes, env: Mapping[str, str]) -> None:
-    _prepare_child(env)
+def _run_single(module_name: str, qualname: str, payload: bytes) -> None:
     faulthandler.enable(all_threads=True)
     faulthandler.register(_DUMP_SIGNAL, all_threads=True)
     target = _load_target(module_name, qualname)

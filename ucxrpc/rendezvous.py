@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import _launch
 from .errors import AuthenticationError, RpcError, RpcTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -79,17 +80,9 @@ class Member:
                       None if d.get("lifeline") is None else str(d["lifeline"]))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago, for a store or a
-    lifeline to bind: the kernel picks it (bind to port 0), so concurrent
-    callers get different ones; another process may still take it before
-    the caller binds it, a small race nobody papers over.  The one helper
-    the tests, the benchmarks and the examples use."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
+#: Moved to :mod:`ucxrpc._launch`; still reachable here for the scripts in
+#: benchmarks/ that import it from this, its old home.
+free_port = _launch.free_port
 
 # c10d stores need a finite timeout; this one stands for "no limit" (the
 # job's own timeout, None, waits as long as the job runs).

@@ -32,6 +32,7 @@ RANKS: dict[str, int] = {
     "ucxrpc.transport": 0,
     "ucxrpc.errors": 0,  # importable from everywhere
     "ucxrpc._kernels": 0,  # CuPy kernels and their CPU fallback: a leaf
+    "ucxrpc._launch": 0,  # starts/stops rank processes for tests, bench, examples: stdlib only
     "ucxrpc.wire": 1,
     "ucxrpc.serialization": 1,
     "ucxrpc._tensor_codec": 1,  # tensor wire forms and the receiving side of serialization

@@ -4,7 +4,10 @@ Every run (one series: an implementation under one transport choice) gets
 fresh processes (spawn start method: no inherited threads or UCX state, and
 UCX reads ``UCX_*`` once per process). Rank 0's process measures against
 rank 1's and reports through a queue to the process that spawned it, under
-one deadline; whatever happens, the children are killed in ``finally``.
+one deadline; whatever happens, the children are stopped in ``finally``.
+Starting and stopping them, and their dying with this process, is
+:mod:`ucxrpc._launch`'s; the results queue, the progress messages and the
+CPU accounting are the benchmark's own.
 
 - Locally (:func:`run_local`) both ranks are children of this process and
   rendezvous on ``tcp://127.0.0.1:<free port>``.
@@ -25,14 +28,13 @@ import resource
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from ..rendezvous import free_port
+from .._launch import free_port, spawn, stop_processes
 from .workload import CALLER, PEER, WorkloadConfig, run_workload
 
 __all__ = ["ChildSpec", "RunOutcome", "StoreAddress", "busy_load", "child_main", "collect",
@@ -63,6 +65,10 @@ class ChildSpec:
     ``device``/``peer_device`` are this rank's and the other rank's tensor
     devices (``"cpu"``, ``"cuda:0"``); ``store`` is set across hosts, where
     the raw baseline exchanges its UCX address through it under ``key``.
+    ``deadline_wall`` (``time.time()``) is when the run must be over: the
+    child exits by itself a grace after it (:func:`start_children`).
+    ``parent_pid`` names the coordinator; the child's tie to it is the
+    launcher's (:func:`ucxrpc._launch.die_with_parent`).
     """
 
     impl: str
@@ -192,24 +198,11 @@ def _rpc_peer(spec: ChildSpec, link: _Link) -> None:
         rpc.shutdown()
 
 
-def _watchdog(parent_pid: int, deadline_wall: float) -> None:
-    """Exit this child when its parent is gone or the run's deadline passed.
-
-    The parent kills its children in ``finally``, but a parent killed by a
-    signal cannot; a hung RPC shutdown would then leave them behind forever.
-    """
-    while os.getppid() == parent_pid and time.time() < deadline_wall + SHUTDOWN_GRACE_S:
-        time.sleep(1.0)
-    os._exit(3)
-
-
 def child_main(spec: ChildSpec, results: Any, to_peer: Any = None, from_peer: Any = None) -> None:
     """Entry point of every benchmark child (spawned)."""
     # Inherited from torchrun: it would make torch's tcp:// rendezvous (used by
     # both RPC libraries) connect as a client to a store rank 0 must host.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    threading.Thread(target=_watchdog, args=(spec.parent_pid, spec.deadline_wall),
-                     name="bench-watchdog", daemon=True).start()
     timeout_s = spec.cfg.rpc_timeout
     exchange = _store_exchange(spec, timeout_s) if spec.store is not None else \
         _queue_exchange(to_peer, from_peer, timeout_s)
@@ -365,25 +358,23 @@ def collect(outcome: RunOutcome, procs: list[Any], results: Any, deadline: float
 
 def start_children(procs: list[Any], specs: list[ChildSpec], names: list[str], results: Any,
                    peers: list[tuple[Any, Any]]) -> None:
-    """Start one spawned child per spec, appending each to ``procs`` first, so
-    the caller's ``finally`` (:func:`stop_children`) sees every started one."""
-    import multiprocessing
+    """Start one spawned child per spec, appending each to ``procs`` as it
+    starts, so the caller's ``finally`` (:func:`stop_children`) sees every
+    started one.
 
-    ctx = multiprocessing.get_context("spawn")
+    A child dies with this process, and exits by itself
+    :data:`SHUTDOWN_GRACE_S` after its spec's deadline: a hung RPC shutdown
+    must not outlive the benchmark.
+    """
     for spec, name, peer in zip(specs, names, peers):
-        procs.append(ctx.Process(target=child_main, name=name, daemon=True,
-                                 args=(spec, results, *peer)))
-        procs[-1].start()
+        lifetime = spec.deadline_wall + SHUTDOWN_GRACE_S - time.time()
+        procs.append(spawn(child_main, (spec, results, *peer), name=name, lifetime=lifetime))
 
 
 def stop_children(procs: list[Any], queues: list[Any]) -> None:
-    """Kill what still runs, reap it, and release the queues; never raises."""
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        if p.pid is not None:
-            p.join(5)
+    """Stop what still runs (by pid: SIGTERM, then SIGKILL), reap it, and
+    release the queues; never raises."""
+    stop_processes(procs)
     for q in queues:
         q.close()
         q.cancel_join_thread()
