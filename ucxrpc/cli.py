@@ -84,7 +84,7 @@ def _ucx_cuda(name: str, loaded: set[str], cuda_ok: bool) -> tuple[bool, str]:
 def _info(_: argparse.Namespace) -> int:
     import torch
 
-    from .transport import ucx
+    from .transport import ucp, ucx
 
     cuda_ok, cuda_why, gpus = _torch_cuda()  # CUDA first: UCX sees its context
     os.environ.update(ucx.ucx_environment(None))
@@ -93,7 +93,7 @@ def _info(_: argparse.Namespace) -> int:
     loaded = {t for t, _ in res["resources"]}
     cuda_tls = sorted(t for t in loaded if t.startswith("cuda"))
     print(f"ucxrpc        {__import__('ucxrpc').__version__}")
-    print(f"UCX           {ucx.ucx_version()} ({ucx.loaded_library('libucp.so') or 'not loaded'})")
+    print(f"UCX           {ucx.ucx_version()} ({ucp.loaded_library('libucp.so') or 'not loaded'})")
     print(f"torch         {torch.__version__}")
     print("transports    " + ", ".join(f"{t}/{d}" for t, d in res["resources"]))
     print(f"GPUs          {', '.join(gpus) if gpus else 'none'}")

@@ -119,7 +119,7 @@ class Transport:
         self._pipes: dict[int, Pipe] = {}
         self._tasks: deque[Callable[[], None]] = deque()
         self._inflight: deque[tuple[Request, Any]] = deque()
-        self._sender = Sender(my_id=my_id, worker=self._worker, limits=limits,
+        self._sender = Sender(my_id=my_id, limits=limits,
                               host_as_device=self._host_as_device, inflight=self._inflight,
                               wake=self.wake, failed=self._send_failed)
         # Requests in flight, with what each belongs to: a pipe (a frame we

@@ -24,7 +24,7 @@ from . import batch, staging
 from .frame import Kind, Limits, encode
 from .pipe import OutState, Pipe
 from .tags import FRAME, data_tag, kind_base
-from .ucx import Request, Worker
+from .ucx import Request
 
 __all__ = ["Sender"]
 
@@ -39,7 +39,6 @@ class Sender:
 
     Args:
         my_id: this worker's id, carried in every tag.
-        worker: the UCX worker (for tags).
         limits: this side's limits (the peer's max frame is on its pipe).
         host_as_device: the debug switch that treats host buffers as device
             ones (staging.py).
@@ -49,18 +48,16 @@ class Sender:
             breaks; called later, not under its lock).
     """
 
-    def __init__(self, *, my_id: int, worker: Worker, limits: Limits, host_as_device: bool,
+    def __init__(self, *, my_id: int, limits: Limits, host_as_device: bool,
                  inflight: deque[tuple[Request, Any]], wake: Callable[[], None],
                  failed: Callable[[Pipe, BaseException], None]) -> None:
         self.my_id = my_id
         self.limits = limits
-        self._worker = worker
         self._host_as_device = host_as_device
         self._inflight = inflight
         self._wake = wake
         self._failed = failed
         self._frame_base = kind_base(FRAME, my_id)
-        self._frame_tag = worker.tag(self._frame_base)
         self.staged_bytes = 0
         self.packed_buffers = 0
         self.batches = 0
@@ -98,8 +95,7 @@ class Sender:
         pipe.out_seq += 1
         seq = pipe.out_seq
         assert pipe.ep is not None
-        tag = self._worker.tag(self._frame_base | hint) if hint else self._frame_tag
-        sent = pipe.ep.tag_send(frame, tag)
+        sent = pipe.ep.tag_send(frame, self._frame_base | hint)
         reqs: list[tuple[Request, Pipe]] = [(sent, pipe)]
         try:
             for i in separate:
@@ -120,7 +116,7 @@ class Sender:
         frame, _ = encode(Kind.BATCH, pipe.out_seq + 1, batch.pack(frames), [], pipe.out_key,
                           self.limits, peer_max_frame=pipe.peer_max_frame)
         pipe.out_seq += 1
-        sent = pipe.ep.tag_send(frame, self._frame_tag)
+        sent = pipe.ep.tag_send(frame, self._frame_base)
         pipe.sent += len(frames)
         self.batches += 1
         self.batched_messages += len(frames)

@@ -19,13 +19,14 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import BrokenError, ConnectError
 from .lifeline import keepalive_schedule
+from .ucp import library, ucp
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ def _ucp_ep_query(handle: int) -> list[tuple[str, str]]:
     """(transport, device) per lane of a UCP endpoint, as UCX reports them."""
     global _libucp
     if _libucp is None:
-        _libucp = _ucx_library("libucp.so")
+        _libucp = library("libucp.so")
         _libucp.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpAttr)]
         _libucp.ucp_ep_query.restype = ctypes.c_int
     entries = (_TransportEntry * 16)()
@@ -179,39 +180,6 @@ def _ucp_ep_query(handle: int) -> list[tuple[str, str]]:
             for i in range(attr.transports.num_entries)]
 
 
-def loaded_library(name: str) -> str | None:
-    """The path of UCX library ``name`` (``libucp.so``) as this process
-    loaded it, or None before UCX is loaded.  ucxx loads the libucx wheel's
-    copy, or a system UCX's where ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true``
-    (how a cluster gets UCX built with InfiniBand; see README)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1]
-                base = os.path.basename(path)
-                if base == name or base.startswith(name + "."):
-                    return path
-    except OSError:
-        pass
-    return None
-
-
-def _ucx_library(name: str) -> Any:
-    """One of UCX's libraries: the very copy ucxx loaded, so that handles it
-    made (an endpoint) are read by the same code; else the libucx wheel's."""
-    path = loaded_library(name)
-    if path is None:
-        try:
-            import libucx  # type: ignore[import-untyped]  # noqa: PLC0415
-
-            path = os.path.join(os.path.dirname(libucx.__file__), "lib", name)
-        except ImportError:
-            path = name
-        if not os.path.exists(path):
-            path = name
-    return ctypes.CDLL(path)
-
-
 _PRINT_CONFIG_AND_HIDDEN = 1 | 8  # UCS_CONFIG_PRINT_CONFIG | UCS_CONFIG_PRINT_HIDDEN
 
 
@@ -224,7 +192,7 @@ def effective_settings() -> dict[str, str]:
     """
     importlib.import_module("ucxx._lib.libucxx")  # loads UCX as ucxx does
 
-    ucs, ucp = _ucx_library("libucs.so"), _ucx_library("libucp.so")
+    ucs, ucp = library("libucs.so"), library("libucp.so")
     libc = ctypes.CDLL(None)
     libc.fdopen.restype = ctypes.c_void_p
     libc.fdopen.argtypes = [ctypes.c_int, ctypes.c_char_p]
@@ -261,8 +229,18 @@ def as_array_source(buf: torch.Tensor | np.ndarray | bytes | bytearray | memoryv
     return buf
 
 
-class Request:
-    """An in-flight UCX operation; ``keep`` holds its memory alive (pitfall 4)."""
+class Request(Protocol):
+    """An operation UCX may leave in flight: ucxx's, or one made directly
+    (:mod:`.ucp`).  Only its owner looks at it (see :mod:`.ucp`)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def error(self) -> BrokenError | None: ...
+
+
+class UcxxRequest:
+    """A ucxx operation in flight; ``keep`` holds its memory alive (pitfall 4)."""
 
     __slots__ = ("req", "keep")
 
@@ -286,6 +264,13 @@ class Request:
         return None
 
 
+def _direct(buf: Any) -> bool:
+    """Whether ``buf`` may take the direct path of :mod:`.ucp`: a writable,
+    contiguous host array (frames are; tensors and device memory go
+    through ucxx)."""
+    return type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable
+
+
 class Endpoint:
     """A UCP endpoint to one peer, created from the peer's worker address."""
 
@@ -299,6 +284,8 @@ class Endpoint:
             raise ConnectError(f"cannot open a UCX endpoint: {exc}") from exc
         self._ucx = ucx
         self._Array = worker.Array
+        self._ucp = ucp()
+        self._handle = int(self._ep.handle)  # 0 once closed: never sent on after
         self._ep.set_close_callback(self._closed, cb_args=(on_error,))
 
     @staticmethod
@@ -306,12 +293,16 @@ class Endpoint:
         status = args[0] if args else "closed"
         on_error(BrokenError(f"UCX endpoint failed: {status}"))
 
-    def tag_send(self, buf: Any, tag: Any) -> Request:
-        """Send ``buf`` with ``tag`` (an int, or a tag from :meth:`Worker.tag`)."""
+    def tag_send(self, buf: Any, tag: int) -> Request:
+        """Send ``buf`` with ``tag``: host arrays directly, the rest through
+        ucxx.  Only while open (callers hold the pipe's lock, as
+        :meth:`close`'s callers do)."""
+        if not self._handle:
+            raise BrokenError("UCX endpoint already closed")
+        if _direct(buf):
+            return self._ucp.send(self._handle, buf, tag)
         src = as_array_source(buf)
-        if isinstance(tag, int):
-            tag = self._ucx.UCXXTag(tag)
-        return Request(self._ep.tag_send(self._Array(src), tag), (buf, src))
+        return UcxxRequest(self._ep.tag_send(self._Array(src), self._ucx.UCXXTag(tag)), (buf, src))
 
     def transports(self) -> list[tuple[str, str]]:
         try:
@@ -321,6 +312,7 @@ class Endpoint:
             return []
 
     def close(self) -> None:
+        self._handle = 0
         try:
             self._ep.remove_close_callback()
             self._ep.close()
@@ -333,7 +325,7 @@ class Endpoint:
 class Probe:
     sender_tag: int
     length: int
-    raw: Any
+    raw: Any  # the UCP message handle, for :meth:`Worker.recv_probed`
 
 
 class Worker:
@@ -365,7 +357,8 @@ class Worker:
                            "memory: CUDA tensors are staged through host memory (add "
                            "cuda_copy to UCX_TLS)", ", ".join(sorted(loaded & _NEED_CUDA_COPY)))
         self.fd: int = self.raw.epoll_file_descriptor
-        self._mask_cache: dict[tuple[int, int], Any] = {}
+        self._ucp = ucp()
+        self._handle = int(self.raw.handle)
 
     def progress(self) -> None:
         self.raw.progress()
@@ -374,26 +367,19 @@ class Worker:
         """True when armed (sleep is safe); False when events are pending."""
         return bool(self.raw.arm())
 
-    def tag(self, value: int) -> Any:
-        """A reusable UCX tag object (building one per message costs µs)."""
-        return self.ucx.UCXXTag(value)
-
     def probe(self, tag: int, mask: int) -> Probe | None:
-        key = (tag, mask)
-        tm = self._mask_cache.get(key)
-        if tm is None:
-            tm = self._mask_cache[key] = (self.ucx.UCXXTag(tag), self.ucx.UCXXTagMask(mask))
-        r = self.raw.tag_probe(tm[0], tm[1], True)
-        if not r.matched:
-            return None
-        return Probe(int(r.sender_tag.value), int(r.length), r)
+        """Take a message matching ``tag``/``mask`` off the unexpected queue;
+        it must then be received with :meth:`recv_probed`."""
+        found = self._ucp.probe(self._handle, tag, mask)
+        return None if found is None else Probe(*found)
 
     def recv_probed(self, buf: np.ndarray, probe: Probe) -> Request:
-        return Request(self.raw.tag_recv_with_handle(self.Array(buf), probe.raw), buf)
+        """Receive a probed message into host array ``buf``."""
+        return self._ucp.receive(self._handle, buf, probe.raw)
 
     def tag_recv(self, buf: Any, tag: int) -> Request:
         src = as_array_source(buf)
-        return Request(self.raw.tag_recv(self.Array(src), self.ucx.UCXXTag(tag)), (buf, src))
+        return UcxxRequest(self.raw.tag_recv(self.Array(src), self.ucx.UCXXTag(tag)), (buf, src))
 
     def info(self) -> str:
         return str(self._ctx.info)

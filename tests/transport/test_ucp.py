@@ -1,0 +1,141 @@
+"""The direct libucp frame path (ucxrpc/transport/ucp.py), on a real UCX
+worker in a child process, through an endpoint to itself.
+
+* A small host array sent directly arrives intact through probe and
+  receive, with its tag; a send UCX finishes at once is the shared DONE.
+* A large one (rendezvous) is left in flight: its request completes only
+  once the receiver took it and the worker progressed, and is freed then.
+* A buffer too short for the probed message fails that receive with an
+  error that names the truncation; the next message still arrives.
+* Buffers that are not writable host arrays (bytes, a read-only view) go
+  through ucxx and arrive the same.
+* After the endpoint is closed, sending raises BrokenError instead of
+  handing UCX a stale handle.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers import run_workers
+
+pytestmark = pytest.mark.timeout(60)
+
+TAG = 0x5 << 60
+MASK = (1 << 64) - 1
+
+
+def _scenario(rank, world_size, init_method, name):
+    import time
+
+    import numpy as np
+
+    from ucxrpc.errors import BrokenError
+    from ucxrpc.transport import ucp
+    from ucxrpc.transport.ucx import Endpoint, Worker
+
+    worker = Worker(None)
+    errors: list[BaseException] = []
+    ep = Endpoint(worker, worker.address, errors.append)
+
+    def until(cond, limit_s=20.0):
+        end = time.monotonic() + limit_s
+        while not cond():
+            if time.monotonic() > end:
+                raise TimeoutError(name)
+            worker.progress()
+
+    def take(tag, into_len=None):
+        found = []
+        until(lambda: found.append(worker.probe(tag, MASK)) or found[-1] is not None)
+        probe = found[-1]
+        buf = np.zeros(probe.length if into_len is None else into_len, dtype=np.uint8)
+        req = worker.recv_probed(buf, probe)
+        until(lambda: req.done)
+        return probe, buf, req
+
+    out: dict = {}
+    if name == "small":
+        data = np.arange(200, dtype=np.uint8)
+        sent = ep.tag_send(data, TAG | 7)
+        until(lambda: sent.done)
+        probe, buf, req = take(TAG | 7)
+        out = {"same": bool((buf == data).all()), "tag": probe.sender_tag == TAG | 7,
+               "length": probe.length, "error": req.error(), "send_error": sent.error(),
+               "direct": type(sent).__name__, "is_done": sent is ucp.DONE}
+    elif name == "large":
+        data = np.random.default_rng(1).integers(0, 255, 4 << 20, dtype=np.uint8)
+        sent = ep.tag_send(data, TAG | 8)
+        out["in_flight"] = isinstance(sent, ucp.UcpRequest) and not sent.done
+        probe, buf, req = take(TAG | 8)
+        until(lambda: sent.done)
+        out.update(same=bool((buf == data).all()), send_error=sent.error(),
+                   recv_error=req.error(), released=sent.keep is None)
+    elif name == "truncated":
+        first = np.full(300, 3, dtype=np.uint8)
+        second = np.full(50, 4, dtype=np.uint8)
+        for i, arr in enumerate((first, second)):
+            sent = ep.tag_send(arr, TAG | i)
+            until(lambda: sent.done)
+        _, _, req = take(TAG | 0, into_len=10)
+        err = req.error()
+        out["error"] = f"{type(err).__name__}: {err}"
+        _, buf, req = take(TAG | 1)
+        out["next"] = bool((buf == 4).all()) and req.error() is None
+    elif name == "via_ucxx":
+        ro = np.arange(64, dtype=np.uint8)
+        ro.flags.writeable = False
+        got = []
+        for i, payload in enumerate((b"x" * 100, ro)):
+            sent = ep.tag_send(payload, TAG | (10 + i))
+            until(lambda: sent.done)
+            _, buf, req = take(TAG | (10 + i))
+            got.append((type(sent).__name__, bytes(buf) == bytes(payload), req.error()))
+        out["got"] = got
+    else:  # "closed"
+        ep.close()
+        try:
+            ep.tag_send(np.zeros(8, dtype=np.uint8), TAG)
+            out["raised"] = None
+        except BrokenError as exc:
+            out["raised"] = str(exc)
+    out["endpoint_errors"] = [str(e) for e in errors]
+    return out
+
+
+def _run(name):
+    return run_workers(_scenario, 1, args=(name,), timeout=45)[0]
+
+
+def test_a_small_frame_arrives_intact_with_its_tag():
+    res = _run("small")
+    assert res["same"] and res["tag"] and res["length"] == 200, res
+    assert res["error"] is None and res["send_error"] is None, res
+    # a 200-byte eager send over the loopback completes when made
+    assert res["is_done"] and res["direct"] == "_Completed", res
+    assert res["endpoint_errors"] == [], res
+
+
+def test_a_large_send_stays_in_flight_until_received_and_is_then_released():
+    res = _run("large")
+    assert res["in_flight"] and res["same"], res
+    assert res["send_error"] is None and res["recv_error"] is None, res
+    assert res["released"], res
+
+
+def test_a_too_short_buffer_fails_that_receive_and_the_next_still_arrives():
+    res = _run("truncated")
+    assert res["error"].startswith("BrokenError: UCX request failed:"), res
+    assert "truncated" in res["error"].lower(), res
+    assert res["next"], res
+
+
+def test_buffers_that_are_not_writable_host_arrays_go_through_ucxx():
+    res = _run("via_ucxx")
+    assert [(kind, same, err) for kind, same, err in res["got"]] == [
+        ("UcxxRequest", True, None), ("UcxxRequest", True, None)], res
+
+
+def test_sending_after_close_raises_broken_error():
+    res = _run("closed")
+    assert res["raised"] == "UCX endpoint already closed", res

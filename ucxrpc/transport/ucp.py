@@ -1,0 +1,214 @@
+"""libucp called directly (ctypes) for the per-frame calls of the hot path.
+
+Sending a 200-byte frame through ucxx's Python layer costs 4–8 µs (a tag
+object, an ``Array``, a C++ request and its Python wrapper, pybind11); the
+same ``ucp_tag_send_nbx`` called here costs about 1 µs, and a frame found
+and received costs ~3 µs less (benchmarks/RESULTS.md, Run J).  Frames are
+small host buffers that UCX almost always sends or receives at once, so
+this module handles only host memory and leaves device memory, and the
+large data buffers, to ucxx.
+
+Two rules keep it safe beside ucxx:
+
+* **The GIL.**  Every call that takes the worker's lock (send, probe,
+  receive, free) releases the GIL (``CDLL``): a thread inside ucxx's
+  progress holds that lock and may call back into Python (an endpoint's
+  close callback), so holding the GIL while waiting for the lock could
+  deadlock.  ``ucp_request_check_status`` only reads the request and keeps
+  the GIL (``PyDLL``), saving a GIL hand-off per look.
+* **Ownership.**  A request left in flight belongs to whoever holds its
+  :class:`UcpRequest`: only that thread looks at it, and it frees it the
+  first time it sees it complete.  The request keeps its buffer alive till
+  then (UCX reads or writes it until completion).  An endpoint handle is
+  used only while its :class:`~.ucx.Endpoint` is open, which the pipe's
+  lock guarantees (ucxx closes a UCP endpoint only when told to, never in
+  its error callback).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import BrokenError
+
+__all__ = ["Ucp", "UcpRequest", "DONE", "host_address", "library", "loaded_library"]
+
+_INPROGRESS = 1
+_ERR_LAST = -100  # UCS_ERR_LAST: status pointers at or above (2**64 - 100) are errors
+_ERR_FLOOR = (1 << 64) + _ERR_LAST
+_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+_MEMORY_TYPE_HOST = 0
+
+
+class _RequestParam(ctypes.Structure):
+    """``ucp_request_param_t`` (UCX 1.x; the layout is part of its ABI)."""
+
+    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("request", ctypes.c_void_p), ("cb", ctypes.c_void_p),
+                ("datatype", ctypes.c_uint64), ("user_data", ctypes.c_void_p),
+                ("reply_buffer", ctypes.c_void_p), ("memory_type", ctypes.c_int),
+                ("recv_info", ctypes.c_void_p), ("memh", ctypes.c_void_p)]
+
+
+class _TagRecvInfo(ctypes.Structure):
+    _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
+
+
+def loaded_library(name: str) -> str | None:
+    """The path of UCX library ``name`` (``libucp.so``) as this process
+    loaded it, or None before UCX is loaded.  ucxx loads the libucx wheel's
+    copy, or a system UCX's where ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true``
+    (how a cluster gets UCX built with InfiniBand; see README)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                base = os.path.basename(path)
+                if base == name or base.startswith(name + "."):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def library(name: str, keep_gil: bool = False) -> Any:
+    """One of UCX's libraries: the very copy ucxx loaded, so that handles it
+    made (an endpoint) are read by the same code; else the libucx wheel's.
+    ``keep_gil`` loads it for calls that hold the GIL (``PyDLL``)."""
+    path = loaded_library(name)
+    if path is None:
+        try:
+            import libucx  # type: ignore[import-untyped]  # noqa: PLC0415
+
+            path = os.path.join(os.path.dirname(libucx.__file__), "lib", name)
+        except ImportError:
+            path = name
+        if not os.path.exists(path):
+            path = name
+    return ctypes.PyDLL(path) if keep_gil else ctypes.CDLL(path)
+
+
+def host_address(buf: np.ndarray) -> int:
+    """The address of a writable host array's first byte (a third of the
+    cost of ``buf.ctypes.data``)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # type: ignore[arg-type]  # an ndarray is a buffer
+
+
+class UcpRequest:
+    """A send or receive UCX left in flight, looked at by its owner only."""
+
+    __slots__ = ("_ucp", "_ptr", "_status", "keep")
+
+    def __init__(self, ucp: Ucp, ptr: int, keep: Any) -> None:
+        self._ucp = ucp
+        self._ptr = ptr
+        self._status = _INPROGRESS
+        self.keep = keep
+
+    @property
+    def done(self) -> bool:
+        if self._status == _INPROGRESS:
+            status = self._ucp.check_status(self._ptr)
+            if status == _INPROGRESS:
+                return False
+            self._ucp.free(self._ptr)  # first sight of completion: the owner frees
+            self._status = status
+            self.keep = None
+        return True
+
+    def error(self) -> BrokenError | None:
+        """Why it failed (once :attr:`done`), else None."""
+        return None if self._status in (0, _INPROGRESS) else self._ucp.failure(self._status)
+
+
+class _Completed:
+    """A request that completed when it was made, with ``status``."""
+
+    __slots__ = ("_err",)
+    done = True
+
+    def __init__(self, err: BrokenError | None) -> None:
+        self._err = err
+
+    def error(self) -> BrokenError | None:
+        return self._err
+
+
+DONE = _Completed(None)
+
+
+class Ucp:
+    """The libucp calls of the frame path, bound once per process."""
+
+    def __init__(self) -> None:
+        lib = library("libucp.so")
+        keeps_gil = library("libucp.so", keep_gil=True)
+        ucs = library("libucs.so")
+        vp, u64, size = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+        self._send = lib.ucp_tag_send_nbx
+        self._send.argtypes = [vp, vp, size, u64, vp]
+        self._send.restype = vp
+        self._probe = lib.ucp_tag_probe_nb
+        self._probe.argtypes = [vp, u64, u64, ctypes.c_int, vp]
+        self._probe.restype = vp
+        self._recv = lib.ucp_tag_msg_recv_nbx
+        self._recv.argtypes = [vp, vp, size, vp, vp]
+        self._recv.restype = vp
+        self.check_status = keeps_gil.ucp_request_check_status
+        self.check_status.argtypes = [vp]
+        self.check_status.restype = ctypes.c_int
+        self.free = lib.ucp_request_free
+        self.free.argtypes = [vp]
+        self.free.restype = None
+        self._status_string = ucs.ucs_status_string
+        self._status_string.argtypes = [ctypes.c_int]
+        self._status_string.restype = ctypes.c_char_p
+        # Read-only to UCX, so one for every thread: frames are host memory,
+        # which spares UCX a memory-type lookup per call.
+        self._param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE,
+                                    memory_type=_MEMORY_TYPE_HOST)
+        self._param_address = ctypes.addressof(self._param)
+
+    def failure(self, status: int) -> BrokenError:
+        return BrokenError(f"UCX request failed: {self._status_string(status).decode()} "
+                           f"(status {status})")
+
+    def _outcome(self, ptr: int | None, keep: Any) -> UcpRequest | _Completed:
+        if ptr is None:
+            return DONE
+        if ptr >= _ERR_FLOOR:
+            return _Completed(self.failure(ptr - (1 << 64)))
+        return UcpRequest(self, ptr, keep)
+
+    def send(self, ep: int, buf: np.ndarray, tag: int) -> UcpRequest | _Completed:
+        """Send host array ``buf`` on endpoint handle ``ep``."""
+        return self._outcome(self._send(ep, host_address(buf), buf.nbytes, tag,
+                                        self._param_address), buf)
+
+    def probe(self, worker: int, tag: int, mask: int) -> tuple[int, int, int] | None:
+        """(sender tag, length, message handle) of a message taken off the
+        worker's unexpected queue, or None."""
+        info = _TagRecvInfo()
+        msg = self._probe(worker, tag, mask, 1, ctypes.byref(info))
+        return None if msg is None else (info.sender_tag, info.length, msg)
+
+    def receive(self, worker: int, buf: np.ndarray, msg: int) -> UcpRequest | _Completed:
+        """Receive probed message ``msg`` into host array ``buf`` (a
+        shorter buffer truncates it: the request fails, the data is gone)."""
+        return self._outcome(self._recv(worker, host_address(buf), buf.nbytes, msg,
+                                        self._param_address), buf)
+
+
+_ucp: Ucp | None = None
+
+
+def ucp() -> Ucp:
+    """The process's bindings (made on first use, once UCX is loaded)."""
+    global _ucp
+    if _ucp is None:
+        _ucp = Ucp()
+    return _ucp
