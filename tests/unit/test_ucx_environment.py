@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_defaults_keep_shared_memory_with_error_handling_and_eager_intra_host():
     env = ucx_environment(None, 10.0, environ={})
     assert env["UCX_MM_ERROR_HANDLING"] == "y"
-    assert env["UCX_RNDV_THRESH"] == "intra:512K,inter:auto"
+    assert env["UCX_RNDV_THRESH"] == "intra:2M,inter:auto"
     assert "UCX_TLS" not in env  # UCX chooses
 
 

@@ -77,8 +77,8 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
     or hardware answers (a TCP segment acknowledged, a shared-memory peer's
     process still there), never the peer's own code, so a busy peer passes;
     its TCP keepalive gives up on a silent host after about
-    ``host_timeout``, as the lifelines do.  Within a host, messages up to
-    512 KiB go eagerly (``UCX_RNDV_THRESH``).  Variables the user already
+    ``host_timeout``, as the lifelines do.  Within a host, messages below
+    2 MiB go eagerly (``UCX_RNDV_THRESH``).  Variables the user already
     set win, except ``UCX_TLS`` when ``transports=`` is given explicitly
     (see :func:`ucx_tls`).
     """
@@ -99,13 +99,20 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # its CPU has none of its own), and a cross-host pipeline to host
         # memory over TCP has no use for them.  The plural wins over the alias.
         "UCX_RNDV_FRAG_MEM_TYPES": "host,cuda",
-        # Within a host, messages up to 512 KiB go eagerly through the peer's
-        # shared-memory FIFO instead of by rendezvous, whose extra handshake
-        # costs a scheduler slice per step on a busy host (256 KiB one-way
-        # beside one busy process: p90 3.5 -> 0.7 ms, CPU per call halved;
-        # unchanged on a quiet one; benchmarks/RESULTS.md, Run G).  Across
-        # hosts UCX keeps choosing.
-        "UCX_RNDV_THRESH": "intra:512K,inter:auto",
+        # Within a host, messages below 2 MiB go eagerly through the peer's
+        # shared-memory FIFO instead of by rendezvous.  Where UCX has no
+        # zero-copy lane (CMA was never picked for rendezvous here), its
+        # rendezvous copies fragment by fragment too, and each step of its
+        # handshake costs a scheduler slice on a busy host: 256 KiB one-way
+        # beside one busy process, p90 3.5 -> 0.7 ms and CPU per call halved
+        # at 512 KiB (Run G); 1 MiB, p50 684 -> 541 µs one-way and
+        # 976 -> 824 µs echoed beside one busy process, 479 -> 391 µs echoed
+        # on a quiet host at 2 MiB (Run J).  Larger ones stay rendezvous:
+        # an eager message that lands before its receive is posted is held
+        # in UCX's unexpected queue, so the threshold also bounds what a
+        # receiver holds per message (16 MiB eagerly was twice as slow).
+        # Across hosts UCX keeps choosing.
+        "UCX_RNDV_THRESH": "intra:2M,inter:auto",
         "UCX_KEEPALIVE_INTERVAL": "1s",
         "UCX_KEEPALIVE_NUM_EPS": "inf",
         "UCX_TCP_KEEPIDLE": f"{idle}s",
