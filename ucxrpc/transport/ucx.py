@@ -100,9 +100,9 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # memory over TCP has no use for them.  The plural wins over the alias.
         "UCX_RNDV_FRAG_MEM_TYPES": "host,cuda",
         # Within a host, messages below 2 MiB go eagerly through the peer's
-        # shared-memory FIFO instead of by rendezvous.  Where UCX has no
-        # zero-copy lane (CMA was never picked for rendezvous here), its
-        # rendezvous copies fragment by fragment too, and each step of its
+        # shared-memory FIFO instead of by rendezvous.  With peer-failure
+        # error handling UCX offers no CMA lane, so its rendezvous copies
+        # fragment by fragment through shared memory too, and each step of its
         # handshake costs a scheduler slice on a busy host: 256 KiB one-way
         # beside one busy process, p90 3.5 -> 0.7 ms and CPU per call halved
         # at 512 KiB (Run G); 1 MiB, p50 684 -> 541 µs one-way and
