@@ -26,11 +26,14 @@ KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "DDP with distributed autograd: a hang at the end of the test": (
         "Intermittent, in about one run in three of each DDP comparison test (2 of 8 "
-        "at 4e7e493, 3 of 8 at 2b5e58e): every "
-        "iteration passes, then one rank hangs for good destroying DDP's reducer, "
-        "in `ProcessGroupGloo::~ProcessGroupGloo` joining a gloo worker thread (py-spy "
-        "stack), while the others wait at RPC shutdown. Cause not found yet: a gloo work "
-        "item left pending after distributed autograd ran DDP's hooks is the suspect.",
+        "at 4e7e493, 3 of 8 at 2b5e58e): every iteration passes, then one rank hangs "
+        "for good freeing DDP's reducer, while the others wait at RPC shutdown. gdb "
+        "shows a deadlock inside torch: the main thread holds the GIL in "
+        "`~ProcessGroupGloo` (pybind11 frees the Reducer without releasing it) and "
+        "waits for gloo's work mutex; a gloo `runLoop` thread holds that mutex while "
+        "freeing a finished allreduce whose tensors have a Python object, and waits "
+        "for the GIL (the family of pytorch#56297). Which of the work's tensors got a "
+        "Python object on ucxrpc's path, and not on TensorPipe's, is not found yet.",
         (
             "DdpComparisonTest.test_ddp_comparison",
             "DdpComparisonTest.test_ddp_comparison_uneven_inputs",
