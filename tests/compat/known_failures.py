@@ -32,8 +32,11 @@ KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
         "`~ProcessGroupGloo` (pybind11 frees the Reducer without releasing it) and "
         "waits for gloo's work mutex; a gloo `runLoop` thread holds that mutex while "
         "freeing a finished allreduce whose tensors have a Python object, and waits "
-        "for the GIL (the family of pytorch#56297). Which of the work's tensors got a "
-        "Python object on ucxrpc's path, and not on TensorPipe's, is not found yet.",
+        "for the GIL (the family of pytorch#56297). The allreduce is torch's own: "
+        "leaving `ddp.join()` runs DDP's join hook, whose `_find_common_rank` all-reduces "
+        "a tensor made in Python and drops it while gloo still holds it. Why the race "
+        "is lost more often beside ucxrpc than beside TensorPipe (ucxrpc's Python "
+        "threads competing for the GIL are the suspect) is not measured yet.",
         (
             "DdpComparisonTest.test_ddp_comparison",
             "DdpComparisonTest.test_ddp_comparison_uneven_inputs",
