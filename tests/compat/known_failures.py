@@ -36,7 +36,7 @@ KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
         "leaving `ddp.join()` runs DDP's join hook, whose `_find_common_rank` all-reduces "
         "a tensor made in Python and drops it while gloo still holds it. Why the race "
         "is lost so often beside ucxrpc is not found: with the progress loop never "
-        "polling (`UCXRPC_PROGRESS=blocking`) 3 of 28 runs still hung, against 6 of 25 "
+        "polling (`UCXRPC_PROGRESS=blocking`) 3 of 28 runs still hung, against 9 of 28 "
         "by default.",
         (
             "DdpComparisonTest.test_ddp_comparison",
