@@ -30,7 +30,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ucxrpc.rendezvous import free_port  # noqa: E402  (after the path)
+from ucxrpc._launch import free_port  # noqa: E402  (after the path)
 
 # (name, batch, width, layers): activations are batch x width float32.
 CASES = [("small: 32x64, 2 layers", 32, 64, 2),

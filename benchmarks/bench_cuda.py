@@ -32,7 +32,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucxrpc.bench.launch import free_port  # noqa: E402  (after the path)
+from ucxrpc._launch import free_port  # noqa: E402  (after the path)
 from ucxrpc.bench.plan import parse_sizes  # noqa: E402
 
 

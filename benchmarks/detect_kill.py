@@ -24,7 +24,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucxrpc.bench.launch import busy_load, free_port  # noqa: E402
+from ucxrpc._launch import free_port  # noqa: E402
+from ucxrpc.bench.launch import busy_load  # noqa: E402
 
 #: ``transports=`` per pipe kind (None: UCX's choice, shared memory here).
 PIPES = {"shm": None, "tcp": ["tcp"]}

@@ -35,7 +35,6 @@ importing the ``ucxrpc`` package (torch, about 2 s).
 from __future__ import annotations
 
 import faulthandler
-import importlib
 import multiprocessing
 import os
 import pickle
@@ -47,11 +46,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from ucxrpc._launch import (Outcome, Ranks, die_with_parent, free_port, spawn, start,
-                            stop_process, target_ref)
-
-# tests/faults/test_partition.py's preexec_fn, by its old name.
-_die_with_parent = die_with_parent
+from ucxrpc._launch import (Outcome, Ranks, free_port, load_target, spawn, start, stop_process,
+                            target_ref)
 
 __all__ = [
     "FAILURE_GRACE_S",
@@ -71,10 +67,8 @@ __all__ = [
 #: explain more) before they are stopped.
 FAILURE_GRACE_S = 5.0
 
-# How long a signalled child gets to write its stacks, and how long terminate
-# gets before kill.
+# How long a signalled child gets to write its stacks.
 _STACK_DUMP_WAIT_S = 1.0
-_TERMINATE_WAIT_S = 1.0
 _POLL_S = 0.05
 
 # The signal on which children dump every thread's Python stack. UCX uses
@@ -266,13 +260,9 @@ def run_with_victim(victim: Callable[..., object], target: Callable[..., object]
         stop_worker(proc)
 
 
-def stop_worker(proc: BaseProcess, timeout: float = _TERMINATE_WAIT_S) -> None:
-    """Stop ``proc``: SIGTERM (and SIGCONT, should it be stopped), wait up to
-    ``timeout`` s, then SIGKILL and reap it (:func:`ucxrpc._launch.stop_process`).
-
-    Idempotent; safe on a process that has already exited or never started.
-    """
-    stop_process(proc, timeout)
+#: Stop a :func:`spawn_worker` process: SIGTERM (and SIGCONT, should it be
+#: stopped), then SIGKILL after a grace, then reap it; idempotent.
+stop_worker = stop_process
 
 
 def child_pids(pid: int | None = None) -> list[int]:
@@ -394,12 +384,6 @@ def _read_stacks(stack_dir: Path, rank: int) -> str:
 # tied it to its parent and applied ``env``.
 
 
-def _load_target(module_name: str, qualname: str) -> Callable[..., object]:
-    module = importlib.import_module(module_name)
-    target: Callable[..., object] = getattr(module, qualname)
-    return target
-
-
 def _run_rank(
     module_name: str,
     qualname: str,
@@ -415,12 +399,12 @@ def _run_rank(
     stack_file = open(_stack_file(stack_dir, rank), "w")  # noqa: SIM115
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
-    target = _load_target(module_name, qualname)
+    target = load_target(module_name, qualname)
     return target(rank, world_size, init_method, *pickle.loads(payload))
 
 
 def _run_single(module_name: str, qualname: str, payload: bytes) -> None:
     faulthandler.enable(all_threads=True)
     faulthandler.register(_DUMP_SIGNAL, all_threads=True)
-    target = _load_target(module_name, qualname)
+    target = load_target(module_name, qualname)
     target(*pickle.loads(payload))

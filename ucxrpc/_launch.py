@@ -65,7 +65,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["LIFETIME_EXIT_CODE", "Outcome", "Ranks", "die_with_parent", "free_port",
-           "spawn", "start", "stop_process", "stop_processes", "target_ref"]
+           "load_target", "spawn", "start", "stop_process", "stop_processes", "target_ref"]
 
 #: Exit code of a child whose ``lifetime`` ran out.
 LIFETIME_EXIT_CODE = 124  # what timeout(1) uses
@@ -137,6 +137,12 @@ def target_ref(target: Callable[..., object]) -> tuple[str, str]:
             "use a module-level function"
         )
     return module_name, qualname
+
+
+def load_target(module_name: str, qualname: str) -> Callable[..., object]:
+    """The function :func:`target_ref` named, imported (in a child)."""
+    target: Callable[..., object] = getattr(importlib.import_module(module_name), qualname)
+    return target
 
 
 def spawn(target: Callable[..., object], args: tuple[Any, ...] = (), *,
@@ -433,9 +439,7 @@ def _child_main(child: dict[str, Any]) -> None:
 
 
 def _load(child: Mapping[str, Any]) -> Callable[..., object]:
-    module = importlib.import_module(child["module"])
-    target: Callable[..., object] = getattr(module, child["qualname"])
-    return target
+    return load_target(child["module"], child["qualname"])
 
 
 def _watchdog(parent_pid: int, end: float) -> None:

@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from . import _launch
 from .errors import AuthenticationError, RpcError, RpcTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -79,10 +78,6 @@ class Member:
                       int(d.get("max_frame_bytes", 1 << 30)),
                       None if d.get("lifeline") is None else str(d["lifeline"]))
 
-
-#: Moved to :mod:`ucxrpc._launch`; still reachable here for the scripts in
-#: benchmarks/ that import it from this, its old home.
-free_port = _launch.free_port
 
 # c10d stores need a finite timeout; this one stands for "no limit" (the
 # job's own timeout, None, waits as long as the job runs).

@@ -30,7 +30,7 @@ import pytest
 from tests.faults import _common as c
 from tests.faults import _netns
 from tests.faults._netns_worker import CUT_OFF_SHUTDOWN_TIMEOUT_S, write
-from tests.workers import _die_with_parent, free_port
+from ucxrpc._launch import die_with_parent, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,7 +59,7 @@ class _Job:
                      "tests.faults._netns_worker", str(self.ctl), str(rank), init_method,
                      self.mode],
                     cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                    preexec_fn=_die_with_parent))
+                    preexec_fn=die_with_parent))
 
     def cut(self, sides: tuple[_netns.Side, _netns.Side]) -> None:
         """Start both workers, wait until they exchanged calls, then take the

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
 
+from .._launch import free_port
 from .launch import (ChildSpec, CpuMeter, ProgressFn, RunOutcome, StoreAddress, collect,
-                     free_port, start_children, stop_children)
+                     start_children, stop_children)
 from .workload import WorkloadConfig
 
 __all__ = ["HostEnv", "HostSession", "host_env", "local_device"]

@@ -38,7 +38,6 @@ from .._launch import free_port, spawn, stop_processes
 from .workload import CALLER, PEER, WorkloadConfig, run_workload
 
 __all__ = ["ChildSpec", "RunOutcome", "StoreAddress", "busy_load", "child_main", "collect",
-           "free_port",
            "run_local", "start_children", "stop_children"]
 
 SHUTDOWN_GRACE_S = 30.0

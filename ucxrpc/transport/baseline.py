@@ -98,9 +98,9 @@ class Pair:
     def transports(self) -> list[str] | None:
         """``transport/device`` per endpoint lane as UCX reports it, if it can."""
         try:
-            from .ucx import _ucp_ep_query
+            from .ucp import ucp
 
-            return [f"{tl}/{dev}" for tl, dev in _ucp_ep_query(self.endpoint.handle)]
+            return [f"{tl}/{dev}" for tl, dev in ucp().transports(int(self.endpoint.handle))]
         except Exception as exc:  # informational only; never fail a run for it
             logger.debug("ucp_ep_query failed: %s", exc)
             return None

@@ -58,6 +58,31 @@ class _TagRecvInfo(ctypes.Structure):
     _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
 
 
+class _TransportEntry(ctypes.Structure):
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class _Transports(ctypes.Structure):
+    _fields_ = [("entries", ctypes.POINTER(_TransportEntry)),
+                ("num_entries", ctypes.c_uint),
+                ("entry_size", ctypes.c_size_t)]
+
+
+class _EpAttr(ctypes.Structure):
+    """``ucp_ep_attr_t``, as far as ``transports``."""
+
+    _fields_ = [("field_mask", ctypes.c_uint64),
+                ("name", ctypes.c_char * 32),
+                ("local_sockaddr", ctypes.c_byte * 128),
+                ("remote_sockaddr", ctypes.c_byte * 128),
+                ("transports", _Transports),
+                ("user_data", ctypes.c_void_p)]
+
+
+_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
+_MAX_LANES = 16
+
+
 def loaded_library(name: str) -> str | None:
     """The path of UCX library ``name`` (``libucp.so``) as this process
     loaded it, or None before UCX is loaded.  ucxx loads the libucx wheel's
@@ -164,6 +189,9 @@ class Ucp:
         self.free = lib.ucp_request_free
         self.free.argtypes = [vp]
         self.free.restype = None
+        self._ep_query = lib.ucp_ep_query
+        self._ep_query.argtypes = [vp, ctypes.POINTER(_EpAttr)]
+        self._ep_query.restype = ctypes.c_int
         self._status_string = ucs.ucs_status_string
         self._status_string.argtypes = [ctypes.c_int]
         self._status_string.restype = ctypes.c_char_p
@@ -188,6 +216,19 @@ class Ucp:
         """Send host array ``buf`` on endpoint handle ``ep``."""
         return self._outcome(self._send(ep, host_address(buf), buf.nbytes, tag,
                                         self._param_address), buf)
+
+    def transports(self, ep: int) -> list[tuple[str, str]]:
+        """(transport, device) per lane of endpoint handle ``ep``, as UCX
+        reports them ([] where it cannot)."""
+        entries = (_TransportEntry * _MAX_LANES)()
+        attr = _EpAttr(field_mask=_EP_ATTR_FIELD_TRANSPORTS)
+        attr.transports.entries = ctypes.cast(entries, ctypes.POINTER(_TransportEntry))
+        attr.transports.num_entries = _MAX_LANES
+        attr.transports.entry_size = ctypes.sizeof(_TransportEntry)
+        if self._ep_query(ep, ctypes.byref(attr)) != 0:
+            return []
+        return [(entries[i].transport_name.decode(), entries[i].device_name.decode())
+                for i in range(attr.transports.num_entries)]
 
     def probe(self, worker: int, tag: int, mask: int) -> tuple[int, int, int] | None:
         """(sender tag, length, message handle) of a message taken off the

@@ -143,48 +143,7 @@ def cuda_memory(cuda_support: bool, resources: Sequence[tuple[str, str]]) -> boo
     return bool(cuda_support) and any(t == "cuda_copy" for t, _ in resources)
 
 
-class _TransportEntry(ctypes.Structure):
-    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
-
-
-class _Transports(ctypes.Structure):
-    _fields_ = [("entries", ctypes.POINTER(_TransportEntry)),
-                ("num_entries", ctypes.c_uint),
-                ("entry_size", ctypes.c_size_t)]
-
-
-class _EpAttr(ctypes.Structure):
-    _fields_ = [("field_mask", ctypes.c_uint64),
-                ("name", ctypes.c_char * 32),
-                ("local_sockaddr", ctypes.c_byte * 128),
-                ("remote_sockaddr", ctypes.c_byte * 128),
-                ("transports", _Transports),
-                ("user_data", ctypes.c_void_p)]
-
-
-_UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
 _retired: list[Any] = []
-_libucp: Any = None
-
-
-def _ucp_ep_query(handle: int) -> list[tuple[str, str]]:
-    """(transport, device) per lane of a UCP endpoint, as UCX reports them."""
-    global _libucp
-    if _libucp is None:
-        _libucp = library("libucp.so")
-        _libucp.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpAttr)]
-        _libucp.ucp_ep_query.restype = ctypes.c_int
-    entries = (_TransportEntry * 16)()
-    attr = _EpAttr()
-    attr.field_mask = _UCP_EP_ATTR_FIELD_TRANSPORTS
-    attr.transports.entries = ctypes.cast(entries, ctypes.POINTER(_TransportEntry))
-    attr.transports.num_entries = 16
-    attr.transports.entry_size = ctypes.sizeof(_TransportEntry)
-    status = _libucp.ucp_ep_query(handle, ctypes.byref(attr))
-    if status != 0:
-        return []
-    return [(entries[i].transport_name.decode(), entries[i].device_name.decode())
-            for i in range(attr.transports.num_entries)]
 
 
 _PRINT_CONFIG_AND_HIDDEN = 1 | 8  # UCS_CONFIG_PRINT_CONFIG | UCS_CONFIG_PRINT_HIDDEN
@@ -313,7 +272,7 @@ class Endpoint:
 
     def transports(self) -> list[tuple[str, str]]:
         try:
-            return _ucp_ep_query(int(self._ep.handle))
+            return self._ucp.transports(int(self._ep.handle))
         except Exception:  # diagnostics must never break a pipe
             logger.debug("ucp_ep_query failed", exc_info=True)
             return []
