@@ -4,6 +4,15 @@ torch's fixed pool deadlocks once every thread blocks in a nested call back
 to the caller.  Here a thread that blocks in an RPC wait is not counted
 against ``size``: the pool may start another so queued work keeps flowing,
 while ``size`` threads at most are runnable at once.
+
+Work queued behind a running thread waits for it, not for a new thread:
+with the GIL, a second thread running Python code adds no throughput, only
+hand-offs.  A watchdog (as Go's sysmon retakes a processor from a blocked
+system call, or .NET's pool injects threads when none completes work)
+starts one more thread when queued work has seen no task taken for a
+:data:`STALL_S` window in which the process idled: the running threads are
+then blocked in user code (a sleep, a lock, I/O), and the next request must
+not wait for them, as torch's pool would not make it.
 """
 
 from __future__ import annotations
@@ -12,25 +21,43 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 logger = logging.getLogger(__name__)
+
+#: The watchdog's window: queued work that saw no task taken for this long,
+#: while the process used less than IDLE_SHARE of a core, gets another
+#: thread.  It costs one watchdog wake-up per window while work is queued.
+STALL_S = 0.002
+IDLE_SHARE = 0.5
+#: ... and queued work waits no longer than this whatever the process did
+#: (a user function may hold the GIL computing: torch's pool would run the
+#: next request beside it).
+STALL_MAX_S = 0.05
 
 _local = threading.local()
 _STOP = object()
 
 
+def stalled(window_s: float, cpu_s: float, waited_s: float) -> bool:
+    """The watchdog's verdict on queued work that saw no task taken in a
+    window of ``window_s``, in which the process used ``cpu_s`` of CPU, and
+    that has waited ``waited_s`` since the last task was taken."""
+    return cpu_s < IDLE_SHARE * window_s or waited_s >= STALL_MAX_S
+
+
 class WorkerPool:
     """Lazily grown pool; ``size`` bounds runnable (non-blocked) threads.
 
-    Wake-ups are passed on, one at a time: a submit wakes one sleeping
-    thread (or starts one) only when no thread is already on its way to the
-    queue, and a thread that takes a task and leaves more behind wakes the
-    next.  A frame of 60 requests used to wake every idle thread at once,
-    one futex each, all then queueing for the GIL and the pipe's lock (the
-    callee of an ``rpc_async`` burst ran 40% faster with 2 threads than 16).
-    A task whose thread blocks still gets the next one started, through the
-    same hand-on.
+    A submit wakes a sleeping thread (or starts one) only when no thread
+    runs a task, or is on its way to the queue: a running thread takes the
+    next task when it ends.  A frame of 60 requests used to wake a thread
+    per request, each then queueing for the GIL and the pipe's lock (the
+    callee of an ``rpc_async`` burst ran 40% faster with 2 threads than
+    16).  Work left waiting while every running thread is stuck gets a new
+    thread from the watchdog (module docstring); a thread that blocks in an
+    RPC wait (:meth:`blocking`) gets the next one started at once.
 
     Args:
         on_quiet: called when no pool thread is left running Python code
@@ -58,6 +85,11 @@ class WorkerPool:
         self._blocked = 0
         self._active = 0  # tasks submitted and not finished
         self._closed = False
+        self._taken_at = 0.0  # when a thread last took a task
+        self._watchdog: threading.Thread | None = None
+        self._watch = threading.Condition(self._lock)
+        self._watch_idle = False  # the watchdog waits for work, untimed
+        self.stalls = 0  # threads the watchdog woke or started
         self.on_quiet = on_quiet
         self._idle_wait = idle_wait
 
@@ -69,28 +101,71 @@ class WorkerPool:
             _local.task = (fn, args)
             with self._lock:
                 self._active += 1
-                # A second request landing in the same turn wakes another
-                # thread (_wake_one): it must not wait behind this one.
+                self._taken_at = time.monotonic()
+                # A second request landing in the same turn is queued: this
+                # thread takes it next, or the watchdog starts another if
+                # this one blocks (it must not wait behind a long call).
                 _local.waiting = None
             return
         with self._lock:
             self._tasks.append((fn, args))
             self._active += 1
-            self._wake_one()
+            if self._active - len(self._tasks) <= self._blocked:
+                self._wake_one()  # no thread runs a task: none would come for it
+            else:
+                self._arm_watchdog()
 
-    def _wake_one(self) -> None:
-        """Get a thread to the queue, unless one is on its way (lock held)."""
+    def _arm_watchdog(self) -> None:
+        """Have the watchdog look at the queue (lock held; work is queued)."""
+        if self._watch_idle:
+            self._watch_idle = False
+            self._watch.notify()
+        elif self._watchdog is None and not self._closed:
+            self._watchdog = threading.Thread(target=self._watch_loop,
+                                              name=f"{self._name}-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch_loop(self) -> None:
+        """Get a thread for queued work that no running thread came for
+        within a window of STALL_S while the process idled (its running
+        threads are blocked in user code), or within STALL_MAX_S whatever
+        it did.  A busy process with work queued is starved, not stuck:
+        its threads wait for the GIL or a core, and one more thread would
+        only wait with them."""
+        with self._lock:
+            while not self._closed:
+                if not self._tasks:
+                    self._watch_idle = True
+                    self._watch.wait()  # _arm_watchdog notifies
+                    continue
+                start, cpu = time.monotonic(), time.process_time()
+                self._watch.wait(STALL_S)
+                if not self._tasks or self._taken_at >= start:
+                    continue  # work moves
+                now = time.monotonic()
+                if (stalled(now - start, time.process_time() - cpu, now - self._taken_at)
+                        and self._wake_one()):
+                    self.stalls += 1
+                    # The woken thread gets its own bound to reach the queue.
+                    self._taken_at = now
+
+    def _wake_one(self) -> bool:
+        """Get a thread to the queue, unless one is on its way or ``size``
+        run (lock held); whether it did."""
         if self._waking or self._closed:
-            return
+            return False
         if self._sleeping:
             self._waking += 1
             self._ready.notify()
-        elif len(self._threads) - self._blocked < self.size:
+            return True
+        if len(self._threads) - self._blocked < self.size:
             t = threading.Thread(target=self._loop, name=f"{self._name}-{len(self._threads)}",
                                  daemon=True)
             self._threads.append(t)
             self._waking += 1
             t.start()
+            return True
+        return False
 
     def _loop(self) -> None:
         _local.pool = self
@@ -136,8 +211,9 @@ class WorkerPool:
                 self._sleeping -= 1
                 self._waking -= 1  # every wake-up is counted by its waker
             item = self._tasks.popleft()
+            self._taken_at = time.monotonic()
             if self._tasks:
-                self._wake_one()  # pass it on: more work than this thread
+                self._arm_watchdog()  # queued in a burst that woke only this thread
             return item
 
     def _has_work(self) -> bool:
@@ -185,6 +261,7 @@ class WorkerPool:
             self._tasks.extend(_STOP for _ in threads)
             self._waking += self._sleeping
             self._ready.notify_all()
+            self._watch.notify()
         me = threading.current_thread()
         for t in threads:
             if t is not me:

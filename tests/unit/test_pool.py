@@ -4,7 +4,9 @@ polling policy reads (agent._spin_while)."""
 from __future__ import annotations
 
 import threading
+import time
 
+from ucxrpc import _pool
 from ucxrpc._pool import WorkerPool
 
 
@@ -66,11 +68,81 @@ def test_a_second_request_landing_in_a_drivers_turn_does_not_wait_behind_the_fir
         pool.close()
 
 
-def test_wake_ups_passed_on_reach_every_thread_a_burst_needs():
-    # One submit wakes one thread; a thread that takes a task and leaves
-    # more wakes the next.  Tasks that all block until the others run (a
-    # barrier of ``size``) pass only if that hand-on reaches ``size``
-    # threads; the pool then still serves a second burst from its sleepers.
+def test_a_burst_is_served_by_the_running_thread_not_one_thread_per_request(monkeypatch):
+    # With the watchdog out of the way, a burst submitted at once wakes one
+    # thread, which takes every task in turn: queued work waits for a
+    # running thread rather than waking another (a GIL-bound callee gains
+    # nothing from a second thread, only hand-offs).
+    monkeypatch.setattr(_pool, "STALL_S", 60.0)
+    monkeypatch.setattr(_pool, "STALL_MAX_S", 60.0)
+    pool = WorkerPool(8)
+    ran = []
+    gate = threading.Event()
+    try:
+        pool.submit(gate.wait, 10)
+        for i in range(100):
+            pool.submit(ran.append, threading.get_ident())
+        gate.set()
+        done = threading.Event()
+        pool.submit(done.set)
+        assert done.wait(10)
+        assert len(set(ran)) == 1 and len(ran) == 100
+        assert len(pool._threads) == 1 and pool.stalls == 0
+    finally:
+        pool.close()
+
+
+def test_queued_work_behind_a_blocked_thread_gets_a_thread_of_its_own():
+    # The first task waits for the second, and does not say so (no
+    # pool.blocking(): a plain Event, as a user function may).  Only the
+    # watchdog can start the thread the second needs; without it this
+    # would deadlock, which torch's pool does not.
+    pool = WorkerPool(4)
+    second = threading.Event()
+    first_done = threading.Event()
+    try:
+        pool.submit(lambda: second.wait(10) and first_done.set())
+        pool.submit(second.set)
+        assert first_done.wait(10), "the second task waited behind the blocked first"
+        assert pool.stalls >= 1 and len(pool._threads) == 2
+    finally:
+        second.set()
+        pool.close()
+
+
+def test_watchdog_takes_a_busy_process_for_starved_not_stuck():
+    # A process that used its core through the window has threads waiting
+    # for the GIL or a core: one more thread would wait with them.  One
+    # that idled has its running threads blocked.  Past STALL_MAX_S the
+    # work gets a thread whatever the process did (a user function may hold
+    # the GIL computing, and torch would run the next request beside it).
+    w = _pool.STALL_S
+    assert not _pool.stalled(w, 0.9 * w, 2 * w)
+    assert _pool.stalled(w, 0.1 * w, 2 * w)
+    assert _pool.stalled(w, w, _pool.STALL_MAX_S)
+
+
+def test_watchdog_gives_a_thread_past_the_bound_while_the_process_computes(monkeypatch):
+    monkeypatch.setattr(_pool, "STALL_MAX_S", 0.0)
+    pool = WorkerPool(4)
+    release, ran = threading.Event(), threading.Event()
+    try:
+        pool.submit(release.wait, 10)
+        pool.submit(ran.set)
+        deadline = time.monotonic() + 10
+        while not ran.is_set() and time.monotonic() < deadline:
+            pass  # computing: the process is busy all along
+        assert ran.is_set()
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_wake_ups_reach_every_thread_a_burst_needs():
+    # Tasks that all block until the others run (a barrier of ``size``)
+    # pass only if the watchdog starts a thread for each one queued behind
+    # the blocked ones; the pool then still serves a second burst from its
+    # sleepers.
     size = 4
     pool = WorkerPool(size)
     try:
