@@ -15,11 +15,11 @@ may turn it itself (:meth:`Transport.drive`).  Senders call UCX directly from
 their own thread (no hand-off on the send path; :mod:`.send`) and wake the
 loop only when a send is left in flight.
 
-Parts of their own: the handshake's steps (:mod:`.handshake`), sending and
-batching (:mod:`.send`, :mod:`.batch`), receiving (:mod:`.receive`), the
-shared-memory queue check (:mod:`.canary`), lifelines (:mod:`.lifeline`),
-pipes (:mod:`.pipe`) and the loop (:mod:`.progress`).  This module holds
-them together: the pipes' state (opening, the handshake's frames, breaking,
+Parts of their own: the handshake (:mod:`.handshake`), sending and
+batching (:mod:`.send`, :mod:`.batch`), receiving (:mod:`.receive`),
+liveness, lifelines and the shared-memory queue check (:mod:`.liveness`),
+pipes (:mod:`.pipe`) and the loop (:mod:`.progress`).  This module is the
+context that holds them together: the pipes (adding, opening, breaking,
 closing) and the loop's turn.
 """
 
@@ -33,15 +33,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
-from . import canary, cudactx, handshake, progress, staging
-from .lifeline import Lifelines, LineState
-from .frame import Frame, Kind, Limits, check_limits, encode
+from ..errors import AuthenticationError, BrokenError, ClosedError
+from . import canary, cudactx, progress, staging
+from .frame import Kind, Limits, check_limits
+from .handshake import Handshake
+from .liveness import Liveness
 from .pipe import OutState, Pipe, cuda_path
 from .pool import HostPool
 from .receive import Allocator, OnFrameError, OnMessage, Receiver
 from .send import Sender
-from .tags import CANARY, HANDSHAKE, HINT_MASK, MAX_WORKER_ID, kind_base
+from .tags import HINT_MASK, MAX_WORKER_ID
 from .ucx import Endpoint, Request, Worker
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,6 @@ class Transport:
         if not 0 <= my_id <= MAX_WORKER_ID:
             raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
         self.my_id = my_id
-        self._secret = secret
         self._on_message = on_message
         self._on_frame_error = on_frame_error
         self._on_broken = on_broken
@@ -109,9 +109,6 @@ class Transport:
         self.cuda_context = self._make_cuda_current()
         self._worker = Worker(transports, host_timeout)
         self.address = self._worker.address
-        self._lifelines = Lifelines(host_timeout)
-        #: What peers need to watch this process's lifeline (published).
-        self.lifeline = self._lifelines.address.encode()
         self._host_as_device = staging.debug_host_as_device()
         # Whether this side's UCX takes device memory; a pipe is GPU-direct
         # when both sides' do, and stages device buffers otherwise.
@@ -126,27 +123,31 @@ class Transport:
         # sent) or a message being received (receive.py).  Changed in place
         # only: the receiver holds it too.
         self._watch: list[tuple[Request, Any]] = []
+        self._handshake = Handshake(my_id=my_id, secret=secret, limits=limits,
+                                    sender=self._sender, endpoint=self._endpoint,
+                                    watch=self._watch, fail=self._break)
         self._rx = Receiver(worker=self._worker, limits=limits, pipes=self._pipes,
                             watch=self._watch, alloc=self._alloc,
                             host_as_device=self._host_as_device, cuda_direct=self.cuda_direct,
                             on_message=on_message, on_frame_error=on_frame_error,
-                            on_handshake=self._on_handshake, adopt=self._adopt)
+                            on_handshake=self._handshake.on_frame, adopt=self._adopt)
         self._closing = False
-        # Whether our shared-memory receive queue still moves (canary.py).
-        self._queue = canary.QueueCheck(self._worker, transports,
-                                        kind_base(CANARY, my_id),
-                                        self._queue_stuck)
+        self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
+                                  host_timeout=host_timeout, pipes=self._pipes,
+                                  fail=self._break)
+        #: What peers need to watch this process's lifeline (published).
+        self.lifeline = self._liveness.address
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
             in_flight=lambda: bool(self._watch or self._rx.frames), awaited=spin_while,
             spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
             arm=self._worker.arm, fd=self._worker.fd, strategy=progress.strategy(progress_mode),
-            on_stall=self._excuse_stall, on_start=self._progress_started)
+            on_stall=self._liveness.excuse_stall, on_start=self._progress_started)
 
     # ------------------------------------------------------------------ API
 
     def start(self) -> None:
-        self._lifelines.start()
+        self._liveness.start()
         self._loop.start()
 
     def add_peer(self, peer_id: int, name: str, address: bytes,
@@ -170,7 +171,7 @@ class Transport:
             pipe.peer_max_frame = max_frame_bytes
         self._pipes[peer_id] = pipe
         if old is not None:
-            self._lifelines.forget(old)
+            self._liveness.forget(old)
             with old.lock:
                 old.out_state = OutState.CLOSED  # its endpoint dies with the process
 
@@ -180,7 +181,7 @@ class Transport:
         is found at once, one we never talked to included."""
         pipe = self._pipes.get(peer_id)
         if pipe is not None:
-            self._watch_lifeline(pipe)
+            self._liveness.watch(pipe)
 
     def peer_ids(self) -> list[int]:
         return list(self._pipes)
@@ -239,7 +240,7 @@ class Transport:
                 "transports": sorted(transports),
                 "lanes": [{"transport": t, "device": d} for t, d in lanes],
                 "cuda_path": cuda_path(pipe.direct, transports).value,
-                "lifeline": self._lifeline_state(pipe),
+                "lifeline": self._liveness.state(pipe),
                 "messages_sent": pipe.sent, "messages_received": pipe.received,
             })
         return out
@@ -250,6 +251,7 @@ class Transport:
         if self._closing:
             return
         self._closing = True
+        self._liveness.begin_close()
         self._loop.stop()
         for pipe in self._pipes.values():
             with pipe.lock:
@@ -265,9 +267,9 @@ class Transport:
             self._worker.progress()
         # After the last replies went out: a peer told we shut down fails
         # whatever it still waits for from us.
-        self._lifelines.close()
+        self._liveness.close_lifelines()
         self._worker.close()
-        self._queue.close()
+        self._liveness.close()
         self.pool.clear()
         self._loop.close()
 
@@ -275,12 +277,6 @@ class Transport:
 
     def _send_failed(self, pipe: Pipe, err: BaseException) -> None:
         self._call_soon(functools.partial(self._break, pipe, err))
-
-    def _send_handshake(self, pipe: Pipe, kind: Kind, payload: bytes) -> None:
-        frame, _ = encode(kind, 0, payload, [], b"", self.limits)
-        ep = self._endpoint(pipe)
-        req = ep.tag_send(frame, kind_base(HANDSHAKE, self.my_id))
-        self._watch.append((req, pipe))
 
     def _endpoint(self, pipe: Pipe) -> Endpoint:
         if pipe.ep is None:
@@ -292,51 +288,17 @@ class Transport:
         return pipe.ep
 
     def _start_handshake(self, pipe: Pipe) -> None:
-        self._watch_lifeline(pipe)
+        self._liveness.watch(pipe)
         try:
             self._endpoint(pipe)
-            if pipe.fifo and self._queue.stuck:
+            if pipe.fifo and self._liveness.stuck:
                 # Its answers would come through our stuck receive queue.
-                raise BrokenError(self._queue.stuck)
-            self._send_handshake(pipe, Kind.HELLO, handshake.hello(pipe, self.my_id))
+                raise BrokenError(self._liveness.stuck)
+            self._handshake.start(pipe)
         except Exception as exc:
             self._break(pipe, exc)
 
-    def _watch_lifeline(self, pipe: Pipe) -> None:
-        if pipe.lifeline is None or pipe.watched or self._closing:
-            return
-        pipe.watched = True
-        try:
-            self._lifelines.watch(pipe, pipe.name, pipe.lifeline,
-                                  functools.partial(self._lifeline_cut, pipe))
-        except ValueError as exc:
-            logger.warning("no lifeline to %s: %s", pipe.name, exc)
-
-    def _lifeline_cut(self, pipe: Pipe, reason: str, orderly: bool) -> None:
-        # On the lifeline thread, not the progress thread: the verdict must
-        # not wait for a loop that may itself be held up.
-        self._break(pipe, BrokenError(reason), orderly=orderly)
-
-    def _lifeline_state(self, pipe: Pipe) -> str:
-        if pipe.lifeline is None:
-            return LineState.NONE.value
-        state = self._lifelines.state(pipe)
-        return "not connected" if state is None else state.value
-
-    # ----------------------------------------------------------- handshake
-
-    def _open(self, pipe: Pipe, key: bytes) -> None:
-        """Our direction is authenticated: send what waited for it."""
-        with pipe.lock:
-            pipe.out_key = key
-            pipe.out_state = OutState.OPEN
-            backlog, pipe.backlog = pipe.backlog, []
-            for payload, buffers, kind, hint, devices in backlog:
-                try:
-                    self._sender.send(pipe, payload, buffers, kind, hint, devices)
-                except FrameError as exc:
-                    logger.error("message to %s not sent: %s", pipe.name, exc)
-        logger.debug("pipe to %s open", pipe.name)
+    # --------------------------------------------------------------- peers
 
     def _adopt(self, sender: int, pipe: Pipe | None) -> Pipe | None:
         """A handshake from a worker we do not know, or from a new
@@ -352,32 +314,6 @@ class Transport:
         if found is not None:
             self.add_peer(sender, *found)
         return self._pipes.get(sender)
-
-    def _on_handshake(self, pipe: Pipe, frame: Frame) -> None:
-        """A handshake frame from ``pipe``'s peer (the receiver counts what
-        this raises)."""
-        try:
-            self._handshake_step(pipe, frame)
-        except AuthenticationError as exc:
-            # Our HELLO was answered by something that cannot prove the
-            # secret: nothing we queued for this peer can ever go.
-            if pipe.out_state is OutState.HELLO_SENT:
-                self._break(pipe, exc)
-            raise
-
-    def _handshake_step(self, pipe: Pipe, frame: Frame) -> None:
-        if frame.kind is Kind.HELLO:
-            self._send_handshake(pipe, Kind.CHALLENGE, handshake.challenge(
-                pipe, frame.payload, self._secret, self.my_id))
-        elif frame.kind is Kind.CHALLENGE:
-            proof, key = handshake.prove(pipe, frame.payload, self._secret, self.my_id)
-            self._send_handshake(pipe, Kind.PROOF, proof)  # before the backlog
-            self._open(pipe, key)
-        elif frame.kind is Kind.PROOF:
-            handshake.accept(pipe, frame.payload, self._secret, self.my_id)
-            logger.debug("pipe from %s authenticated", pipe.name)
-        else:
-            raise FrameError(f"a {frame.kind.name} frame on the handshake tag")
 
     # ------------------------------------------------------------ the loop
 
@@ -421,14 +357,6 @@ class Transport:
             self._tasks.popleft()()
         return True
 
-    def _excuse_stall(self, seconds: float, now: float) -> None:
-        """Move the canary's clock on by ``seconds`` we were not listening,
-        so a stall of ours is not taken for a stuck receive queue."""
-        log = logger.warning if seconds > canary.WAIT_S / 2 else logger.debug
-        log("progress thread stalled for %.1f s (machine overloaded, or the GIL or a "
-            "callback held it)", seconds)
-        self._queue.excuse(seconds, now)
-
     def _turn(self) -> bool:
         """One turn of the progress loop after ``worker.progress()``:
         whether it handled anything."""
@@ -440,8 +368,8 @@ class Transport:
         busy = self._run_tasks()
         busy = self._rx.poll() or busy
         busy = self._poll_requests() or busy
-        if self._queue.state is canary.CheckState.WAITING:
-            self._queue.poll()
+        if self._liveness.checking:
+            self._liveness.poll()
             busy = True
         return busy
 
@@ -482,17 +410,6 @@ class Transport:
 
     # ------------------------------------------------------------- failure
 
-    def _check_queue(self, cause: str) -> None:
-        if not self._closing:
-            self._queue.start(cause)
-
-    def _queue_stuck(self, reason: str) -> None:
-        """Our shared-memory receive queue is stuck (canary.py): every pipe
-        whose peer reaches us through it is broken for good."""
-        for pipe in list(self._pipes.values()):
-            if pipe.fifo:  # open, or still waiting for its handshake's answer
-                self._break(pipe, BrokenError(reason))
-
     def _break(self, pipe: Pipe, exc: BaseException, orderly: bool = False) -> None:
         """Fail ``pipe`` for good (once; any thread).  ``orderly``: the peer
         shut down, nothing went wrong."""
@@ -511,7 +428,7 @@ class Transport:
         # A peer that may have died mid-copy into our shared-memory receive
         # queue; one that shut down was not copying anything.
         if pipe.fifo is not False and not orderly and not isinstance(exc, ClosedError):
-            self._call_soon(functools.partial(self._check_queue, pipe.name))
+            self._call_soon(functools.partial(self._liveness.check_queue, pipe.name))
         try:
             self._on_broken(pipe.peer_id, self._pipe_error(pipe))
         except Exception:
@@ -539,6 +456,5 @@ class Transport:
         return {"refused_frames": self._rx.refused, "frame_errors": self._rx.frame_errors,
                 **self._sender.stats(),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
-                "fifo_checks": self._queue.checks, "fifo_stuck": self._queue.stuck,
-                "lifeline_cuts": self._lifelines.cuts, "progress": self._loop.info(),
+                **self._liveness.stats(), "progress": self._loop.info(),
                 "cuda_context": self.cuda_context}

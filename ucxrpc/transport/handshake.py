@@ -1,4 +1,5 @@
-"""The handshake's steps on one pipe: what each frame changes, what goes back.
+"""The handshake: what each frame changes on a pipe, what goes back, and
+the pipe opening once our direction is proved.
 
 :mod:`.auth` defines the messages and their MACs; this module keeps the
 per-pipe protocol state on :class:`.pipe.Pipe`:
@@ -9,17 +10,27 @@ per-pipe protocol state on :class:`.pipe.Pipe`:
   few nonces, so a forged HELLO cannot spoil a genuine one in progress),
   :func:`accept` checks the PROOF and authenticates the pipe.
 
-Every check that fails raises :class:`AuthenticationError` naming the peer;
-nothing here sends or receives (the engine does).
+Every check that fails raises :class:`AuthenticationError` naming the peer.
+These steps are pure; :class:`Handshake` sends what they return, and opens
+a pipe (its backlog then goes) when our direction is proved.
 """
 
 from __future__ import annotations
 
-from ..errors import AuthenticationError
-from . import auth
-from .pipe import OutState, Pipe
+import logging
+from collections.abc import Callable
 
-__all__ = ["accept", "challenge", "hello", "prove"]
+from ..errors import AuthenticationError, FrameError
+from . import auth
+from .frame import Frame, Kind, Limits, encode
+from .pipe import OutState, Pipe
+from .send import Sender
+from .tags import HANDSHAKE, kind_base
+from .ucx import Endpoint, Request
+
+__all__ = ["Handshake", "accept", "challenge", "hello", "prove"]
+
+logger = logging.getLogger(__name__)
 
 #: Handshakes answered and not yet proved, per pipe.
 PENDING = 8
@@ -67,3 +78,79 @@ def accept(pipe: Pipe, payload: memoryview, secret: bytes, my_id: int) -> None:
     pipe.in_nonces.clear()
     pipe.in_key = auth.session_key(secret, x, y, nx, ny)
     pipe.in_seq = 0
+
+
+class Handshake:
+    """Runs the handshake on one transport's pipes.
+
+    Args:
+        my_id, secret, limits: this worker's.
+        sender: sends a pipe's backlog once the pipe opens.
+        endpoint: the pipe's endpoint, made on first use.
+        watch: where a handshake frame's send goes for the loop to watch.
+        fail: ``(pipe, error)`` breaks a pipe.
+    """
+
+    def __init__(self, *, my_id: int, secret: bytes, limits: Limits, sender: Sender,
+                 endpoint: Callable[[Pipe], Endpoint], watch: list[tuple[Request, object]],
+                 fail: Callable[[Pipe, BaseException], None]) -> None:
+        self._my_id = my_id
+        self._secret = secret
+        self._limits = limits
+        self._sender = sender
+        self._endpoint = endpoint
+        self._watch = watch
+        self._fail = fail
+        self._tag = kind_base(HANDSHAKE, my_id)
+
+    def start(self, pipe: Pipe) -> None:
+        """Send our HELLO (the pipe is HELLO_SENT already)."""
+        self._send(pipe, Kind.HELLO, hello(pipe, self._my_id))
+
+    def on_frame(self, pipe: Pipe, frame: Frame) -> None:
+        """A handshake frame from ``pipe``'s peer.
+
+        Raises:
+            AuthenticationError: it proves nothing (the receiver counts it).
+            FrameError: it is no handshake frame.
+        """
+        try:
+            self._step(pipe, frame)
+        except AuthenticationError as exc:
+            # Our HELLO was answered by something that cannot prove the
+            # secret: nothing we queued for this peer can ever go.
+            if pipe.out_state is OutState.HELLO_SENT:
+                self._fail(pipe, exc)
+            raise
+
+    def _step(self, pipe: Pipe, frame: Frame) -> None:
+        if frame.kind is Kind.HELLO:
+            self._send(pipe, Kind.CHALLENGE, challenge(pipe, frame.payload, self._secret,
+                                                       self._my_id))
+        elif frame.kind is Kind.CHALLENGE:
+            proof, key = prove(pipe, frame.payload, self._secret, self._my_id)
+            self._send(pipe, Kind.PROOF, proof)  # before the backlog
+            self._open(pipe, key)
+        elif frame.kind is Kind.PROOF:
+            accept(pipe, frame.payload, self._secret, self._my_id)
+            logger.debug("pipe from %s authenticated", pipe.name)
+        else:
+            raise FrameError(f"a {frame.kind.name} frame on the handshake tag")
+
+    def _send(self, pipe: Pipe, kind: Kind, payload: bytes) -> None:
+        frame, _ = encode(kind, 0, payload, [], b"", self._limits)
+        req = self._endpoint(pipe).tag_send(frame, self._tag)
+        self._watch.append((req, pipe))
+
+    def _open(self, pipe: Pipe, key: bytes) -> None:
+        """Our direction is authenticated: send what waited for it."""
+        with pipe.lock:
+            pipe.out_key = key
+            pipe.out_state = OutState.OPEN
+            backlog, pipe.backlog = pipe.backlog, []
+            for payload, buffers, kind, hint, devices in backlog:
+                try:
+                    self._sender.send(pipe, payload, buffers, kind, hint, devices)
+                except FrameError as exc:
+                    logger.error("message to %s not sent: %s", pipe.name, exc)
+        logger.debug("pipe to %s open", pipe.name)
