@@ -63,7 +63,7 @@ def _set(a: np.ndarray, i: int, v: int) -> np.ndarray:
     return b
 
 
-@pytest.mark.parametrize("count", [1, 20])  # the per-struct and the numpy decoder
+@pytest.mark.parametrize("count", [1, 20])  # the per-struct and the numpy coders
 def test_inline_offsets_outside_the_frame_are_refused(count):
     frame, _ = encode(Kind.MESSAGE, 3, b"p", _bufs(*([8] * count)), b"", Limits())
     off = 20 + 24 * (count - 1) + 8  # the last descriptor's inline_offset field
@@ -179,7 +179,7 @@ def test_options_validation():
 from ucxrpc.transport.frame import PACK, PACKED, STAGED  # noqa: E402
 
 
-@pytest.mark.parametrize("extra", [0, 12])  # the per-struct and the numpy decoder
+@pytest.mark.parametrize("extra", [0, 12])  # the per-struct and the numpy coders
 def test_staged_and_packed_descriptors_round_trip(extra):
     pack = 3 + extra  # packs come after every ordinary buffer
     bufs = ([(5 << 20, None, 0), (100, None, 0), (28, None, 0)] + _bufs(*([8] * extra))
