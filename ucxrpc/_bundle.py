@@ -9,9 +9,7 @@ after the dump, and each such tensor pickles as ``_rebuild_bundled(slot)``.
 The receiver cuts every buffer with one ``split`` (:func:`unpack`), before
 the pickle stream is read, so each rebuild call is a list look-up.
 
-Bundled, from the message's second such tensor on (one alone gains
-nothing from a bundle and pays its table and copy): a CPU tensor of at
-most :data:`MAX_TENSOR_BYTES` that is all of
+Bundled: a CPU tensor of at most :data:`MAX_TENSOR_BYTES` that is all of
 its storage, contiguous, and the only tensor using that storage (a storage
 shared by several tensors keeps the per-storage path, which makes it arrive
 shared), while the message's bundle stays under :data:`MAX_TOTAL_BYTES` (the

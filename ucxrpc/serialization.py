@@ -21,9 +21,9 @@ What goes out of band:
 Sparse, quantized, nested and other exotic tensors fall back to torch's own
 pickling (correct, not zero-copy).
 
-Small host tensors are the exception to zero-copy: from a message's second
-on, copied into one buffer per dtype (a *bundle*, :mod:`ucxrpc._bundle`),
-they cost the transport one buffer instead of one each.
+Small host tensors are the exception to zero-copy: copied into one buffer
+per dtype (a *bundle*, :mod:`ucxrpc._bundle`), they cost the transport one
+buffer instead of one each.
 
 Wire forms: a plain 1-D tensor that is all of its storage (the common case)
 travels as ``_rebuild_vector(buffer, code, numel)``, ``code`` packing a dtype
@@ -222,7 +222,6 @@ class _MessagePickler(pickle.Pickler):
         self._hook = serializer._hook
         self._bundling = serializer.bundle
         self._pack: _bundle.Packer | None = None
-        self._small = False  # a small host tensor was seen (see reducer_override)
         if self._hook is not None or self._dispatch:
             # pickle reads this attribute once, here: without extensions the
             # per-object call goes straight to the tensor code.
@@ -255,7 +254,6 @@ class _MessagePickler(pickle.Pickler):
             self.clear_memo()  # do not keep the message's objects alive
             self._chunks = []
             self._pack = None
-            self._small = False
             self.buffers = []
             self._storage_index = {}
             self._capture = None
@@ -315,13 +313,9 @@ class _MessagePickler(pickle.Pickler):
             if (whole and _bundle.exclusive(storage) or not whole
                     and _compacted(storage_bytes, nbytes)) and t.is_contiguous():
                 pack = self._pack
-                if pack is None and self._small:
+                if pack is None:
                     pack = self._pack = _bundle.Packer()
-                # The message's first small tensor goes as its own buffer:
-                # a bundle of one costs its table, a copy and the cutting
-                # (~9 µs), for a message that is one buffer either way.
-                self._small = True
-                slot = pack.add(t, nbytes, code, itemsize) if pack is not None else -1
+                slot = pack.add(t, nbytes, code, itemsize)
                 if slot >= 0:
                     flags = self._grad_flag(t) if t.requires_grad else 0
                     if cls is _Parameter:

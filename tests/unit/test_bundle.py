@@ -69,8 +69,7 @@ def test_every_dtype_and_shape_travels_in_one_buffer_per_dtype(misalign):
         msg[name + "-vec"] = _sample(dtype).reshape(-1).clone()  # 1-D
         msg[name + "-scalar"] = _sample(dtype).reshape(-1)[4].clone()  # 0-D
     back, p = _roundtrip(msg, misalign)
-    # The first small tensor travels alone (test_a_lone_small_tensor_...).
-    assert len(p.buffers) == 1 + len(ALL_DTYPES), [b.numel() for b in p.buffers]
+    assert len(p.buffers) == len(ALL_DTYPES), [b.numel() for b in p.buffers]
     for k, v in msg.items():
         assert _same(back[k], v), k
         assert back[k].is_leaf and not back[k].requires_grad and back[k]._base is None, k
@@ -84,7 +83,6 @@ def test_views_zero_size_and_large_tensors_mixed():
     base = torch.arange(10_000.0)               # 40 KB storage
     msg = {
         "big": big,
-        "first": torch.zeros(2),                # the first small tensor: alone
         "slice": base[100:200],                 # compacted by torch's rule: bundled
         "empty": torch.empty(0),                # no bytes at all
         "empty2d": torch.empty(0, 4, dtype=torch.int64),
@@ -124,16 +122,9 @@ def test_the_same_tensor_twice_arrives_as_one():
     assert back[0] is back[1]
 
 
-def test_a_lone_small_tensor_travels_as_its_own_buffer():
-    t = torch.arange(3.0)
-    p = SER.dumps({"t": t, "x": 1})
-    assert not p.payload.startswith(_bundle.MARK) and len(p.buffers) == 1
-    assert torch.equal(SER.loads(p.payload, _wire(p))["t"], t)
-
-
-def test_bundled_bytes_are_taken_at_dumps():
+def test_bytes_are_taken_at_dumps():
     t = torch.zeros(4)
-    p = SER.dumps({"first": torch.ones(1), "t": t})
+    p = SER.dumps({"t": t})
     t.fill_(7)
     assert torch.equal(SER.loads(p.payload, _wire(p))["t"], torch.zeros(4))
 
@@ -158,7 +149,7 @@ def test_a_bundle_is_capped_and_the_rest_go_as_their_own_buffers():
     n = _bundle.MAX_TOTAL_BYTES // (64 << 10) + 3
     msg = [torch.full((16 << 10,), float(i)) for i in range(n)]  # 64 KiB each
     back, p = _roundtrip(msg)
-    assert len(p.buffers) == 4  # the first alone, two over the cap, then the bundle
+    assert len(p.buffers) == 4  # three over the cap, then the bundle
     assert p.buffers[-1].numel() == _bundle.MAX_TOTAL_BYTES
     assert all(torch.equal(a, b) for a, b in zip(back, msg))
 
@@ -166,9 +157,9 @@ def test_a_bundle_is_capped_and_the_rest_go_as_their_own_buffers():
 def test_an_echo_bundles_again():
     msg = {f"t{i}": torch.full((1024,), float(i)) for i in range(100)}
     back, p = _roundtrip(msg)
-    assert len(p.buffers) == 2  # the first alone, then the bundle
+    assert len(p.buffers) == 1
     again = SER.dumps(back)  # slices of one received bundle, as an echo sends
-    assert len(again.buffers) == 2 and again.buffers[1].numel() == 99 * 4096
+    assert len(again.buffers) == 1 and again.buffers[0].numel() == 100 * 4096
     out = SER.loads(again.payload, _wire(again))
     assert all(torch.equal(out[k], msg[k]) for k in msg)
 
@@ -250,7 +241,7 @@ def test_a_bundle_buffer_is_not_a_regular_one():
 def test_groups_past_torchs_serial_copy_bound_are_gathered_right():
     # Runs of small tensors and tensors alone past 32768 elements, one dtype.
     sizes = [100, 40_000, 7, 30_000, 5_000, 65_536, 1, 20_000, 20_000]
-    msg = [torch.zeros(1)] + [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
-    back, p = _roundtrip(msg)  # the first tensor alone, then the one group
-    assert len(p.buffers) == 2 and p.buffers[1].numel() == sum(sizes)
+    msg = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    back, p = _roundtrip(msg)
+    assert len(p.buffers) == 1 and p.buffers[0].numel() == sum(sizes)
     assert all(torch.equal(a, b) for a, b in zip(back, msg))
