@@ -146,10 +146,9 @@ def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = 
 
 
 def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None,
-          kwargs: dict[str, Any] | None, timeout: float, waited: bool = False
-          ) -> torch.futures.Future:
+          kwargs: dict[str, Any] | None, timeout: float) -> torch.futures.Future:
     return agent.call(agent.members.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
-                      timeouts.for_call(timeout, agent.default_timeout), waited=waited)
+                      timeouts.for_call(timeout, agent.default_timeout))
 
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
@@ -159,7 +158,9 @@ def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = N
     exception with its own type, the remote traceback in its message).
     ``timeout`` as :func:`rpc_async`'s."""
     agent = _current()
-    return agent.wait(_call(agent, to, func, args, kwargs, timeout, waited=True))
+    return agent.wait(agent.call(agent.members.resolve(to), func, tuple(args or ()),
+                                 dict(kwargs or {}),
+                                 timeouts.for_call(timeout, agent.default_timeout), waited=True))
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

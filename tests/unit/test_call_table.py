@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
-from ucxrpc.agent.calls import CallTable
+from ucxrpc.agent.calls import CallTable, SyncReply
 from ucxrpc.errors import BrokenError, ClosedError, RpcTimeoutError
 
 
@@ -64,3 +65,39 @@ def test_close_fails_what_is_left() -> None:
     t.close(ClosedError("agent shut down"))
     with pytest.raises(ClosedError, match="agent shut down"):
         fut.wait()
+
+
+def test_an_rpc_sync_reply_slot_gives_its_value_or_raises_its_error(table: CallTable) -> None:
+    ok, bad = SyncReply(), SyncReply()
+    table.add(1, ok, peer=3, waited=True)
+    table.add(2, bad, peer=3, waited=True)
+    assert not ok.done()
+    call = table.pop(1)
+    assert call is not None
+    table.complete(call, value={"x": 1})
+    assert ok.done() and ok.wait() == {"x": 1}
+    err = BrokenError("worker w3 is unreachable")
+    table.fail(2, err)
+    with pytest.raises(BrokenError) as info:
+        bad.wait()
+    assert info.value is err and len(table) == 0
+
+
+def test_an_rpc_sync_reply_slot_blocks_its_waiter_until_it_is_set() -> None:
+    slot = SyncReply()
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(slot.wait()))
+    waiter.start()
+    _wait(lambda: slot._event is not None, "the waiter to block")
+    assert waiter.is_alive() and not got
+    slot.set_result(42)
+    waiter.join(10)
+    assert not waiter.is_alive() and got == [42]
+
+
+def test_an_rpc_sync_reply_slot_fails_at_its_deadline(table: CallTable) -> None:
+    slot = SyncReply()
+    table.add(1, slot, peer=3, waited=True)
+    table.arm(1, 0.05)
+    with pytest.raises(RpcTimeoutError, match="RPC ran for more than set timeout"):
+        slot.wait()  # woken by the timer thread

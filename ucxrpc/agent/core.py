@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal, overload
 
 import torch
 
@@ -25,7 +25,7 @@ from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
 from ..serialization import Serializer
 from ..transport import Limits, Transport
-from .calls import CallFuture, CallTable
+from .calls import CallFuture, CallTable, SyncReply
 from .hooks import Hooks
 from .info import WorkerInfo
 from .members import Members
@@ -263,14 +263,25 @@ class RpcAgent:
 
     # -------------------------------------------------------------- calling
 
+    @overload
+    def call(self, to: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any], timeout: timeouts.Seconds,
+             waited: Literal[False] = False) -> torch.futures.Future: ...
+
+    @overload
+    def call(self, to: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any], timeout: timeouts.Seconds,
+             waited: bool) -> torch.futures.Future | SyncReply: ...
+
     def call(self, to: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any], timeout: timeouts.Seconds, waited: bool = False
-             ) -> torch.futures.Future:
+             ) -> torch.futures.Future | SyncReply:
         """Send ``func(*args, **kwargs)`` to ``to``; the future gets the result.
 
         ``timeout`` in seconds, None for none (:mod:`ucxrpc.timeouts`).  ``waited``: the caller waits
         for the reply with :meth:`wait` at once, which progresses the
-        transport itself, so the progress thread is not woken for it.
+        transport itself, so the progress thread is not woken for it; the
+        reply then lands in a :class:`SyncReply` where it can.
         Pickling errors raise here with their own type; transport errors
         raise as :class:`RpcError`.
         """
@@ -282,7 +293,9 @@ class RpcAgent:
             if wrapped is not None:
                 func, args, kwargs, finish = wrapped
         pickled = self.dumps_for(to.id, (func, args, kwargs))
-        fut = CallFuture(self.devices)
+        fut: torch.futures.Future | SyncReply = (
+            SyncReply() if waited and finish is None and not self.devices
+            else CallFuture(self.devices))
         msg_id = next(self._ids)
         self.counters["calls_sent"] += 1
         if self.members.is_broken(to.id):
@@ -300,7 +313,10 @@ class RpcAgent:
             raise
         if timeout is not None:
             self.calls.arm(msg_id, timeout)
-        return fut if finish is None else finish(fut)
+        if finish is None:
+            return fut
+        assert isinstance(fut, torch.futures.Future)  # as made above for a wrapper
+        return finish(fut)
 
     def _spin_while(self) -> bool:
         """Whether the progress thread may keep polling while idle.
@@ -333,7 +349,7 @@ class RpcAgent:
         devices.settle(copies)
         self._on_message(self.info.id, memoryview(payload), copies)
 
-    def wait(self, fut: torch.futures.Future) -> Any:
+    def wait(self, fut: torch.futures.Future | SyncReply) -> Any:
         """``fut.wait()`` that lets the pool replace a thread blocked here,
         and that handles the reply on this thread while polling pays."""
         with self._pool.blocking():
