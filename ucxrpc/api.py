@@ -6,7 +6,7 @@ import enum
 import logging
 import os
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 import torch
 
@@ -15,6 +15,9 @@ from .agent import RpcAgent, WorkerInfo, check_name
 from .errors import RpcError
 from .functions import _plain
 from .options import UcxRpcBackendOptions
+
+if TYPE_CHECKING:
+    from .agent.calls import SyncReply
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +148,23 @@ def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = 
     return _call(_current(), to, func, args, kwargs, timeout)
 
 
+@overload
 def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None,
-          kwargs: dict[str, Any] | None, timeout: float) -> torch.futures.Future:
+          kwargs: dict[str, Any] | None, timeout: float,
+          waited: Literal[False] = False) -> torch.futures.Future: ...
+
+
+@overload
+def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None,
+          kwargs: dict[str, Any] | None, timeout: float,
+          waited: bool) -> torch.futures.Future | SyncReply: ...
+
+
+def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None,
+          kwargs: dict[str, Any] | None, timeout: float, waited: bool = False
+          ) -> torch.futures.Future | SyncReply:
     return agent.call(agent.members.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
-                      timeouts.for_call(timeout, agent.default_timeout))
+                      timeouts.for_call(timeout, agent.default_timeout), waited=waited)
 
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
@@ -158,9 +174,7 @@ def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = N
     exception with its own type, the remote traceback in its message).
     ``timeout`` as :func:`rpc_async`'s."""
     agent = _current()
-    return agent.wait(agent.call(agent.members.resolve(to), func, tuple(args or ()),
-                                 dict(kwargs or {}),
-                                 timeouts.for_call(timeout, agent.default_timeout), waited=True))
+    return agent.wait(_call(agent, to, func, args, kwargs, timeout, waited=True))
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

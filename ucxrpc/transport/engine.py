@@ -368,10 +368,7 @@ class Transport:
         busy = self._run_tasks()
         busy = self._rx.poll() or busy
         busy = self._poll_requests() or busy
-        if self._liveness.checking:
-            self._liveness.poll()
-            busy = True
-        return busy
+        return self._liveness.poll() or busy
 
     def wake(self) -> None:
         """Make the progress thread poll again now if it sleeps (cheap when

@@ -93,13 +93,13 @@ class Liveness:
         """Why our receive queue is stuck, or None."""
         return self._queue.stuck
 
-    @property
-    def checking(self) -> bool:
-        """Whether a check waits for its canary (the loop polls it)."""
-        return self._queue.state is canary.CheckState.WAITING
-
-    def poll(self) -> None:
+    def poll(self) -> bool:
+        """Look for the canary while a check waits for it (on the loop);
+        whether one does (the loop keeps turning until it comes)."""
+        if self._queue.state is not canary.CheckState.WAITING:
+            return False
         self._queue.poll()
+        return True
 
     def check_queue(self, cause: str) -> None:
         """A peer may have died mid-copy into our queue: check it (on the loop)."""
