@@ -8,7 +8,9 @@ the message actually carried before viewing them.
 
 from __future__ import annotations
 
+import io
 import logging
+import pickle
 import threading
 from collections.abc import Sequence
 from typing import Any, cast
@@ -144,6 +146,46 @@ def _rebuild_bundled(slot: int, flags: int = 0) -> torch.Tensor:
         raise SerializationError(f"tensor {number} names bundle slot {slot!r} of {len(bundled)}")
     t = bundled[slot]
     return _finish(t, flags, None, number) if flags else t
+
+
+def _bundled_slot(slot: int) -> torch.Tensor:
+    """Pickle's rebuild call for a bundled tensor with no flags.
+
+    :class:`BundleUnpickler` resolves this name to its message's slot table
+    instead, so the call costs a dict look-up in C, not a Python frame and
+    the loader's bookkeeping (0.14 µs a tensor, 14 µs a message of 100);
+    this function serves any other unpickler.
+    """
+    return _rebuild_bundled(slot)
+
+
+class _Slots(dict[int, torch.Tensor]):
+    """Bundled tensors by slot; a slot the table lacks is refused by name
+    (a list would take -1 as its last slot)."""
+
+    __slots__ = ()
+
+    def __missing__(self, slot: object) -> torch.Tensor:
+        raise SerializationError(f"a tensor names bundle slot {slot!r} of {len(self)}")
+
+
+class BundleUnpickler(pickle.Unpickler):
+    """Reads a bundled message's pickle stream (see :func:`_bundled_slot`).
+
+    Bundled tensors with no flags are not counted in ``_Loader.ntensors``,
+    so the tensor numbers in errors count the other tensors only.
+    """
+
+    def __init__(self, stream: memoryview, loader: _Loader,
+                 bundled: Sequence[torch.Tensor]) -> None:
+        super().__init__(io.BytesIO(stream), buffers=loader)
+        self._take = _Slots(enumerate(bundled)).__getitem__
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Called once per distinct global in a message (pickle memoizes them).
+        if name == "_bundled_slot" and module == __name__:
+            return self._take
+        return super().find_class(module, name)
 
 
 def _rebuild_tensor(index: int, offset: int, dtype: str, shape: tuple[int, ...],

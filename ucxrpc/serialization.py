@@ -58,8 +58,9 @@ import torch
 
 from . import _bundle
 from ._tensor_codec import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER,
-                            _REQUIRES_GRAD, GradCapture, _Loader, _device_name, _dtype_name,
-                            _rebuild_bundled, _rebuild_capture, _rebuild_sparse_coo,
+                            _REQUIRES_GRAD, BundleUnpickler, GradCapture, _bundled_slot,
+                            _Loader, _device_name, _dtype_name, _rebuild_bundled,
+                            _rebuild_capture, _rebuild_sparse_coo,
                             _rebuild_tensor, _rebuild_vector)
 from .errors import SerializationError
 
@@ -90,6 +91,7 @@ _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
 _SPARSE_COO = torch.sparse_coo
 _UINT8 = torch.uint8
+_storage_uses = _bundle.storage_uses
 
 Reducer = Callable[[Any], Any]
 
@@ -287,40 +289,47 @@ class _MessagePickler(pickle.Pickler):
         t = obj
         dtype = t.dtype
         spec = _DTYPE_CODES.get(dtype)  # None for quantized and rare dtypes
-        if spec is None or t.layout is not _STRIDED or t.is_nested or t.__dict__ or t.is_neg():
+        if spec is None or t.layout is not _STRIDED or t.is_nested or t.__dict__:
             return self._reduce_tensor(t)
         code, itemsize = spec
-        if t.is_cpu:
+        nbytes = t.nbytes
+        cpu = t.is_cpu
+        if cpu and 0 < nbytes <= _bundle.MAX_TENSOR_BYTES and self._bundling:
+            # Bundled: its own storage, or a view that torch's rule would
+            # send as a compact copy anyway (a slice of a received bundle,
+            # say); either way nothing else in the message shares its bytes.
+            # The bundle's cat writes values, so lazy negation and
+            # conjugation and zero tensors need no check here; an empty
+            # tensor has nothing to bundle.
+            storage = t.untyped_storage()
+            storage_bytes = storage.nbytes()
+            if (_storage_uses(storage._cdata) == 2 if storage_bytes == nbytes
+                    else _compacted(storage_bytes, nbytes)) and t.is_contiguous():
+                pack = self._pack
+                if pack is None:
+                    pack = self._pack = _bundle.Packer()
+                slot = pack.add(t, nbytes, code)
+                if slot >= 0:
+                    if t.requires_grad:
+                        flags = self._grad_flag(t) | (_PARAMETER if cls is _Parameter else 0)
+                        return (_rebuild_bundled, (slot, flags))
+                    if cls is _Parameter:
+                        return (_rebuild_bundled, (slot, _PARAMETER))
+                    return (_bundled_slot, (slot,))
+        if cpu:
             device = -1
         elif t.is_cuda:
             device = t.get_device()
             self.cuda = True
         else:
             return self._reduce_tensor(t)
-        if code in _COMPLEX_CODES and t.is_conj():
+        if t.is_neg() or code in _COMPLEX_CODES and t.is_conj():
             return self._reduce_tensor(t)
-        nbytes = t.nbytes
         ptr = t.data_ptr()  # null for a ZeroTensor (it has no bytes) and empty ones
         if not ptr:
             return self._reduce_tensor(t)
         storage = t.untyped_storage()
-        storage_bytes = storage.nbytes()
-        whole = storage_bytes == nbytes
-        if device < 0 and nbytes <= _bundle.MAX_TENSOR_BYTES and self._bundling:
-            # Bundled: its own storage, or a view that torch's rule would
-            # send as a compact copy anyway (a slice of a received bundle,
-            # say); either way nothing else in the message shares its bytes.
-            if (whole and _bundle.exclusive(storage) or not whole
-                    and _compacted(storage_bytes, nbytes)) and t.is_contiguous():
-                pack = self._pack
-                if pack is None:
-                    pack = self._pack = _bundle.Packer()
-                slot = pack.add(t, nbytes, code, itemsize)
-                if slot >= 0:
-                    flags = self._grad_flag(t) if t.requires_grad else 0
-                    if cls is _Parameter:
-                        flags |= _PARAMETER
-                    return (_rebuild_bundled, (slot, flags) if flags else (slot,))
+        whole = storage.nbytes() == nbytes
         if not whole:
             return self._reduce_tensor(t)
         # A stride-1 vector as large as its storage starts at offset 0.
@@ -493,15 +502,20 @@ class Serializer:
         if len(buffers) > self.max_buffers:
             raise SerializationError(f"message has {len(buffers)} buffers; the limit is "
                                      f"{self.max_buffers}")
+        unpickler = None
         if payload[:1] == _bundle.MARK:
-            payload, bundled, nbundles = _bundle.unpack(payload, buffers)
+            stream, bundled, nbundles = _bundle.unpack(payload, buffers)
             loader = _Loader(buffers, bundled, nbundles)
+            unpickler = BundleUnpickler(stream, loader, bundled)
         else:
             loader = _Loader(buffers)
         outer = _LOCAL.loader  # loads may nest via __setstate__
         _LOCAL.loader = loader
         try:
-            obj = pickle.loads(payload, buffers=loader)
+            if unpickler is None:
+                obj = pickle.loads(payload, buffers=loader)
+            else:
+                obj = unpickler.load()
         except SerializationError:
             raise
         except Exception as exc:

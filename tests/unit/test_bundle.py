@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ucxrpc import _bundle
-from ucxrpc._tensor_codec import _rebuild_bundled
+from ucxrpc._tensor_codec import _bundled_slot, _rebuild_bundled
 from ucxrpc.errors import SerializationError
 from ucxrpc.serialization import GradCapture, Pickled, Serializer
 
@@ -100,6 +100,35 @@ def test_views_zero_size_and_large_tensors_mixed():
         else:
             assert back[k] == v
     assert back["transposed"].stride() == msg["transposed"].stride()
+
+
+def test_lazy_negation_conjugation_and_zero_tensors_arrive_as_their_values():
+    # A bundle's cat writes what each tensor reads as, so a compacted view
+    # with a lazy bit, or a zero tensor, is bundled like any other; a whole
+    # view of a live base keeps the per-storage path, which resolves them.
+    base = torch.arange(4096.0)                       # 16 KiB: small views compact
+    cplx = torch.complex(torch.arange(4096.0), torch.ones(4096))
+    msg = {
+        "neg-slice": base[10:16]._neg_view(),         # bundled
+        "conj-slice": cplx[5:9].conj(),               # bundled
+        "zero": torch._efficientzerotensor(5),        # bundled: no bytes, all zeros
+        "neg-whole": torch.arange(3.0).clone()._neg_view(),   # per-storage path
+        "conj-whole": cplx[:3].clone().conj(),                # per-storage path
+    }
+    expected = {"neg-slice": -base[10:16], "conj-slice": cplx[5:9].conj_physical(),
+                "zero": torch.zeros(5), "neg-whole": -torch.arange(3.0),
+                "conj-whole": cplx[:3].conj_physical()}
+    assert all(msg[k].is_neg() for k in ("neg-slice", "neg-whole"))
+    assert all(msg[k].is_conj() for k in ("conj-slice", "conj-whole"))
+    assert msg["zero"]._is_zerotensor()
+    back, p = _roundtrip(msg)
+    bundles = p.buffers[-2:]  # float32 and complex64, after the two per-storage buffers
+    assert len(p.buffers) == 4
+    assert [b.numel() for b in bundles] == [(6 + 5) * 4, 4 * 8]
+    for k, want in expected.items():
+        got = back[k]
+        assert not (got.is_neg() or got.is_conj() or got._is_zerotensor()), k
+        assert _same(got, want), (k, got, want)
 
 
 def test_a_storage_shared_within_a_message_still_arrives_shared():
@@ -210,16 +239,19 @@ def test_a_forged_table_is_refused_by_name(payload, buffers, message):
 
 
 class _ForgedSlot:
-    def __init__(self, slot):
-        self.slot = slot
+    def __init__(self, rebuild, slot):
+        self.rebuild, self.slot = rebuild, slot
 
     def __reduce__(self):
-        return (_rebuild_bundled, (self.slot,))
+        return (self.rebuild, (self.slot,))
 
 
+@pytest.mark.parametrize("rebuild", [_bundled_slot, _rebuild_bundled])
 @pytest.mark.parametrize("slot", [1, -1, "0"])
-def test_a_stream_naming_a_slot_the_table_lacks_is_refused(slot):
-    stream = pickle.dumps(_ForgedSlot(slot), protocol=5)
+def test_a_stream_naming_a_slot_the_table_lacks_is_refused(rebuild, slot):
+    # _bundled_slot is resolved to a look-up in the message's slot table,
+    # _rebuild_bundled (a slot with flags) checks the slot itself.
+    stream = pickle.dumps(_ForgedSlot(rebuild, slot), protocol=5)
     payload = _bundled_payload(([_F32], b"\x00", [2], {}), stream)
     with pytest.raises(SerializationError, match="bundle slot"):
         SER.loads(payload, [torch.zeros(8, dtype=torch.uint8)])
