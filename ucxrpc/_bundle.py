@@ -10,14 +10,16 @@ after the dump, and each such tensor pickles as ``_bundled_slot(slot)``
 The receiver cuts every buffer with one ``split`` (:func:`unpack`), before
 the pickle stream is read, so each rebuild call is a dict look-up.
 
-Bundled: a CPU tensor of at most :data:`MAX_TENSOR_BYTES` that is all of
-its storage, contiguous, and the only tensor using that storage (a storage
-shared by several tensors keeps the per-storage path, which makes it arrive
-shared), while the message's bundle stays under :data:`MAX_TOTAL_BYTES` (the
-bytes the transport would have copied into the frame anyway).  The bytes are
-copied at ``dumps``: a bundled tensor changed after ``dumps`` travels as it
-was then.  Received, a bundled tensor is a view of its bundle buffer, as an
-inlined one was a view of the frame.
+Bundled: a non-empty contiguous CPU tensor of at most
+:data:`MAX_TENSOR_BYTES` that is either all of its storage and the only
+tensor using it (a storage shared by several tensors keeps the per-storage
+path, which makes it arrive shared) or a view that torch's rule sends as a
+compact copy, while the message's bundle stays under :data:`MAX_TOTAL_BYTES`
+(the bytes the transport would have copied into the frame anyway).  The
+bytes are copied at ``dumps``: a bundled tensor changed after ``dumps``
+travels as it was then, and a lazily negated, conjugated or zero tensor as
+a plain tensor of its values.  Received, a bundled tensor is a view of its
+bundle buffer, as an inlined one was a view of the frame.
 
 Wire form: the payload starts with :data:`MARK` (a pickle stream starts with
 ``0x80``), a u32 table length, the table (a pickle of plain lists: per
