@@ -111,7 +111,7 @@ def test_lazy_negation_conjugation_and_zero_tensors_arrive_as_their_values():
     msg = {
         "neg-slice": base[10:16]._neg_view(),         # bundled
         "conj-slice": cplx[5:9].conj(),               # bundled
-        "zero": torch._efficientzerotensor(5),        # bundled: no bytes, all zeros
+        "zero": torch._efficientzerotensor(5),        # bundled: no memory, all zeros
         "neg-whole": torch.arange(3.0).clone()._neg_view(),   # per-storage path
         "conj-whole": cplx[:3].clone().conj(),                # per-storage path
     }
@@ -255,6 +255,15 @@ def test_a_stream_naming_a_slot_the_table_lacks_is_refused(rebuild, slot):
     payload = _bundled_payload(([_F32], b"\x00", [2], {}), stream)
     with pytest.raises(SerializationError, match="bundle slot"):
         SER.loads(payload, [torch.zeros(8, dtype=torch.uint8)])
+
+
+def test_a_bundled_tensor_is_refused_outside_serializer_loads():
+    # Any other unpickler reaches _bundled_slot itself, which names the
+    # only reader that has the message's bundles.
+    p = SER.dumps({"t": torch.ones(3)})
+    stream = bytes(_bundle.unpack(p.payload, p.buffers)[0])
+    with pytest.raises(SerializationError, match="only be unpickled by Serializer.loads"):
+        pickle.loads(stream)
 
 
 def test_a_bundle_buffer_is_not_a_regular_one():
