@@ -106,16 +106,14 @@ class Packer:
             order = [first]
             slot_group = bytes(len(codes))
             groups = [tensors]
+            itemsize = _CODE_SPECS[first][1]
+            numels = [n // itemsize for n in self.sizes]
         else:
             order = list(dict.fromkeys(codes))  # groups in order of first use
             slot_group = bytes(order.index(c) for c in codes)
             groups = [[] for _ in order]
             for g, t in zip(slot_group, tensors):
                 groups[g].append(t)
-        if len(order) == 1:
-            itemsize = _CODE_SPECS[first][1]
-            numels = [n // itemsize for n in self.sizes]
-        else:
             itemsizes = [_CODE_SPECS[c][1] for c in order]
             numels = [n // itemsizes[g] for g, n in zip(slot_group, self.sizes)]
         large = max(numels) >= _SERIAL_MAX  # a member alone over the serial copy bound

@@ -294,6 +294,7 @@ class _MessagePickler(pickle.Pickler):
         code, itemsize = spec
         nbytes = t.nbytes
         cpu = t.is_cpu
+        storage = None  # read once, whichever path reads it first
         if cpu and 0 < nbytes <= _bundle.MAX_TENSOR_BYTES and self._bundling:
             # Bundled: its own storage, or a view that torch's rule would
             # send as a compact copy anyway (a slice of a received bundle,
@@ -310,11 +311,11 @@ class _MessagePickler(pickle.Pickler):
                     pack = self._pack = _bundle.Packer()
                 slot = pack.add(t, nbytes, code)
                 if slot >= 0:
-                    if t.requires_grad:
-                        flags = self._grad_flag(t) | (_PARAMETER if cls is _Parameter else 0)
-                        return (_rebuild_bundled, (slot, flags))
+                    flags = self._grad_flag(t) if t.requires_grad else 0
                     if cls is _Parameter:
-                        return (_rebuild_bundled, (slot, _PARAMETER))
+                        flags |= _PARAMETER
+                    if flags:
+                        return (_rebuild_bundled, (slot, flags))
                     return (_bundled_slot, (slot,))
         if cpu:
             device = -1
@@ -328,8 +329,10 @@ class _MessagePickler(pickle.Pickler):
         ptr = t.data_ptr()  # null for a ZeroTensor (it has no bytes) and empty ones
         if not ptr:
             return self._reduce_tensor(t)
-        storage = t.untyped_storage()
-        whole = storage.nbytes() == nbytes
+        if storage is None:
+            storage = t.untyped_storage()
+            storage_bytes = storage.nbytes()
+        whole = storage_bytes == nbytes
         if not whole:
             return self._reduce_tensor(t)
         # A stride-1 vector as large as its storage starts at offset 0.
