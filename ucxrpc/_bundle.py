@@ -21,6 +21,15 @@ travels as it was then, and a lazily negated, conjugated or zero tensor as
 a plain tensor of its values.  Received, a bundled tensor is a view of its
 bundle buffer, as an inlined one was a view of the frame.
 
+A message's dicts, lists and tuples of :data:`RUN_MIN` or more plain
+tensors travel as *runs* (:func:`with_runs`): their tensors take
+consecutive slots and each container pickles as one
+``_bundled_run(first slot, count, kind[, keys])``, so pickle does not
+visit their tensors one by one.  Only where the whole message can be seen
+(small containers, plain values, tensors without state) and nothing in it
+refers to a run or its tensors from elsewhere, so that what arrives shared
+stays shared.
+
 Wire form: the payload starts with :data:`MARK` (a pickle stream starts with
 ``0x80``), a u32 table length, the table (a pickle of plain lists: per
 group its dtype code, per slot its group and element count, and the shape
@@ -31,8 +40,10 @@ checked against the buffers before any tensor is made.
 
 from __future__ import annotations
 
+import operator
 import pickle
 import struct
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
@@ -41,7 +52,8 @@ import torch
 from ._tensor_codec import _CODE_SPECS
 from .errors import SerializationError
 
-__all__ = ["MARK", "MAX_TENSOR_BYTES", "MAX_TOTAL_BYTES", "Packer", "storage_uses", "unpack"]
+__all__ = ["MARK", "MAX_TENSOR_BYTES", "MAX_TOTAL_BYTES", "RUN_MIN", "Packer", "Run",
+           "storage_uses", "unpack", "with_runs"]
 
 #: Largest tensor bundled (the transport's default inline threshold).
 MAX_TENSOR_BYTES = 64 << 10
@@ -64,6 +76,157 @@ storage_uses: Callable[[Any], int] = getattr(torch._C, "_storage_Use_Count",
 # See serialization._UNTRACKED: split and view below it make plain tensors,
 # not autograd views of the bundle (a received tensor is a leaf).
 _UNTRACKED: Callable[[], Any] = torch._C._AutoDispatchBelowADInplaceOrView
+
+
+#: Fewest tensors a container needs to travel as a :class:`Run`: the scan
+#: and the run's own work cost about what 12 tensors save (in process, a
+#: list of 8 pickled 4.7 µs slower as a run, one of 32 6.8 µs faster).
+RUN_MIN = 16
+#: Most values :func:`with_runs` looks at outside runs, and how deep: a
+#: message it cannot see whole keeps the ordinary path.
+_SCAN_VALUES = 64
+_SCAN_DEPTH = 4
+# Objects that pickle by value with no identity of their own, and objects
+# pickled by name: neither can hold a tensor of the message.
+_LEAVES = frozenset({type(None), bool, int, float, complex, str, bytes})
+_BY_NAME = (types.FunctionType, types.BuiltinFunctionType, type)
+_Tensor = torch.Tensor
+
+
+class Run:
+    """A dict, list or tuple of small host tensors, as :func:`with_runs`
+    found it: it pickles as one ``_bundled_run`` naming consecutive slots
+    (or as itself, when its tensors turn out not to bundle), so pickle does
+    not visit its values one by one."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> None:
+        self.obj = obj
+
+
+class _Unseen(Exception):
+    """with_runs cannot see the whole message, or runs would change what
+    arrives shared (a tensor in two places, a copied container met twice)."""
+
+
+def with_runs(obj: object) -> object:
+    """``obj`` with each dict, list or tuple of :data:`RUN_MIN` or more plain
+    tensors (and nothing else) replaced by a :class:`Run`, or ``obj`` itself.
+
+    Pickle handles dicts, lists and tuples in C, out of reach of
+    ``reducer_override``; only a copy of the containers on the way to a run
+    can hand them over.  That is exact only where nothing else in the
+    message refers to a container replaced or copied, or to a run's tensor
+    (pickle's memo would have made it arrive shared).  So the message must
+    be seen whole: small containers, values pickled by value or by name,
+    tensors without state; anything else (an object with state, deep or
+    large nesting, a container met twice) leaves ``obj`` as it is.
+    """
+    cls = type(obj)
+    if (cls is not tuple and cls is not list and cls is not dict) or not _holds_run(obj, 0):
+        return obj  # the common case, in about a microsecond
+    scan = _Scan()
+    try:
+        out = scan.visit(obj, 0)
+    except _Unseen:
+        return obj
+    if not scan.run_tensors.isdisjoint(scan.tensors):
+        return obj
+    return out
+
+
+def _holds_run(x: Any, depth: int) -> bool:
+    """Whether ``x`` may hold a run: a container of at least RUN_MIN values
+    whose first is a tensor, in a small container that holds it."""
+    values = x.values() if type(x) is dict else x
+    if len(values) >= RUN_MIN:
+        for v in values:
+            return type(v) is _Tensor
+    if depth < _SCAN_DEPTH:
+        for v in values:
+            cls = type(v)
+            if (cls is tuple or cls is list or cls is dict) and _holds_run(v, depth + 1):
+                return True
+    return False
+
+
+_ONLY_TENSORS = {_Tensor}
+_IN_PROGRESS = object()
+_state = operator.attrgetter("__dict__")
+
+
+class _Scan:
+    """One message's walk for :func:`with_runs`."""
+
+    __slots__ = ("budget", "containers", "tensors", "run_tensors")
+
+    def __init__(self) -> None:
+        self.budget = _SCAN_VALUES
+        self.containers: dict[int, Any] = {}  # id -> what it pickles as
+        self.tensors: set[int] = set()      # tensors outside runs
+        self.run_tensors: set[int] = set()
+
+    def visit(self, x: Any, depth: int) -> Any:
+        cls = type(x)
+        if cls in _LEAVES:
+            return x
+        if cls is tuple or cls is list or cls is dict:
+            # An empty one is never copied: met twice, it stays shared.
+            return self._container(x, cls, depth) if x else x
+        if isinstance(x, _Tensor):
+            if x.__dict__:  # its state may refer to anything
+                raise _Unseen
+            self.tensors.add(id(x))
+            return x
+        if isinstance(x, _BY_NAME):
+            return x
+        raise _Unseen
+
+    def _container(self, x: Any, cls: type, depth: int) -> Any:
+        key = id(x)
+        seen = self.containers.get(key)
+        if seen is not None:
+            # Met again: a run or an untouched container stays shared (pickle's
+            # memo); a copy would not be (nor, while in progress, a cycle).
+            if seen is x or type(seen) is Run:
+                return seen
+            raise _Unseen
+        self.containers[key] = _IN_PROGRESS
+        self.containers[key] = out = self._new(x, cls, depth)
+        return out
+
+    def _new(self, x: Any, cls: type, depth: int) -> Any:
+        """What ``x`` (a container met for the first time) pickles as."""
+        if cls is dict:
+            if not _LEAVES.issuperset(map(type, x)):
+                raise _Unseen
+            values = list(x.values())
+        else:
+            values = x
+        n = len(values)
+        # In C, a pass over the values each: this runs for every run.
+        if n >= RUN_MIN and set(map(type, values)) == _ONLY_TENSORS:
+            ids = set(map(id, values))
+            if any(map(_state, values)) or len(ids) != n or not ids.isdisjoint(self.run_tensors):
+                raise _Unseen
+            self.run_tensors |= ids
+            return Run(x)
+        self.budget -= n
+        if self.budget < 0 or depth >= _SCAN_DEPTH:
+            raise _Unseen
+        visit = self.visit
+        new = [visit(v, depth + 1) for v in values]
+        for a, b in zip(new, values):
+            if a is not b:
+                break
+        else:
+            return x  # nothing in it changed
+        if cls is tuple:
+            return tuple(new)
+        if cls is list:
+            return new
+        return dict(zip(x, new))
 
 
 class Packer:
@@ -97,6 +260,20 @@ class Packer:
         if t.dim() != 1:
             self.shapes[slot] = tuple(t.shape)
         return slot
+
+    def extend(self, tensors: list[torch.Tensor], sizes: list[int], codes: bytes | bytearray,
+               shapes: dict[int, tuple[int, ...]]) -> int:
+        """Slots for a run of ``tensors`` (as :meth:`add` takes them; shapes
+        of those not 1-D by their place in the run), which the caller has
+        checked fits; the first slot."""
+        start = len(self.tensors)
+        self.tensors += tensors
+        self.codes += codes
+        self.sizes += sizes
+        self.nbytes += sum(sizes)
+        for k, shape in shapes.items():
+            self.shapes[start + k] = shape
+        return start
 
     def finish(self, stream: bytes) -> tuple[bytes, list[torch.Tensor]]:
         """The payload (table, then ``stream``) and the group buffers."""

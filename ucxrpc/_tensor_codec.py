@@ -159,6 +159,38 @@ def _bundled_slot(slot: int) -> torch.Tensor:
     return _rebuild_bundled(slot)
 
 
+#: What a run (:class:`ucxrpc._bundle.Run`) was: the kinds of _bundled_run.
+RUN_LIST, RUN_TUPLE, RUN_DICT = 0, 1, 2
+
+
+def _bundled_run(start: int, n: int, kind: int, keys: tuple[Any, ...] | None = None) -> Any:
+    """Pickle's rebuild call for a list, tuple or dict (``keys``) of the
+    ``n`` bundled tensors from slot ``start`` on."""
+    loader = _LOCAL.loader
+    if loader is None:
+        raise SerializationError(_NOT_IN_LOADS)
+    bundled = loader.bundled
+    if not (type(start) is int and type(n) is int and 0 <= start and 0 < n
+            and start + n <= len(bundled)):
+        raise SerializationError(f"a run of {n!r} tensors from bundle slot {start!r} is not "
+                                 f"within the {len(bundled)} slots")
+    run = list(bundled[start:start + n])
+    if kind == RUN_LIST:
+        return run
+    if kind == RUN_TUPLE:
+        return tuple(run)
+    if kind == RUN_DICT and type(keys) is tuple and len(keys) == n:
+        return dict(zip(keys, run))
+    raise SerializationError(f"a run of {n} tensors of kind {kind!r} with "
+                             f"{type(keys).__name__} keys")
+
+
+def _as_is(obj: Any) -> Any:
+    """Pickle's rebuild call for a run that did not bundle: it travelled as
+    itself, one call deeper."""
+    return obj
+
+
 class _Slots(dict[int, torch.Tensor]):
     """Bundled tensors by slot; a slot the table lacks is refused by name
     (a list would take -1 as its last slot)."""

@@ -23,7 +23,8 @@ pickling (correct, not zero-copy).
 
 Small host tensors are the exception to zero-copy: copied into one buffer
 per dtype (a *bundle*, :mod:`ucxrpc._bundle`), they cost the transport one
-buffer instead of one each.
+buffer instead of one each; a dict, list or tuple of them pickles as one
+call (a *run*).
 
 Wire forms: a plain 1-D tensor that is all of its storage (the common case)
 travels as ``_rebuild_vector(buffer, code, numel)``, ``code`` packing a dtype
@@ -58,7 +59,8 @@ import torch
 
 from . import _bundle
 from ._tensor_codec import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER,
-                            _REQUIRES_GRAD, BundleUnpickler, GradCapture, _bundled_slot,
+                            _REQUIRES_GRAD, RUN_DICT, RUN_LIST, RUN_TUPLE, BundleUnpickler,
+                            GradCapture, _as_is, _bundled_run, _bundled_slot,
                             _Loader, _device_name, _dtype_name, _rebuild_bundled,
                             _rebuild_capture, _rebuild_sparse_coo,
                             _rebuild_tensor, _rebuild_vector)
@@ -92,6 +94,7 @@ _STRIDED = torch.strided
 _SPARSE_COO = torch.sparse_coo
 _UINT8 = torch.uint8
 _storage_uses = _bundle.storage_uses
+_Run = _bundle.Run
 
 Reducer = Callable[[Any], Any]
 
@@ -278,6 +281,8 @@ class _MessagePickler(pickle.Pickler):
         if cls is not _Tensor and cls is not _Parameter:
             if isinstance(obj, _Tensor):
                 return self._reduce_tensor(obj)
+            if cls is _Run:
+                return self._reduce_run(obj.obj)
             if cls is GradCapture:
                 self._capture = obj.tensors
                 return (_rebuild_capture, ())
@@ -351,6 +356,43 @@ class _MessagePickler(pickle.Pickler):
         if vector:
             return (_rebuild_vector, (index, code | flags, nbytes // itemsize))
         return (_rebuild_tensor, (index, 0, _dtype_name(dtype), tuple(t.shape), t.stride(), flags))
+
+    def _reduce_run(self, obj: Any) -> Any:
+        """A :class:`_bundle.Run`: its tensors bundled in consecutive slots
+        when every one of them bundles alone (see reducer_override), else
+        the container as itself."""
+        cls = type(obj)
+        values = obj.values() if cls is dict else obj
+        pack = self._pack
+        room = _bundle.MAX_TOTAL_BYTES - (pack.nbytes if pack is not None else 0)
+        sizes: list[int] = []
+        codes = bytearray()
+        shapes: dict[int, tuple[int, ...]] = {}
+        # with_runs checked the type and the __dict__ of each.
+        for t in values:
+            spec = _DTYPE_CODES.get(t.dtype)
+            if (spec is None or t.requires_grad or t.layout is not _STRIDED or t.is_nested
+                    or not t.is_cpu):
+                return (_as_is, (obj,))
+            nbytes = t.nbytes
+            room -= nbytes
+            if not 0 < nbytes <= _bundle.MAX_TENSOR_BYTES or room < 0:
+                return (_as_is, (obj,))
+            storage = t.untyped_storage()
+            storage_bytes = storage.nbytes()
+            if not ((_storage_uses(storage._cdata) == 2 if storage_bytes == nbytes
+                     else _compacted(storage_bytes, nbytes)) and t.is_contiguous()):
+                return (_as_is, (obj,))
+            if t.dim() != 1:
+                shapes[len(sizes)] = tuple(t.shape)
+            sizes.append(nbytes)
+            codes.append(spec[0])
+        if pack is None:
+            pack = self._pack = _bundle.Packer()
+        start = pack.extend(list(values), sizes, codes, shapes)
+        if cls is dict:
+            return (_bundled_run, (start, len(sizes), RUN_DICT, tuple(obj)))
+        return (_bundled_run, (start, len(sizes), RUN_LIST if cls is list else RUN_TUPLE))
 
     def _grad_flag(self, t: torch.Tensor) -> int:
         if self._capture is not None:
@@ -481,6 +523,8 @@ class Serializer:
             SerializationError: the message needs more than ``max_buffers``
                 buffers.
         """
+        if self.bundle and self._hook is None and not self._dispatch:
+            obj = _bundle.with_runs(obj)
         pickler = self._acquire_pickler()
         try:
             payload, buffers, cuda = pickler.run(obj)

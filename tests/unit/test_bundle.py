@@ -7,12 +7,13 @@ when asked).  The same messages over real pipes: tests/rpc/test_bundle_rpc.py.
 from __future__ import annotations
 
 import pickle
+from unittest import mock
 
 import pytest
 import torch
 
-from ucxrpc import _bundle
-from ucxrpc._tensor_codec import _bundled_slot, _rebuild_bundled
+from ucxrpc import _bundle, _tensor_codec
+from ucxrpc._tensor_codec import RUN_DICT, RUN_LIST, _bundled_run, _bundled_slot, _rebuild_bundled
 from ucxrpc.errors import SerializationError
 from ucxrpc.serialization import GradCapture, Pickled, Serializer
 
@@ -200,6 +201,126 @@ def test_off_each_tensor_is_its_own_buffer():
     assert all(torch.equal(a, b) for a, b in zip(SER.loads(p.payload, _wire(p)), msg))
 
 
+# ------------------------------------------------------------- runs
+
+_RUN = _bundle.RUN_MIN
+
+
+def _runs_in(p: Pickled) -> int:
+    """How many runs ``p`` carries: its _bundled_run calls, counted on load."""
+    calls = []
+    real = _tensor_codec._bundled_run
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    with mock.patch.object(_tensor_codec, "_bundled_run", counted):
+        SER.loads(p.payload, _wire(p))
+    return len(calls)
+
+
+def _noop():
+    pass
+
+
+@pytest.mark.parametrize("kind", [dict, list, tuple])
+def test_a_container_of_small_tensors_travels_as_one_run(kind):
+    tensors = [_sample(dtype) for dtype in ALL_DTYPES] + [torch.ones(3), torch.zeros(0)[:0]]
+    tensors[-1] = torch.arange(4.0)  # RUN_MIN or more, mixed dtypes and shapes
+    msg = ({f"k{i}": t for i, t in enumerate(tensors)} if kind is dict else kind(tensors))
+    assert len(msg) >= _RUN
+    # In an rpc request's envelope, and alone (a reply).
+    for obj in ((_noop, (msg,), {}), msg):
+        back, p = _roundtrip(obj)
+        assert _runs_in(p) == 1
+        got = back[1][0] if isinstance(obj, tuple) and obj[0] is _noop else back
+        assert type(got) is kind and len(got) == len(msg)
+        pairs = zip(got.items(), msg.items()) if kind is dict else zip(got, msg)
+        for a, b in pairs:
+            if kind is dict:
+                assert a[0] == b[0]
+                a, b = a[1], b[1]
+            assert _same(a, b)
+
+
+def test_too_few_tensors_or_anything_else_in_the_container_is_no_run():
+    few = [torch.ones(2) for _ in range(_RUN - 1)]
+    mixed = [torch.ones(2) for _ in range(_RUN)] + ["text"]
+    for msg in (few, mixed, {"a": mixed}):
+        back, p = _roundtrip(msg)
+        assert _runs_in(p) == 0 and p.payload.startswith(_bundle.MARK)
+    assert back["a"][-1] == "text" and all(torch.equal(t, torch.ones(2)) for t in back["a"][:-1])
+
+
+class _Holder:
+    def __init__(self, ref):
+        self.ref = ref
+
+
+def test_identity_within_the_message_is_kept_with_runs():
+    d = {f"k{i}": torch.full((4,), float(i)) for i in range(_RUN)}
+    t = d["k0"]
+    # The same run twice is one run, which arrives shared.
+    back, p = _roundtrip((d, d))
+    assert back[0] is back[1] and _runs_in(p) == 1
+    # So does a container holding a run, met twice (untouched: not copied).
+    inner = (1, "x")
+    back, p = _roundtrip([inner, (inner, d)])
+    assert back[0] is back[1][0] and _runs_in(p) == 1
+    # A run's tensor also outside it, or twice in it: no run, arrives shared.
+    for msg in ((d, t), [t] * _RUN, (d, [t, *d.values()])):
+        back, p = _roundtrip(msg)
+        assert _runs_in(p) == 0
+    back, _ = _roundtrip((d, t))
+    assert back[1] is back[0]["k0"]
+    back, _ = _roundtrip([t] * _RUN)
+    assert all(x is back[0] for x in back)
+    # A container also reachable through an object's state: no run, shared.
+    back, p = _roundtrip((d, _Holder(d)))
+    assert _runs_in(p) == 0 and back[1].ref is back[0]
+
+
+def test_a_run_whose_tensors_do_not_all_bundle_travels_as_itself():
+    noted = torch.ones(2)
+    noted.note = "kept"  # state: the scan leaves such a message alone
+    cases = {
+        "requires-grad": torch.ones(2, requires_grad=True),
+        "large": torch.ones(20_000),                     # 80 KB: its own buffer
+        "transposed": torch.arange(40.0).view(8, 5).t(),  # its storage is its base's
+        "strided": torch.arange(40.0).view(8, 5).clone().t(),  # not contiguous
+        "attribute": noted,
+    }
+    for name, odd in cases.items():
+        msg = [torch.full((3,), float(i)) for i in range(_RUN)] + [odd]
+        back, p = _roundtrip(msg)
+        assert _runs_in(p) == 0, name
+        for a, b in zip(back, msg):
+            assert torch.equal(a, b) and a.requires_grad == b.requires_grad, name
+            assert a.stride() == b.stride(), name
+        if name == "attribute":
+            assert back[-1].note == "kept"
+
+
+def test_a_run_past_the_bundle_cap_travels_as_itself():
+    n = _bundle.MAX_TOTAL_BYTES // (64 << 10) + 3
+    msg = [torch.full((16 << 10,), float(i)) for i in range(n)]
+    p = SER.dumps(msg)
+    assert _runs_in(p) == 0
+    assert all(torch.equal(a, b) for a, b in zip(SER.loads(p.payload, _wire(p)), msg))
+
+
+def test_runs_in_nested_containers_and_shared_empty_ones():
+    empty: list = []
+    d1 = {f"a{i}": torch.ones(i + 1) for i in range(_RUN)}
+    d2 = [torch.zeros(2, 2) for _ in range(_RUN)]
+    back, p = _roundtrip([d1, (d2, empty), empty])
+    assert _runs_in(p) == 2
+    assert back[1][1] is back[2] == []
+    assert all(torch.equal(back[0][k], v) for k, v in d1.items())
+    assert all(torch.equal(a, b) for a, b in zip(back[1][0], d2))
+
+
 # ------------------------------------------------------------- bad input
 
 def _bundled_payload(table, stream=b"", ) -> bytes:
@@ -254,6 +375,29 @@ def test_a_stream_naming_a_slot_the_table_lacks_is_refused(rebuild, slot):
     stream = pickle.dumps(_ForgedSlot(rebuild, slot), protocol=5)
     payload = _bundled_payload(([_F32], b"\x00", [2], {}), stream)
     with pytest.raises(SerializationError, match="bundle slot"):
+        SER.loads(payload, [torch.zeros(8, dtype=torch.uint8)])
+
+
+class _ForgedRun:
+    def __init__(self, *args):
+        self.args = args
+
+    def __reduce__(self):
+        return (_bundled_run, self.args)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 2, RUN_LIST), "run of 2 tensors from bundle slot 0 is not within the 1 slots"),
+    ((-1, 1, RUN_LIST), "from bundle slot -1"),
+    ((0, 0, RUN_LIST), "run of 0 tensors"),
+    ((0, 1, 7), "of kind 7"),
+    ((0, 1, RUN_DICT, ("a", "b")), "of kind 2 with tuple keys"),
+    ((0, 1, RUN_DICT), "with NoneType keys"),
+], ids=["past-end", "negative", "empty", "kind", "keys", "no-keys"])
+def test_a_forged_run_is_refused_by_name(args, message):
+    payload = _bundled_payload(([_F32], b"\x00", [2], {}),
+                               pickle.dumps(_ForgedRun(*args), protocol=5))
+    with pytest.raises(SerializationError, match=message):
         SER.loads(payload, [torch.zeros(8, dtype=torch.uint8)])
 
 
