@@ -211,12 +211,14 @@ class BundleUnpickler(pickle.Unpickler):
     def __init__(self, stream: memoryview, loader: _Loader,
                  bundled: Sequence[torch.Tensor]) -> None:
         super().__init__(io.BytesIO(stream), buffers=loader)
-        self._take = _Slots(enumerate(bundled)).__getitem__
+        self._bundled = bundled
 
     def find_class(self, module: str, name: str) -> Any:
-        # Called once per distinct global in a message (pickle memoizes them).
+        # Called once per distinct global in a message (pickle memoizes
+        # them), so the table is made here: a message whose bundled tensors
+        # all travel in runs needs none.
         if name == "_bundled_slot" and module == __name__:
-            return self._take
+            return _Slots(enumerate(self._bundled)).__getitem__
         return super().find_class(module, name)
 
 

@@ -101,9 +101,12 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         "UCX_RNDV_FRAG_MEM_TYPES": "host,cuda",
         # Within a host, messages below 2 MiB go eagerly through the peer's
         # shared-memory FIFO instead of by rendezvous.  With peer-failure
-        # error handling UCX offers no CMA lane, so its rendezvous copies
-        # fragment by fragment through shared memory too, and each step of its
-        # handshake costs a scheduler slice on a busy host: 256 KiB one-way
+        # error handling UCX offers no CMA lane (its rendezvous then needs
+        # memory domains that can revoke a peer's access, which CMA's cannot:
+        # UCT_MD_FLAG_INVALIDATE_RMA in ucp/wireup/select.c), so its
+        # rendezvous copies fragment by fragment through shared memory too,
+        # and each step of its handshake costs a scheduler slice on a busy
+        # host: 256 KiB one-way
         # beside one busy process, p90 3.5 -> 0.7 ms and CPU per call halved
         # at 512 KiB (Run G); 1 MiB, p50 684 -> 541 µs one-way and
         # 976 -> 824 µs echoed beside one busy process, 479 -> 391 µs echoed
