@@ -106,15 +106,14 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # UCT_MD_FLAG_INVALIDATE_RMA in ucp/wireup/select.c), so its
         # rendezvous copies fragment by fragment through shared memory too,
         # and each step of its handshake costs a scheduler slice on a busy
-        # host: 256 KiB one-way
-        # beside one busy process, p90 3.5 -> 0.7 ms and CPU per call halved
-        # at 512 KiB (Run G); 1 MiB, p50 684 -> 541 µs one-way and
-        # 976 -> 824 µs echoed beside one busy process, 479 -> 391 µs echoed
-        # on a quiet host at 2 MiB (Run J).  Larger ones stay rendezvous:
-        # an eager message that lands before its receive is posted is held
-        # in UCX's unexpected queue, so the threshold also bounds what a
-        # receiver holds per message (16 MiB eagerly was twice as slow).
-        # Across hosts UCX keeps choosing.
+        # host: 256 KiB one-way beside one busy process, p90 3.5 -> 0.7 ms
+        # and CPU per call halved at 512 KiB (Run G); 1 MiB, p50 684 -> 541
+        # µs one-way and 976 -> 824 µs echoed beside one busy process,
+        # 479 -> 391 µs echoed on a quiet host at 2 MiB (Run J).  Larger ones
+        # stay rendezvous: an eager message that lands before its receive is
+        # posted is held in UCX's unexpected queue, so the threshold also
+        # bounds what a receiver holds per message (16 MiB eagerly was twice
+        # as slow).  Across hosts UCX keeps choosing.
         "UCX_RNDV_THRESH": "intra:2M,inter:auto",
         "UCX_KEEPALIVE_INTERVAL": "1s",
         "UCX_KEEPALIVE_NUM_EPS": "inf",
