@@ -44,7 +44,7 @@ import operator
 import pickle
 import struct
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -201,7 +201,7 @@ class _Scan:
         if cls is dict:
             if not _LEAVES.issuperset(map(type, x)):
                 raise _Unseen
-            values = list(x.values())
+            values = x.values()
         else:
             values = x
         n = len(values)
@@ -261,7 +261,7 @@ class Packer:
             self.shapes[slot] = tuple(t.shape)
         return slot
 
-    def extend(self, tensors: list[torch.Tensor], sizes: list[int], codes: bytes | bytearray,
+    def extend(self, tensors: Iterable[torch.Tensor], sizes: list[int], codes: bytes | bytearray,
                shapes: dict[int, tuple[int, ...]]) -> int:
         """Slots for a run of ``tensors`` (as :meth:`add` takes them; shapes
         of those not 1-D by their place in the run), which the caller has

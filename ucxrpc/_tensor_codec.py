@@ -174,7 +174,7 @@ def _bundled_run(start: int, n: int, kind: int, keys: tuple[Any, ...] | None = N
             and start + n <= len(bundled)):
         raise SerializationError(f"a run of {n!r} tensors from bundle slot {start!r} is not "
                                  f"within the {len(bundled)} slots")
-    run = list(bundled[start:start + n])
+    run = bundled[start:start + n]  # a list of its own (see _bundle.unpack)
     if kind == RUN_LIST:
         return run
     if kind == RUN_TUPLE:
@@ -209,7 +209,7 @@ class BundleUnpickler(pickle.Unpickler):
     """
 
     def __init__(self, stream: memoryview, loader: _Loader,
-                 bundled: Sequence[torch.Tensor]) -> None:
+                 bundled: list[torch.Tensor]) -> None:
         super().__init__(io.BytesIO(stream), buffers=loader)
         self._bundled = bundled
 
@@ -334,9 +334,9 @@ class _Loader:
     __slots__ = ("buffers", "used", "ntensors", "entries", "capture", "bundled", "nregular")
 
     def __init__(self, buffers: Sequence[torch.Tensor],
-                 bundled: Sequence[torch.Tensor] = (), nbundles: int = 0) -> None:
+                 bundled: list[torch.Tensor] | None = None, nbundles: int = 0) -> None:
         self.buffers = buffers
-        self.bundled = bundled  # tensors by bundle slot (see _bundle)
+        self.bundled = bundled or []  # tensors by bundle slot (see _bundle)
         self.nregular = len(buffers) - nbundles  # the bundles are the last buffers
         self.used = 0  # buffers introduced so far, in stream order
         self.ntensors = 0

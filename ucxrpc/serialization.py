@@ -96,6 +96,18 @@ _UINT8 = torch.uint8
 _storage_uses = _bundle.storage_uses
 _Run = _bundle.Run
 
+
+def _bundles(t: torch.Tensor, storage: torch.UntypedStorage, storage_bytes: int,
+             nbytes: int) -> bool:
+    """Whether ``t`` (a small host tensor of ``nbytes`` over ``storage``) may
+    travel as a copy in a bundle: contiguous, and either all of its storage
+    and the only tensor using it, or a view that torch's rule sends as a
+    compact copy anyway.  Either way nothing else in the message shares its
+    bytes; a tensor that might must keep the per-storage path, which makes
+    it arrive shared."""
+    return ((_storage_uses(storage._cdata) == 2 if storage_bytes == nbytes
+             else _compacted(storage_bytes, nbytes)) and t.is_contiguous())
+
 Reducer = Callable[[Any], Any]
 
 
@@ -301,16 +313,12 @@ class _MessagePickler(pickle.Pickler):
         cpu = t.is_cpu
         storage = None  # read once, whichever path reads it first
         if cpu and 0 < nbytes <= _bundle.MAX_TENSOR_BYTES and self._bundling:
-            # Bundled: its own storage, or a view that torch's rule would
-            # send as a compact copy anyway (a slice of a received bundle,
-            # say); either way nothing else in the message shares its bytes.
             # The bundle's cat writes values, so lazy negation and
             # conjugation and zero tensors need no check here; an empty
             # tensor has nothing to bundle.
             storage = t.untyped_storage()
             storage_bytes = storage.nbytes()
-            if (_storage_uses(storage._cdata) == 2 if storage_bytes == nbytes
-                    else _compacted(storage_bytes, nbytes)) and t.is_contiguous():
+            if _bundles(t, storage, storage_bytes, nbytes):
                 pack = self._pack
                 if pack is None:
                     pack = self._pack = _bundle.Packer()
@@ -379,9 +387,7 @@ class _MessagePickler(pickle.Pickler):
             if not 0 < nbytes <= _bundle.MAX_TENSOR_BYTES or room < 0:
                 return (_as_is, (obj,))
             storage = t.untyped_storage()
-            storage_bytes = storage.nbytes()
-            if not ((_storage_uses(storage._cdata) == 2 if storage_bytes == nbytes
-                     else _compacted(storage_bytes, nbytes)) and t.is_contiguous()):
+            if not _bundles(t, storage, storage.nbytes(), nbytes):
                 return (_as_is, (obj,))
             if t.dim() != 1:
                 shapes[len(sizes)] = tuple(t.shape)
@@ -389,7 +395,7 @@ class _MessagePickler(pickle.Pickler):
             codes.append(spec[0])
         if pack is None:
             pack = self._pack = _bundle.Packer()
-        start = pack.extend(list(values), sizes, codes, shapes)
+        start = pack.extend(values, sizes, codes, shapes)
         if cls is dict:
             return (_bundled_run, (start, len(sizes), RUN_DICT, tuple(obj)))
         return (_bundled_run, (start, len(sizes), RUN_LIST if cls is list else RUN_TUPLE))
@@ -523,6 +529,8 @@ class Serializer:
             SerializationError: the message needs more than ``max_buffers``
                 buffers.
         """
+        # A hook or a dispatch table must see every object, and a run's
+        # tensors are never handed to them.
         if self.bundle and self._hook is None and not self._dispatch:
             obj = _bundle.with_runs(obj)
         pickler = self._acquire_pickler()
