@@ -58,13 +58,15 @@ class Member:
     cuda_direct: bool = False  # its UCX takes device memory (else: staged)
     max_frame_bytes: int = 1 << 30  # its limit: senders check it first
     lifeline: str | None = None  # where the kernel watches it for us (transport/lifeline.py)
+    cma: str | None = None  # how a peer on its host may read it by address (transport/cma.py)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),
                            "host": self.host, "pid": self.pid,
                            "device_count": self.device_count, "devices": list(self.devices),
                            "device_maps": self.device_maps, "cuda_direct": self.cuda_direct,
-                           "max_frame_bytes": self.max_frame_bytes, "lifeline": self.lifeline})
+                           "max_frame_bytes": self.max_frame_bytes, "lifeline": self.lifeline,
+                           "cma": self.cma})
 
     @staticmethod
     def from_json(raw: bytes) -> "Member":
@@ -76,7 +78,8 @@ class Member:
                       tuple(str(x) for x in d.get("devices", ())), maps,
                       bool(d.get("cuda_direct", False)),
                       int(d.get("max_frame_bytes", 1 << 30)),
-                      None if d.get("lifeline") is None else str(d["lifeline"]))
+                      None if d.get("lifeline") is None else str(d["lifeline"]),
+                      None if d.get("cma") is None else str(d["cma"]))
 
 
 # c10d stores need a finite timeout; this one stands for "no limit" (the
@@ -202,9 +205,9 @@ def publish(store: Any, rank: int, name: str, address: bytes, device_count: int 
             devices: tuple[str, ...] = (),
             device_maps: dict[str, dict[str, str]] | None = None,
             cuda_direct: bool = False, max_frame_bytes: int = 1 << 30,
-            lifeline: str | None = None) -> Member:
+            lifeline: str | None = None, cma: str | None = None) -> Member:
     me = Member(rank, name, address, socket.gethostname(), os.getpid(), device_count,
-                devices, dict(device_maps or {}), cuda_direct, max_frame_bytes, lifeline)
+                devices, dict(device_maps or {}), cuda_direct, max_frame_bytes, lifeline, cma)
     store.set(f"{PREFIX}member/{rank}", me.to_json())
     return me
 

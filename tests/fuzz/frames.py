@@ -20,13 +20,13 @@ import numpy as np
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.transport import auth
 from ucxrpc.transport.frame import (DESC, MAC_LEN, MIN_CHUNK_KIB, NOT_INLINE, PACK, PACKED,
-                                    PREFIX, STAGED, Frame, Kind, Limits, decode, encode)
+                                    PREFIX, REMOTE, STAGED, Frame, Kind, Limits, decode, encode)
 
 #: The only exceptions bad input may raise from a decoder or a handshake check.
 CLEAR_ERRORS = (FrameError, AuthenticationError)
 
 #: Every flag combination a descriptor may carry (frame.py's docstring).
-VALID_FLAGS = (0, STAGED, PACK, PACK | STAGED, PACKED)
+VALID_FLAGS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE)
 
 # (offset, width, signed) of each field, relative to its struct.
 PREFIX_FIELDS = {"magic": (0, 2, False), "version": (2, 1, False), "kind": (3, 1, False),
@@ -122,8 +122,10 @@ def check_frame(frame: Frame, raw: np.ndarray, limits: Limits) -> None:
         assert bool(d.flags & PACK) == (i >= first_pack), (i, d, first_pack)
         if d.flags & STAGED:
             assert d.arg >= MIN_CHUNK_KIB, (i, d)
-        if d.flags & (STAGED | PACK):
+        if d.flags & (STAGED | PACK) or d.flags == REMOTE:
             oob += d.nbytes
+        if d.flags == REMOTE:
+            assert d.device == -1, (i, d)
         if d.flags == PACKED:
             assert first_pack <= d.arg < nbuf, (i, d)
             pack = descs[d.arg]
@@ -280,7 +282,7 @@ def random_mutation(raw: np.ndarray, rng: random.Random) -> np.ndarray:
     field = rng.choice(list(DESC_FIELDS))
     pos, width, signed = desc_pos(rng.randrange(nbuf), field)
     value = (rng.choice(extremes(width, signed)) if what == 4
-             else rng.choice([0, STAGED, PACK, PACKED, PACK | STAGED, 3, 6, 7, 8, 255])
+             else rng.choice([0, STAGED, PACK, PACKED, PACK | STAGED, REMOTE, 3, 6, 7, 9, 255])
              if field == "flags" else rng.randrange(1 << (8 * width - signed)))
     return put_int(raw, pos, width, value, signed)
 

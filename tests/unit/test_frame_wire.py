@@ -176,7 +176,7 @@ def test_options_validation():
 
 # ------------------------------------------------- staged and packed buffers
 
-from ucxrpc.transport.frame import PACK, PACKED, STAGED  # noqa: E402
+from ucxrpc.transport.frame import PACK, PACKED, REMOTE, STAGED  # noqa: E402
 
 
 @pytest.mark.parametrize("extra", [0, 12])  # the per-struct and the numpy coders
@@ -198,7 +198,8 @@ def test_staged_and_packed_descriptors_round_trip(extra):
 
 
 @pytest.mark.parametrize("ways, sizes, message", [
-    ([(8, 0, 0)], [10], "buffer 0 has unknown flags 0x8"),
+    ([(16, 0, 0)], [10], "buffer 0 has unknown flags 0x10"),
+    ([(REMOTE | STAGED, 64, 0)], [10], "buffer 0 has unknown flags 0x9"),
     ([(STAGED, 4, 0)], [10], "staged in chunks of 4 KiB; the minimum is 64 KiB"),
     ([(PACK, 0, 0), (0, 0, 0)], [10, 10], "buffer 1: packs must come after every other buffer"),
     ([(PACKED, 0, 0)], [10], "buffer 0 claims to sit in buffer 0, which is not a pack"),

@@ -32,7 +32,7 @@ class Recorder:
 
 def _member(rank: int, name: str, maps: dict | None = None) -> Member:
     return Member(rank, name, f"addr{rank}".encode(), "host", 100 + rank,
-                  device_maps=maps or {}, lifeline=f"life{rank}")
+                  device_maps=maps or {}, lifeline=f"life{rank}", cma=f"offer{rank}")
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def members(rec: Recorder) -> Members:
 def test_peers_go_to_the_transport_and_this_worker_does_not(members: Members,
                                                             rec: Recorder) -> None:
     assert [p[:3] for p in rec.peers] == [(1, "w1", b"addr1"), (2, "w2", b"addr2")]
-    assert rec.peers[0][3:] == (False, 1 << 30, "life1")
+    assert rec.peers[0][3:] == (False, 1 << 30, "life1", 101, "offer1")
     assert sorted(members.workers) == [0, 1, 2]
 
 

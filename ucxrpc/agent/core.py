@@ -135,7 +135,8 @@ class RpcAgent:
                                                for to, m in maps.items()},
                                   cuda_direct=self.transport.cuda_direct,
                                   max_frame_bytes=self.transport.limits.max_frame_bytes,
-                                  lifeline=self.transport.lifeline)
+                                  lifeline=self.transport.lifeline,
+                                  cma=self.transport.cma_offer)
 
     def start(self) -> None:
         self.transport.start()
@@ -419,13 +420,14 @@ class RpcAgent:
         destination and refuse to pickle outside RPC."""
         return getattr(self._dest, "id", None)
 
-    def lookup_member(self, peer: int) -> tuple[str, bytes, bool, int, str | None] | None:
+    def lookup_member(self, peer: int) -> tuple[str, bytes, bool, int, str | None, int,
+                                                str | None] | None:
         """Where an unknown worker id lives, from its record in the store (the
         transport asks when such a worker opens a pipe to us)."""
         store = self.store
         m = None if store is None else rendezvous.find_member(store, peer)
         return None if m is None else (m.name, m.address, m.cuda_direct, m.max_frame_bytes,
-                                       m.lifeline)
+                                       m.lifeline, m.pid, m.cma)
 
     def _on_broken(self, peer: int, exc: BaseException) -> None:
         # The transport is made before the members, so it calls back here.

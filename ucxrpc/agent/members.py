@@ -32,8 +32,8 @@ from .info import WorkerInfo
 __all__ = ["AddPeer", "Members"]
 
 #: The transport's ``add_peer(id, name, address, cuda_direct,
-#: max_frame_bytes, lifeline)``.
-AddPeer = Callable[[int, str, bytes, bool, int | None, str | None], None]
+#: max_frame_bytes, lifeline, pid, cma)``.
+AddPeer = Callable[[int, str, bytes, bool, int | None, str | None, int | None, str | None], None]
 
 
 class Members:
@@ -72,7 +72,7 @@ class Members:
                 self.reverse_device_maps[m.rank] = {
                     dst: src for src, dst in devices.to_device_map(theirs).items()}
             self._add_peer(m.rank, m.name, m.address, m.cuda_direct, m.max_frame_bytes,
-                           m.lifeline)
+                           m.lifeline, m.pid, m.cma)
             self._broken.pop(m.rank, None)
         wi = WorkerInfo(m.name, m.rank)
         self.workers[m.rank] = wi

@@ -26,6 +26,10 @@ straight into its final memory, or inline when ``offset`` is not NOT_INLINE):
   every ordinary descriptor and not delivered itself.
 * PACKED: the buffer lives in the pack ``arg`` at ``offset``; the receiver
   cuts it out (one kernel launch per pack) when the pack arrives.
+* REMOTE: a host buffer the receiver reads out of the sender's memory at
+  address ``offset`` (:mod:`.cma`), and acknowledges in a CMA_DONE frame;
+  nothing is sent for it.  Only a pipe whose receiver sent CMA_OK carries
+  them.
 
 Small buffers travel inline because one tag message costs microseconds in
 Python, while copying a few KiB costs nanoseconds.  The MAC covers what is
@@ -48,14 +52,14 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"UX"
-VERSION = 2  # 2: the BATCH kind (a peer of version 1 could not read it)
+VERSION = 3  # 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE
 PREFIX = struct.Struct("<2sBBHHIQ")
 DESC = struct.Struct("<QQhBxI")
 MAC_LEN = 16
 NOT_INLINE = 0xFFFF_FFFF_FFFF_FFFF
 ALIGN = 64
-STAGED, PACK, PACKED = 1, 2, 4
-_FLAG_SETS = (0, STAGED, PACK, PACK | STAGED, PACKED)
+STAGED, PACK, PACKED, REMOTE = 1, 2, 4, 8
+_FLAG_SETS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE)
 MIN_CHUNK_KIB = 64  # bounds the receives one staged buffer can ask for
 
 
@@ -72,6 +76,11 @@ class Kind(enum.IntEnum):
     # Several small messages in one frame (batch.py): queued to a pipe
     # while its previous frame was still in flight.
     BATCH = 6
+    # Reading by address (cma.py), authenticated like MESSAGE: the receiver
+    # may read this side's buffers (empty payload); it read the REMOTE
+    # buffers of the frames whose sequence numbers the payload lists (u64s).
+    CMA_OK = 7
+    CMA_DONE = 8
 
 
 _KINDS = {int(k): k for k in Kind}  # a dict lookup is 10x cheaper than Kind(n)
@@ -175,7 +184,8 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     copied inline while the inline total stays under ``limits.inline_total``
     and the frame within both sides' ``max_frame_bytes``.
     ``ways``, when given, holds (flags, arg, offset) per buffer; a buffer
-    with flags set is never inlined, and PACKED ones are not sent at all.
+    with flags set is never inlined, and PACKED and REMOTE ones are not sent
+    at all (a REMOTE one's address rides in its offset).
     ``seal=False`` leaves the MAC zero: a message inside a batch, whose
     frame's MAC covers it whole.
 
@@ -194,6 +204,9 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     for i, (n, view, device) in enumerate(buffers):
         if ways is not None and ways[i][0]:
             if ways[i][0] == PACKED:
+                offs.append(ways[i][2])
+            elif ways[i][0] == REMOTE:
+                total += n
                 offs.append(ways[i][2])
             else:
                 total += n
@@ -325,8 +338,11 @@ def _with_ways(frame: Frame) -> Frame:
         if d.flags & STAGED and d.arg < MIN_CHUNK_KIB:
             raise FrameError(f"buffer {i} is staged in chunks of {d.arg} KiB; the minimum is "
                              f"{MIN_CHUNK_KIB} KiB")
-        if d.flags & (STAGED | PACK):
+        if d.flags & (STAGED | PACK) or d.flags == REMOTE:
             total += d.nbytes
+            if d.flags == REMOTE and d.device != -1:
+                raise FrameError(f"buffer {i} is to be read by address from device "
+                                 f"{d.device}; only host memory can be")
         elif d.flags == PACKED:
             if not first_pack <= d.arg < len(descs):
                 raise FrameError(f"buffer {i} claims to sit in buffer {d.arg}, which is not a pack")

@@ -89,11 +89,13 @@ class Handshake:
         endpoint: the pipe's endpoint, made on first use.
         watch: where a handshake frame's send goes for the loop to watch.
         fail: ``(pipe, error)`` breaks a pipe.
+        accepted: ``(pipe)`` once the peer's direction authenticated.
     """
 
     def __init__(self, *, my_id: int, secret: bytes, limits: Limits, sender: Sender,
                  endpoint: Callable[[Pipe], Endpoint], watch: list[tuple[Request, object]],
-                 fail: Callable[[Pipe, BaseException], None]) -> None:
+                 fail: Callable[[Pipe, BaseException], None],
+                 accepted: Callable[[Pipe], None]) -> None:
         self._my_id = my_id
         self._secret = secret
         self._limits = limits
@@ -101,6 +103,7 @@ class Handshake:
         self._endpoint = endpoint
         self._watch = watch
         self._fail = fail
+        self._accepted = accepted
         self._tag = kind_base(HANDSHAKE, my_id)
 
     def start(self, pipe: Pipe) -> None:
@@ -134,6 +137,7 @@ class Handshake:
         elif frame.kind is Kind.PROOF:
             accept(pipe, frame.payload, self._secret, self._my_id)
             logger.debug("pipe from %s authenticated", pipe.name)
+            self._accepted(pipe)
         else:
             raise FrameError(f"a {frame.kind.name} frame on the handshake tag")
 

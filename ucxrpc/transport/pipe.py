@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from . import cma
 from .frame import Frame, Kind
 from .ucx import Endpoint, Request
 
@@ -88,6 +89,16 @@ class Pipe:
         self.in_nonces: dict[bytes, bytes] = {}
         self.peer_max_frame = 1 << 62  # the receiver's max_frame_bytes, if known
         self.fifo: bool | None = None  # whether it reaches us through a shared-memory FIFO
+        # Reading by address (cma.py): the peer's process and published offer
+        # (None: not on this host, or this side does not read by address);
+        # whether we read its REMOTE buffers (we probed it and sent CMA_OK),
+        # whether it reads ours (it sent CMA_OK); and our buffers it has not
+        # yet acknowledged, by the sequence number of their frame.
+        self.cma_pid = 0
+        self.cma_offer: cma.Offer | None = None
+        self.cma_in = False
+        self.cma_out = False
+        self.cma_held: dict[int, list[torch.Tensor]] = {}
         self.in_key: bytes | None = None
         self.in_seq = 0
         self.error: BaseException | None = None

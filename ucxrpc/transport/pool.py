@@ -17,6 +17,8 @@ import weakref
 import numpy as np
 import torch
 
+PAGE = 4096
+
 
 class HostPool:
     """Size-classed free lists of page-aligned host buffers.
@@ -41,11 +43,21 @@ class HostPool:
         # stream of equal-size tensors always hits the same class.
         return 1 << (n - 1).bit_length()
 
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 CPU tensor of ``nbytes`` (pooled when large enough)."""
-        if nbytes < self.min_bytes:
+    def alloc(self, nbytes: int, phase: int | None = None) -> torch.Tensor:
+        """A 1-D uint8 CPU tensor of ``nbytes`` (pooled when large enough).
+
+        ``phase``: where in a page the buffer is to start (its address
+        modulo :data:`PAGE`), to match the memory a copy reads from.  On
+        this project's test machines (AMD EPYC, glibc 2.36) a copy whose
+        source and destination sit a few bytes apart in their pages runs at
+        a third of the speed: 16 MiB read out of another process took
+        2.5-2.7 ms against 1.05-1.2 with equal phases.
+        """
+        if nbytes < self.min_bytes and phase is None:
             return torch.empty(nbytes, dtype=torch.uint8)
-        cls = self._size_class(nbytes)
+        # A phased buffer needs a page of room; its own classes, so that
+        # plain ones keep exactly their power of two.
+        cls = self._size_class(nbytes) + (0 if phase is None else PAGE)
         with self._lock:
             free = self._free.get(cls)
             base = free.pop() if free else None
@@ -56,7 +68,8 @@ class HostPool:
                 self.misses += 1
         if base is None:
             base = np.empty(cls, dtype=np.uint8)
-        view = base[:nbytes]
+        skip = 0 if phase is None else (phase - base.ctypes.data) % PAGE
+        view = base[skip:skip + nbytes]
         weakref.finalize(view, self._release, base)
         return torch.from_numpy(view)
 

@@ -5,7 +5,8 @@ their size, after their claimed size and sender were judged worth it
 (anyone can send to a worker).  A frame then says how big each data buffer
 is and on which device, and a receive is posted for each straight into its
 final memory (staged device buffers through pinned host chunks,
-:mod:`.staging`).  Distinct tags per buffer let concurrent large messages
+:mod:`.staging`), or the buffer is read out of the sender's memory at once
+where it came by address (:mod:`.cma`; acknowledged through ``on_read``).  Distinct tags per buffer let concurrent large messages
 on one pipe proceed side by side.  A BATCH frame (:mod:`.batch`) is taken
 apart into the messages it holds.
 
@@ -23,10 +24,11 @@ import numpy as np
 import torch
 
 from ..errors import AuthenticationError, BrokenError, FrameError
-from . import batch, staging
-from .frame import (PACKED, PREFIX, STAGED, BufferDesc, Frame, Kind, Limits, decode, peek_kind,
-                    peek_seq)
+from . import batch, cma, staging
+from .frame import (PACKED, PREFIX, REMOTE, STAGED, BufferDesc, Frame, Kind, Limits, decode,
+                    peek_kind, peek_seq)
 from .pipe import Incoming, Piece, Pipe
+from .pool import PAGE
 from .tags import HANDSHAKE, HINT_MASK, data_tag, kind_of, sender_of
 from .ucx import Request, Worker
 
@@ -57,6 +59,9 @@ class Receiver:
             there as ``(request, Incoming | Piece | None)``, and the loop
             hands each back to :meth:`completed`.
         alloc: ``(nbytes, device)`` → memory for a data buffer.
+        alloc_read: ``(nbytes, phase)`` → host memory for a buffer read by
+            address, starting at ``phase`` in its page where it can (as
+            the sender's does: see :meth:`.pool.HostPool.alloc`).
         host_as_device: the debug switch of :mod:`.staging`.
         cuda_direct: whether this side's UCX takes device memory.
         on_message: ``(peer_id, payload, buffers)`` per complete message.
@@ -67,24 +72,34 @@ class Receiver:
             raise AuthenticationError or FrameError, which are counted here.
         adopt: ``(sender, pipe)`` → the pipe for a HELLO from a worker id
             without one (dynamic membership), or ``pipe`` unchanged.
+        on_read: ``(pipe, seq)`` once the REMOTE buffers of the peer's frame
+            ``seq`` were read (or failed to be): the peer may let them go.
+        on_cma: ``(pipe, frame)`` for a CMA_OK or CMA_DONE frame.
     """
 
     def __init__(self, *, worker: Worker, limits: Limits, pipes: dict[int, Pipe],
-                 watch: list[tuple[Request, Any]], alloc: Allocator, host_as_device: bool,
+                 watch: list[tuple[Request, Any]], alloc: Allocator,
+                 alloc_read: Callable[[int, int], torch.Tensor], host_as_device: bool,
                  cuda_direct: bool, on_message: OnMessage, on_frame_error: OnFrameError,
                  on_handshake: Callable[[Pipe, Frame], None],
-                 adopt: Callable[[int, Pipe | None], Pipe | None]) -> None:
+                 adopt: Callable[[int, Pipe | None], Pipe | None],
+                 on_read: Callable[[Pipe, int], None],
+                 on_cma: Callable[[Pipe, Frame], None]) -> None:
         self._worker = worker
         self.limits = limits
         self._pipes = pipes
         self._watch = watch
         self._alloc = alloc
+        self._alloc_read = alloc_read
         self._host_as_device = host_as_device
         self._cuda_direct = cuda_direct
         self._on_message = on_message
         self._on_frame_error = on_frame_error
         self._on_handshake = on_handshake
         self._adopt = adopt
+        self._on_read = on_read
+        self._on_cma = on_cma
+        self.read_bytes = 0
         #: Frames being received: (request, buffer, tag, length, why dropped).
         self.frames: list[tuple[Request, np.ndarray, int, int, str | None]] = []
         self.refused = 0
@@ -198,19 +213,27 @@ class Receiver:
             self._batch(pipe, buf, frame)
             return
         if frame.kind is not Kind.MESSAGE:
+            if frame.kind is Kind.CMA_OK or frame.kind is Kind.CMA_DONE:
+                self._on_cma(pipe, frame)
             return  # PING and PONG: once liveness checks, now unused
         if self._too_big(pipe, frame, hint):
             self._drain(pipe, frame)
             return
         bufs: list[Any] = []
         msg = Incoming(pipe, frame, bufs, hint)
+        read = False
         for i, d in enumerate(frame.buffers):
             if d.inline:
                 bufs.append(_inline(buf, d))
             elif d.flags == PACKED:
                 bufs.append(None)  # cut out of its pack when that arrives
+            elif d.flags == REMOTE:
+                bufs.append(self._read(msg, i, d))
+                read = True
             else:
                 bufs.append(self._post(msg, i, d))
+        if read:
+            self._on_read(pipe, frame.seq)
         if msg.waiting == 0:
             self._deliver(msg)
 
@@ -244,6 +267,29 @@ class Receiver:
         self._watch.append((self._worker.tag_recv(target, tag), msg))
         return target
 
+    def _read(self, msg: Incoming, i: int, d: BufferDesc) -> torch.Tensor:
+        """Read buffer ``i`` of ``msg`` out of its sender's memory, now (the
+        GIL is dropped for the copy); what it landed in.  A failure fails
+        the message, naming the buffer and why."""
+        pipe = msg.pipe
+        if msg.error is not None:
+            return torch.empty(0, dtype=torch.uint8)
+        try:
+            if not pipe.cma_in:
+                raise FrameError(f"{pipe.name} sent buffer {i} by address, but this worker "
+                                 "never offered to read it by address")
+            target = self._alloc_read(d.nbytes, d.inline_offset % PAGE)
+            cma.read(pipe.cma_pid, target.data_ptr(), d.inline_offset, d.nbytes)
+        except OSError as exc:
+            msg.error = BrokenError(f"reading buffer {i} ({d.nbytes} bytes) out of "
+                                    f"{pipe.name}'s memory failed: {exc.strerror or exc}")
+            return torch.empty(0, dtype=torch.uint8)
+        except Exception as exc:
+            msg.error = exc
+            return torch.empty(0, dtype=torch.uint8)
+        self.read_bytes += d.nbytes
+        return target
+
     def _too_big(self, pipe: Pipe, frame: Frame, hint: int) -> bool:
         """Refuse a message over max_message_bytes, telling the agent (which
         answers or fails the call ``hint`` names)."""
@@ -274,7 +320,10 @@ class Receiver:
 
     def _drain(self, pipe: Pipe, frame: Frame) -> None:
         """Consume a rejected message's buffers (truncated into one byte) so
-        they do not sit in UCX's unexpected queue; their errors are ignored."""
+        they do not sit in UCX's unexpected queue; their errors are ignored.
+        Those sent by address are not read, and are let go."""
+        if any(d.flags == REMOTE for d in frame.buffers):
+            self._on_read(pipe, frame.seq)
         for i, d in enumerate(frame.buffers):
             for _ in range(staging.receives(d)):
                 sink = np.empty(1, dtype=np.uint8)

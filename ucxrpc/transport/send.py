@@ -2,7 +2,9 @@
 
 A message is one frame (small buffers inline) and one tag message per
 separate buffer (:mod:`.frame`); CUDA buffers go GPU-direct, staged through
-host chunks, or packed (:mod:`.staging`).  A small message sent while the
+host chunks, or packed (:mod:`.staging`); large host buffers to a peer that
+reads us by address go as their address alone (:mod:`.cma`), held until
+the peer says it read them.  A small message sent while the
 pipe's previous frame is still in flight waits in the pipe's outbox and
 leaves with the others as one BATCH frame (:mod:`.batch`).
 
@@ -20,8 +22,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FrameError
-from . import batch, staging
-from .frame import Kind, Limits, encode
+from . import batch, cma, staging
+from .frame import REMOTE, Kind, Limits, encode
 from .pipe import OutState, Pipe
 from .tags import FRAME, data_tag, kind_base
 from .ucx import Request
@@ -62,6 +64,10 @@ class Sender:
         self.packed_buffers = 0
         self.batches = 0
         self.batched_messages = 0
+        self.read_buffers = 0
+        #: Pipes whose peer has not yet read all it was sent by address (the
+        #: transport removes a pipe under its lock when that ends).
+        self.holding: set[Pipe] = set()
 
     def send(self, pipe: Pipe, payload: bytes | memoryview, buffers: list[torch.Tensor],
              kind: Kind = Kind.MESSAGE, hint: int = 0, devices: list[int] | None = None) -> None:
@@ -77,11 +83,15 @@ class Sender:
             elif pipe.outbox:
                 self.flush(pipe)  # what waits goes first
         out = None
-        if buffers and (self._host_as_device or any(b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER
-                                                    for b in buffers)):
+        remote = self._by_address(pipe, kind, buffers) if pipe.cma_out else None
+        if remote is None and buffers and (self._host_as_device or any(
+                b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
             out = staging.plan(buffers, devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device)
-        if out is None:
+        if remote is not None:
+            frame, separate = encode(kind, pipe.out_seq + 1, payload, _host_views(buffers),
+                                     pipe.out_key, self.limits, remote, pipe.peer_max_frame)
+        elif out is None:
             frame, separate = encode(kind, pipe.out_seq + 1, payload, _host_views(buffers),
                                      pipe.out_key, self.limits, peer_max_frame=pipe.peer_max_frame)
         else:  # the receiver allocates on the device each descriptor names
@@ -95,6 +105,10 @@ class Sender:
         pipe.out_seq += 1
         seq = pipe.out_seq
         assert pipe.ep is not None
+        if remote is not None:  # before the frame: its CMA_DONE may come at once
+            pipe.cma_held[seq] = [b for b, way in zip(buffers, remote) if way[0]]
+            self.read_buffers += len(pipe.cma_held[seq])
+            self.holding.add(pipe)
         sent = pipe.ep.tag_send(frame, self._frame_base | hint)
         reqs: list[tuple[Request, Pipe]] = [(sent, pipe)]
         try:
@@ -137,7 +151,27 @@ class Sender:
 
     def stats(self) -> dict[str, int]:
         return {"staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
-                "batches": self.batches, "batched_messages": self.batched_messages}
+                "batches": self.batches, "batched_messages": self.batched_messages,
+                "buffers_read_by_peers": self.read_buffers}
+
+    def _by_address(self, pipe: Pipe, kind: Kind,
+                    buffers: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
+        """The frame's ways when some of its buffers are to be read by
+        address (host buffers of :data:`.cma.MIN_BYTES` or more, in a message
+        without device buffers), else None."""
+        if kind is not Kind.MESSAGE or self._host_as_device:
+            return None
+        ways = []
+        found = False
+        for b in buffers:
+            if b.is_cuda:
+                return None
+            if b.numel() >= cma.MIN_BYTES:
+                ways.append((REMOTE, 0, b.data_ptr()))
+                found = True
+            else:
+                ways.append((0, 0, 0))
+        return ways if found else None
 
     def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
         """Whether a message may wait in an outbox: small, in host memory

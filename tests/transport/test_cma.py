@@ -1,0 +1,162 @@
+"""Reading large host buffers by address (transport/cma.py): the system
+call against a real second process, what a pipe agrees to, and messages
+whose buffers travel so between two workers over real pipes."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.rpc._digest import digest as _digest
+from tests.rpc._digest import digest_and_echo
+from tests.workers import run_workers
+from ucxrpc.errors import FrameError
+from ucxrpc.transport import cma
+from ucxrpc.transport.frame import REMOTE, Kind, Limits, decode, encode
+from ucxrpc.transport.pool import PAGE, HostPool
+
+pytestmark = pytest.mark.timeout(120)
+
+if cma.offer() is None:
+    pytest.skip("process_vm_readv or /proc is not available here", allow_module_level=True)
+
+# A process holding known bytes and its own offer; it prints both and waits.
+_HOLDER = """
+import ctypes, sys
+from ucxrpc.transport import cma
+data = ctypes.create_string_buffer(bytes(range(256)) * 36865, 256 * 36865)
+print(ctypes.addressof(data), cma.offer(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def holder():
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        address, offer = proc.stdout.readline().split()
+        yield proc, int(address), offer
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_read_copies_another_process_memory_and_names_failures(holder):
+    proc, address, offer = holder
+    size = 256 * 36865  # over SPLIT_BYTES: half of it copied on the helper thread
+    assert size > cma.SPLIT_BYTES
+    out = ctypes.create_string_buffer(size)
+    cma.read(proc.pid, ctypes.addressof(out), address, size)
+    assert out.raw == bytes(range(256)) * 36865
+    small = ctypes.create_string_buffer(4096)
+    cma.read(proc.pid, ctypes.addressof(small), address + 256, 4096)  # in one call
+    assert small.raw == bytes(range(256)) * 16
+    peer = cma.parse(offer)
+    assert peer is not None and cma.probe(proc.pid, peer) is None
+    # A token that reads back different, an address not mapped there.
+    assert cma.probe(proc.pid, peer._replace(token=bytes(16))) == "its token read back wrong"
+    for n in (16, size):  # one call, and a split one
+        with pytest.raises(OSError, match=f"process_vm_readv from PID {proc.pid}"):
+            cma.read(proc.pid, ctypes.addressof(out), 8, n)
+    proc.kill()
+    proc.wait(10)
+    assert cma.probe(proc.pid, peer) is not None  # gone: no such process
+
+
+def test_offers_from_elsewhere_and_transport_lists():
+    mine = cma.offer()
+    assert mine is not None and cma.parse(mine) is not None
+    domain, address, token = mine.rsplit("@", 2)
+    # Another kernel, PID namespace or user: its PID names nothing here.
+    assert cma.parse(f"other-boot/pid:[1]/0@{address}@{token}") is None
+    assert cma.parse(f"{domain}@{address}@abcd") is None  # a short token
+    assert cma.parse("not an offer") is None and cma.parse(None) is None
+    assert cma.allowed("all") and cma.allowed("sm,tcp") and cma.allowed("cma")
+    assert cma.allowed("^ib") and not cma.allowed("^cma") and not cma.allowed("^sm,ib")
+    assert not cma.allowed("tcp") and not cma.allowed("tcp,cuda_copy")
+
+
+def test_remote_descriptors_round_trip_and_host_memory_only():
+    limits = Limits()
+    views = [(10, None, -1), (1 << 22, None, -1)]
+    frame, separate = encode(Kind.MESSAGE, 1, b"p", views, b"k" * 16, limits,
+                             [(0, 0, 0), (REMOTE, 0, 0x7F00_1234_5678)])
+    assert separate == [0]  # a REMOTE buffer sends nothing
+    got = decode(frame, b"k" * 16, limits)
+    assert got.buffers[1].flags == REMOTE and got.buffers[1].inline_offset == 0x7F00_1234_5678
+    assert got.total == frame.nbytes + 10 + (1 << 22)
+    bad, _ = encode(Kind.MESSAGE, 1, b"p", [(1 << 22, None, 0)], b"k" * 16, limits,
+                    [(REMOTE, 0, 4096)])
+    with pytest.raises(FrameError, match="read by address from device 0"):
+        decode(bad, b"k" * 16, limits)
+
+
+def test_pool_buffers_start_where_asked_in_their_page():
+    pool = HostPool()
+    for phase in (0, 16, 64, 4000):
+        t = pool.alloc(3 << 20, phase)
+        assert t.data_ptr() % PAGE == phase and t.numel() == 3 << 20
+        t[-1] = 1  # all of it is ours
+    del t
+    again = pool.alloc(3 << 20, 64)
+    assert again.data_ptr() % PAGE == 64 and pool.stats()["hits"] >= 1
+
+
+def _counts():
+    import ucxrpc as rpc
+
+    info = rpc._get_debug_info()
+    return {k: info[k] for k in ("bytes_read_by_address", "buffers_read_by_peers")}
+
+
+def _exchange(rank, world_size, init_method, transports):
+    import ucxrpc as rpc
+
+    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
+                                    transports=transports)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        # The first reply follows the peer's CMA_OK: reading by address is on
+        # from the next message (the first one cannot wait for it).
+        rpc.rpc_sync("worker1", torch.add, (1, 1))
+        g = torch.Generator().manual_seed(3)
+        payloads = {
+            # by address both ways, with small buffers beside it
+            "large": [torch.randint(0, 255, ((5 << 20) + 3,), dtype=torch.uint8, generator=g),
+                      torch.arange(10), "text"],
+            # a view at an odd place in its storage, and a float tensor
+            "view": torch.randn(3 << 20, generator=g)[7:],
+            "several": {"a": torch.ones(1 << 20, dtype=torch.float64),
+                        "b": torch.zeros(3 << 20, dtype=torch.int8)},
+        }
+        for name, obj in payloads.items():
+            remote_digest, back = rpc.rpc_sync("worker1", digest_and_echo, (obj,))
+            out[name] = (remote_digest == _digest(obj), _digest(back) == _digest(obj))
+        out["pipe"] = rpc.get_pipe_info("worker1")[0]["by_address"]
+        out["mine"] = _counts()
+        out["theirs"] = rpc.rpc_sync("worker1", _counts)
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["default", "tcp-only"])
+def test_large_buffers_go_by_address_within_a_host(transports):
+    out = run_workers(_exchange, 2, args=(transports,), timeout=90)[0]
+    for name in ("large", "view", "several"):
+        assert out[name] == (True, True), name
+    if transports is None:
+        assert out["pipe"] == {"in": True, "out": True}
+        # Four large buffers each way (the view's storage travels compacted).
+        assert out["mine"]["buffers_read_by_peers"] == 4
+        assert out["theirs"]["buffers_read_by_peers"] == 4
+        assert out["mine"]["bytes_read_by_address"] == out["theirs"]["bytes_read_by_address"] > 0
+    else:  # TCP asked for: every byte goes through UCX
+        assert out["pipe"] == {"in": False, "out": False}
+        assert out["mine"] == out["theirs"] == {"bytes_read_by_address": 0,
+                                                "buffers_read_by_peers": 0}
