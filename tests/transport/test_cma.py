@@ -34,6 +34,17 @@ sys.stdin.read()
 """
 
 
+def _siblings_may_read() -> bool:
+    """Whether this kernel lets a process read a sibling's memory: Yama's
+    ptrace_scope 1 or more allows only descendants (and the pipe then stays
+    on UCX, which the test checks instead)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return True  # no Yama
+
+
 @pytest.fixture
 def holder():
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
@@ -128,10 +139,11 @@ def _exchange(rank, world_size, init_method, transports):
         g = torch.Generator().manual_seed(3)
         payloads = {
             # by address both ways, with small buffers beside it
-            "large": [torch.randint(0, 255, ((5 << 20) + 3,), dtype=torch.uint8, generator=g),
+            "large": [torch.randint(0, 255, ((9 << 20) + 3,), dtype=torch.uint8, generator=g),
                       torch.arange(10), "text"],
             # a view at an odd place in its storage, and a float tensor
             "view": torch.randn(3 << 20, generator=g)[7:],
+            # one by address, one through UCX
             "several": {"a": torch.ones(1 << 20, dtype=torch.float64),
                         "b": torch.zeros(3 << 20, dtype=torch.int8)},
         }
@@ -150,13 +162,13 @@ def test_large_buffers_go_by_address_within_a_host(transports):
     out = run_workers(_exchange, 2, args=(transports,), timeout=90)[0]
     for name in ("large", "view", "several"):
         assert out[name] == (True, True), name
-    if transports is None:
+    if transports is None and _siblings_may_read():
         assert out["pipe"] == {"in": True, "out": True}
-        # Four large buffers each way (the view's storage travels compacted).
-        assert out["mine"]["buffers_read_by_peers"] == 4
-        assert out["theirs"]["buffers_read_by_peers"] == 4
+        # Three buffers of 8 MiB or more each way (the view's whole storage).
+        assert out["mine"]["buffers_read_by_peers"] == 3
+        assert out["theirs"]["buffers_read_by_peers"] == 3
         assert out["mine"]["bytes_read_by_address"] == out["theirs"]["bytes_read_by_address"] > 0
-    else:  # TCP asked for: every byte goes through UCX
+    else:  # TCP asked for, or the kernel refused: every byte goes through UCX
         assert out["pipe"] == {"in": False, "out": False}
         assert out["mine"] == out["theirs"] == {"bytes_read_by_address": 0,
                                                 "buffers_read_by_peers": 0}

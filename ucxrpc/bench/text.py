@@ -90,6 +90,10 @@ def transport_lines(series: Sequence[Series],
             tls = ", ".join(pipe.get("transports") or ()) or "unknown"
             lanes = ", ".join(f"{lane.get('transport')}/{lane.get('device')}"
                               for lane in pipe.get("lanes") or ())
+            by_address = pipe.get("by_address") or {}
+            read = [way for way in ("in", "out") if by_address.get(way)]
             lines.append(f"{s.label} pipe worker0 -> {pipe.get('peer', '?')}: {tls}"
-                         + (f" (lanes: {lanes})" if lanes else ""))
+                         + (f" (lanes: {lanes})" if lanes else "")
+                         + (f"; large host buffers read by address: {', '.join(read)}"
+                            if read else ""))
     return lines

@@ -39,13 +39,16 @@ from typing import Any, NamedTuple
 __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 
 #: Host buffers from this size travel by address where a pipe allows it.
-#: Smaller ones go through UCX: its eager protocol within a host costs no
-#: handshake, while a read costs the acknowledgement frame.
-MIN_BYTES = 2 << 20
+#: Smaller ones go through UCX, which is as fast there on a quiet host: 4 MiB
+#: one-way took p50 603-701 µs by address and 581-632 through UCX, though
+#: at half the CPU (benchmarks/RESULTS.md, Run O).
+MIN_BYTES = 8 << 20
 #: Reads from this size are split in two halves, one copied on a helper
 #: thread: a second core copies at once, as UCX's two copies through shared
 #: memory do (one process copying in while the other copies out).  16 MiB
-#: here: 1.0-1.1 ms in two halves, 1.5-1.6 in one call.
+#: here: 1.0-1.1 ms in two halves, 1.5-1.6 in one call; at 4 MiB the
+#: hand-off cost more than it saved (one-way p50 844-1,078 µs, against
+#: 603-701 in one call).
 SPLIT_BYTES = 8 << 20
 PAGE = 4096
 

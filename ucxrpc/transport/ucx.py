@@ -114,7 +114,7 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # posted is held in UCX's unexpected queue, so the threshold also
         # bounds what a receiver holds per message (16 MiB eagerly was twice
         # as slow).  Across hosts UCX keeps choosing.  (Host buffers from
-        # 2 MiB within a host are read by address instead, where the pipe
+        # 8 MiB within a host are read by address instead, where the pipe
         # allows it: cma.py.)
         "UCX_RNDV_THRESH": "intra:2M,inter:auto",
         "UCX_KEEPALIVE_INTERVAL": "1s",
