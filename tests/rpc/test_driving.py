@@ -80,6 +80,9 @@ def test_callers_and_idle_pool_threads_drive_and_everything_completes():
 def _interrupted(rank, world_size, init_method):
     import ucxrpc as rpc
 
+    # Python's own Ctrl-C handler, whatever the runner left: a shell starts a
+    # background job with SIGINT ignored, and then no KeyboardInterrupt comes.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     c.init(rank, world_size, init_method, progress="polling")
     out = {}
     if rank == 0:

@@ -36,6 +36,8 @@ import secrets
 import threading
 from typing import Any, NamedTuple
 
+from .pool import PAGE
+
 __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 
 #: Host buffers from this size travel by address where a pipe allows it.
@@ -50,7 +52,6 @@ MIN_BYTES = 8 << 20
 #: hand-off cost more than it saved (one-way p50 844-1,078 µs, against
 #: 603-701 in one call).
 SPLIT_BYTES = 8 << 20
-PAGE = 4096
 
 
 class _Iovec(ctypes.Structure):
