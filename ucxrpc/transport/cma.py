@@ -17,7 +17,10 @@ random token in its memory).  Once a peer's frames to us authenticate, we
 read its token (:func:`probe`): that proves that the kernel lets us read
 that process (same user, no Yama or seccomp rule against it, not in
 another PID namespace), and only then do we tell the peer, in an
-authenticated frame, that it may send us buffers by address.  Each buffer
+authenticated frame, that it may send us buffers by address.  Only where
+UCX reaches the peer through shared memory: processes in two network
+namespaces of one kernel talk over TCP, and their large buffers must not
+go around it.  Each buffer
 read is acknowledged, and the sender holds it until then.
 
 Only an authenticated frame makes us read anything, and only from the PID

@@ -330,6 +330,18 @@ class Transport:
         by address, try, and tell it whether we can."""
         if pipe.cma_offer is None or pipe.cma_in:
             return
+        # Only where UCX itself reaches the peer through shared memory: two
+        # network namespaces of one kernel, say, talk over TCP, and a job
+        # measuring that path must not find its large buffers going around it.
+        try:
+            self._endpoint(pipe)
+        except Exception as exc:  # the pipe's own sends will say what is wrong
+            logger.debug("no endpoint to %s yet: %s", pipe.name, exc)
+            return
+        if not pipe.fifo:
+            logger.info("large buffers from %s travel through UCX, which reaches it without "
+                        "shared memory", pipe.name)
+            return
         why = cma.probe(pipe.cma_pid, pipe.cma_offer)
         if why is not None:
             logger.info("large buffers from %s travel through UCX: reading its memory by "
