@@ -34,9 +34,9 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import queue
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .pool import PAGE
@@ -147,12 +147,14 @@ def read(pid: int, into: int, address: int, nbytes: int) -> None:
         _read(pid, into, address, nbytes)
         return
     half = (nbytes // 2) & ~(PAGE - 1)
-    job = _helper().submit(pid, into + half, address + half, nbytes - half)
+    second = _second_half().submit(_read, pid, into + half, address + half, nbytes - half)
     try:
         _read(pid, into, address, half)
     finally:
-        job.wait()  # never return while the helper still writes into ``into``
-    job.check()
+        # Waits: never return while the other thread still writes into ``into``.
+        failed = second.exception()
+    if failed is not None:
+        raise failed
 
 
 def _read(pid: int, into: int, address: int, nbytes: int) -> None:
@@ -167,67 +169,27 @@ def _read(pid: int, into: int, address: int, nbytes: int) -> None:
         done += got
 
 
-class _Job:
-    """One half of a split read, done by the helper thread."""
-
-    __slots__ = ("args", "done", "error")
-
-    def __init__(self, args: tuple[int, int, int, int]) -> None:
-        self.args = args
-        self.done = threading.Event()
-        self.error: OSError | None = None
-
-    def wait(self) -> None:
-        self.done.wait()
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
+_copier_lock = threading.Lock()
+_copier: ThreadPoolExecutor | None = None
 
 
-class _Helper:
-    """A daemon thread that copies the second halves of split reads."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="ucxrpc-cma-read", daemon=True).start()
-
-    def submit(self, pid: int, into: int, address: int, nbytes: int) -> _Job:
-        job = _Job((pid, into, address, nbytes))
-        self._jobs.put(job)
-        return job
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                _read(*job.args)
-            except OSError as exc:
-                job.error = exc
-            finally:
-                job.done.set()
+def _second_half() -> ThreadPoolExecutor:
+    """The thread that copies the second halves of split reads."""
+    global _copier
+    with _copier_lock:
+        if _copier is None:
+            _copier = ThreadPoolExecutor(1, thread_name_prefix="ucxrpc-cma-read")
+        return _copier
 
 
-_helper_lock = threading.Lock()
-_the_helper: _Helper | None = None
+def _forget_copier() -> None:
+    # A forked child has the executor but not its thread: it starts its own.
+    global _copier, _copier_lock
+    _copier = None
+    _copier_lock = threading.Lock()
 
 
-def _helper() -> _Helper:
-    global _the_helper
-    with _helper_lock:
-        if _the_helper is None:
-            _the_helper = _Helper()
-        return _the_helper
-
-
-def _forget_helper() -> None:
-    # A forked child has no helper thread, only its queue: it starts its own.
-    global _the_helper, _helper_lock
-    _the_helper = None
-    _helper_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_helper)
+os.register_at_fork(after_in_child=_forget_copier)
 
 
 def probe(pid: int, peer: Offer) -> str | None:

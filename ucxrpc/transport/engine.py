@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import struct
 import time
 from collections import deque
@@ -45,7 +44,7 @@ from .pool import HostPool
 from .receive import Allocator, OnFrameError, OnMessage, Receiver
 from .send import Sender
 from .tags import HINT_MASK, MAX_WORKER_ID
-from .ucx import Endpoint, Request, Worker, ucx_tls
+from .ucx import Endpoint, Request, Worker, effective_tls
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +114,7 @@ class Transport:
         #: What peers need to read our buffers by address (published), or
         #: None: not possible here, or the job's transports leave shared
         #: memory out.
-        self.cma_offer = cma.offer() if cma.allowed(
-            ucx_tls(transports) if transports else os.environ.get("UCX_TLS", "all")) else None
+        self.cma_offer = cma.offer() if cma.allowed(effective_tls(transports)) else None
         # Whether this side's UCX takes device memory; a pipe is GPU-direct
         # when both sides' do, and stages device buffers otherwise.
         self.cuda_direct = self._worker.cuda_memory and not self._host_as_device

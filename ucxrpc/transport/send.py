@@ -161,17 +161,13 @@ class Sender:
         without device buffers), else None."""
         if kind is not Kind.MESSAGE or self._host_as_device:
             return None
-        ways = []
-        found = False
-        for b in buffers:
-            if b.is_cuda:
-                return None
-            if b.numel() >= cma.MIN_BYTES:
-                ways.append((REMOTE, 0, b.data_ptr()))
-                found = True
-            else:
-                ways.append((0, 0, 0))
-        return ways if found else None
+        # Every message to such a pipe asks: one size read per buffer when,
+        # as mostly, none is large.
+        sizes = [b.numel() for b in buffers]
+        if not sizes or max(sizes) < cma.MIN_BYTES or any(b.is_cuda for b in buffers):
+            return None
+        return [(REMOTE, 0, b.data_ptr()) if n >= cma.MIN_BYTES else (0, 0, 0)
+                for b, n in zip(buffers, sizes)]
 
     def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
         """Whether a message may wait in an outbox: small, in host memory

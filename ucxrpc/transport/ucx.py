@@ -128,7 +128,7 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         out.pop("UCX_RNDV_FRAG_MEM_TYPES", None)
     if transports:
         out["UCX_TLS"] = ucx_tls(transports)
-    tls = out.get("UCX_TLS", environ.get("UCX_TLS", "all"))
+    tls = effective_tls(transports, environ)
     if tls not in ("", "all") and "UCX_WARN_UNUSED_ENV_VARS" not in environ:
         # A narrowed transport list leaves some of the settings above unread
         # (UCX_TCP_* without tcp, UCX_MM_ERROR_HANDLING without shared
@@ -137,6 +137,13 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # one set too late to be read, shows.
         out["UCX_WARN_UNUSED_ENV_VARS"] = "n"
     return out
+
+
+def effective_tls(transports: Sequence[str] | None,
+                  environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The ``UCX_TLS`` UCX runs with: ``transports=`` where given (it wins),
+    else the user's, else all."""
+    return ucx_tls(transports) if transports else environ.get("UCX_TLS", "all")
 
 
 def cuda_memory(cuda_support: bool, resources: Sequence[tuple[str, str]]) -> bool:
