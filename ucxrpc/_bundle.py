@@ -8,7 +8,9 @@ tensors of a message into a :class:`Packer`: one ``torch.cat`` per dtype
 after the dump, and each such tensor pickles as ``_bundled_slot(slot)``
 (``_rebuild_bundled(slot, flags)`` when it requires grad or is a Parameter).
 The receiver cuts every buffer with one ``split`` (:func:`unpack`), before
-the pickle stream is read, so each rebuild call is a dict look-up.
+the pickle stream is read, so each rebuild call is a dict look-up.  (A
+message's first few very small tensors skip the bundle and travel inside the
+pickle stream: ``serialization.INBAND_MAX_TENSORS``.)
 
 Bundled: a non-empty contiguous CPU tensor of at most
 :data:`MAX_TENSOR_BYTES` that is either all of its storage and the only

@@ -8,8 +8,10 @@ the message actually carried before viewing them.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import logging
+import math
 import pickle
 import threading
 from collections.abc import Sequence
@@ -157,6 +159,30 @@ def _bundled_slot(slot: int) -> torch.Tensor:
     this function serves any other unpickler.
     """
     return _rebuild_bundled(slot)
+
+
+def _rebuild_inband(code: int, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    """Pickle's rebuild call for a small host tensor whose bytes travelled
+    in the pickle stream (see ``serialization.INBAND_MAX_BYTES``): a tensor
+    of its own, as torch's agent would make.  Like bundled tensors without
+    flags, not counted in ``_Loader.ntensors``."""
+    spec = _CODE_SPECS.get(code) if type(code) is int else None
+    if spec is None or spec[2]:
+        raise SerializationError(f"unknown tensor dtype code {code!r} in an in-band tensor")
+    dtype, itemsize, _ = spec
+    try:
+        # Checked before anything is allocated: the shape is only a claim
+        # (torch.empty refuses negative and non-integer sizes).
+        if type(shape) is not tuple or type(data) is not bytes:
+            raise TypeError(f"{type(shape).__name__} shape, {type(data).__name__} data")
+        if math.prod(shape) * itemsize != len(data):
+            raise ValueError(f"{len(data)} bytes for {dtype} of shape {shape}")
+        t = torch.empty(shape, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise SerializationError(f"malformed in-band tensor: {exc}") from None
+    if data:
+        ctypes.memmove(t.data_ptr(), data, len(data))
+    return t
 
 
 #: What a run (:class:`ucxrpc._bundle.Run`) was: the kinds of _bundled_run.

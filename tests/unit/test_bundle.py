@@ -24,7 +24,8 @@ ALL_DTYPES = [
 ] + [d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64"))
      if isinstance(d, torch.dtype)]
 
-SER = Serializer()
+# The bundle itself: no tensor goes in the pickle stream (test_inband.py).
+SER = Serializer(inband_tensors=0)
 
 
 def _wire(pickled: Pickled, misalign: int = 0) -> list[torch.Tensor]:

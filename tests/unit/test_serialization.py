@@ -825,11 +825,12 @@ def test_subclass_reducer_override_sees_objects_and_tensors_still_work():
             return NotImplemented
 
     ser = Intercepting()
-    pickled = ser.dumps({"h": _Handle("b"), "t": torch.arange(3)})
+    # 40 KB: over INBAND_MAX_BYTES, so it takes the bundle's buffer.
+    pickled = ser.dumps({"h": _Handle("b"), "t": torch.arange(5000)})
     assert len(pickled.buffers) == 1
     got = ser.loads(pickled.payload, _wire(pickled))
     assert got["h"].name == "rebuilt:b"
-    assert torch.equal(got["t"], torch.arange(3))
+    assert torch.equal(got["t"], torch.arange(5000))
     assert _Handle in seen and torch.Tensor in seen
 
 

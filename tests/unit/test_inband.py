@@ -1,0 +1,157 @@
+"""Small host tensors inside the pickle stream (serialization.INBAND_MAX_*).
+
+The first few small tensors of a message travel as their bytes in the
+stream, so a message carrying a scalar needs no buffer and no bundle; what
+does not qualify, or does not fit, takes the bundle (test_bundle.py) or its
+own buffer, exactly as before.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from ucxrpc.errors import SerializationError
+from ucxrpc.serialization import INBAND_MAX_BYTES, INBAND_MAX_TENSORS, GradCapture, Serializer
+from ucxrpc._tensor_codec import _DTYPE_CODES, _rebuild_inband
+
+from .test_bundle import ALL_DTYPES, _same, _sample, _wire
+
+SER = Serializer()
+
+
+def _roundtrip(obj, ser: Serializer = SER):
+    p = ser.dumps(obj)
+    return ser.loads(p.payload, _wire(p)), p
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (1,), (5, 3), (0,), (2, 0, 3)], ids=str)
+def test_every_dtype_and_shape_travels_in_the_stream(dtype, shape):
+    n = 1
+    for d in shape:
+        n *= d
+    t = _sample(dtype, (15,))[:n].reshape(shape).clone() if n else torch.empty(shape, dtype=dtype)
+    back, p = _roundtrip(t)
+    assert back.dtype == dtype and back.shape == t.shape
+    assert _same(back, t)
+    if n:  # an empty tensor has no bytes: it keeps the ordinary path
+        assert p.buffers == []
+        # A tensor of its own, as torch's agent makes: not a view of anything,
+        # and resizable.
+        assert back.untyped_storage().nbytes() == back.nbytes
+        back.resize_(n + 7)
+
+
+def test_a_scalar_reply_needs_no_buffer():
+    back, p = _roundtrip((torch.tensor(2), {"loss": torch.tensor(0.25)}))
+    assert p.buffers == [] and p.payload[:1] != b"B"  # no bundle table either
+    assert back[0].item() == 2 and back[1]["loss"].item() == 0.25
+
+
+def test_the_budget_per_message_sends_the_rest_by_the_bundle():
+    scalars = [torch.tensor(float(i)) for i in range(INBAND_MAX_TENSORS + 3)]
+    back, p = _roundtrip(tuple(scalars))  # a tuple under RUN_MIN: tensor by tensor
+    assert [b.numel() for b in p.buffers] == [3 * 4]  # the three over the count, bundled
+    assert all(torch.equal(a, b) for a, b in zip(back, scalars))
+
+    half = INBAND_MAX_BYTES // 2 // 4
+    three = [torch.full((half,), float(i)) for i in range(3)]
+    back, p = _roundtrip(three)
+    assert [b.numel() for b in p.buffers] == [half * 4]  # the third is over the bytes
+    assert all(torch.equal(a, b) for a, b in zip(back, three))
+
+    big = torch.arange(INBAND_MAX_BYTES // 4 + 1, dtype=torch.float32)
+    back, p = _roundtrip(big)
+    assert [b.numel() for b in p.buffers] == [big.nbytes]
+    assert torch.equal(back, big)
+
+
+def test_bytes_are_taken_at_dumps():
+    t = torch.arange(4.0)
+    p = SER.dumps(t)
+    t.add_(100)
+    assert torch.equal(SER.loads(p.payload, _wire(p)), torch.arange(4.0))
+
+
+def test_what_must_not_travel_as_raw_bytes_keeps_its_path():
+    # requires_grad (its place in a capture), a Parameter, lazy negation and
+    # conjugation (the bytes hold the unresolved values), a zero tensor (no
+    # bytes at all): the bundle or the general path, values resolved.
+    z = torch.complex(torch.arange(3.0), torch.ones(3))
+    msg = {
+        "grad": torch.ones(3, requires_grad=True),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "neg": torch._neg_view(torch.arange(3.0)),
+        "conj": z.conj(),
+        "zero": torch._efficientzerotensor(4),
+    }
+    capture = GradCapture()
+    back, p = _roundtrip((capture, msg))
+    got_capture, got = back
+    # Both require grad (a Parameter does by default), in the capture's order.
+    assert [id(t) for t in capture.tensors] == [id(msg["grad"]), id(msg["param"])]
+    assert [id(t) for t in got_capture.tensors] == [id(got["grad"]), id(got["param"])]
+    assert got["grad"].requires_grad and torch.equal(got["grad"].detach(), torch.ones(3))
+    assert isinstance(got["param"], torch.nn.Parameter)
+    assert torch.equal(got["neg"], -torch.arange(3.0))
+    assert torch.equal(got["conj"], z.conj().resolve_conj())
+    assert torch.equal(got["zero"], torch.zeros(4))
+    assert p.buffers  # none of them went in band
+
+
+def test_shared_storage_still_arrives_shared():
+    base = torch.arange(6.0)
+    back, p = _roundtrip((base, base[2:4]))
+    assert p.buffers  # two tensors of one storage: the per-storage path
+    back[0][2] = 100.0
+    assert back[1][0].item() == 100.0
+
+
+def test_a_compacted_view_travels_in_band_as_its_own_copy():
+    base = torch.arange(10_000.0)  # 40 KB: torch's rule sends a small view compacted
+    back, p = _roundtrip(base[100:110])
+    assert p.buffers == []
+    assert torch.equal(back, base[100:110]) and back.untyped_storage().nbytes() == 40
+
+
+def test_off_with_a_budget_of_nothing_or_without_bundling():
+    t = torch.tensor(3.0)
+    for ser in (Serializer(inband_tensors=0), Serializer(inband_bytes=0), Serializer(bundle=False)):
+        back, p = _roundtrip(t, ser)
+        assert len(p.buffers) == 1 and back.item() == 3.0
+
+
+def _payload(*args) -> bytes:
+    class Forged:
+        def __reduce__(self):
+            return (_rebuild_inband, args)
+    return pickle.dumps(Forged(), protocol=5)
+
+
+FLOAT = _DTYPE_CODES[torch.float32][0]
+
+
+@pytest.mark.parametrize("args, why", [
+    ((FLOAT, (3,), b"\0" * 8), "8 bytes for torch.float32 of shape"),
+    ((FLOAT, (1 << 40, 1 << 40), b"\0" * 4), "bytes for torch.float32"),
+    ((FLOAT, (-1, -1), b"\0" * 4), "malformed in-band tensor"),
+    ((FLOAT, (1.0,), b"\0" * 4), "malformed in-band tensor"),
+    ((FLOAT, [1], b"\0" * 4), "list shape"),
+    ((FLOAT, (1,), bytearray(4)), "bytearray data"),
+    ((FLOAT | 1, (1,), b"\0" * 4), "unknown tensor dtype code"),  # a grad flag
+    ((999, (1,), b"\0" * 4), "unknown tensor dtype code"),
+    (("float32", (1,), b"\0" * 4), "unknown tensor dtype code"),
+])
+def test_a_forged_in_band_tensor_is_refused_by_name(args, why):
+    with pytest.raises(SerializationError, match=why):
+        SER.loads(_payload(*args), [])
+
+
+def test_the_shape_is_checked_before_anything_is_allocated():
+    # 2**40 x 2**40 float32 would be 4 EiB: refused on its byte count alone.
+    with pytest.raises(SerializationError):
+        _rebuild_inband(FLOAT, (1 << 40, 1 << 40), b"")
+    assert torch.equal(_rebuild_inband(FLOAT, (0, 5), b""), torch.empty(0, 5))
