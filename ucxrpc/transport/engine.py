@@ -48,6 +48,9 @@ from .ucx import Endpoint, Request, Worker, effective_tls
 
 logger = logging.getLogger(__name__)
 
+#: A sequence number in a CMA_DONE frame's payload (frame.Kind.CMA_DONE).
+_SEQ = struct.Struct("<Q")
+
 OnBroken = Callable[[int, BaseException], None]
 
 
@@ -361,7 +364,7 @@ class Transport:
     def _read_done(self, pipe: Pipe, seq: int) -> None:
         """We read (or gave up on) the peer's buffers of frame ``seq``."""
         try:
-            self._send_or_queue(pipe, seq.to_bytes(8, "little"), [], Kind.CMA_DONE)
+            self._send_or_queue(pipe, _SEQ.pack(seq), [], Kind.CMA_DONE)
         except Exception as exc:  # the pipe broke: the peer lets them go anyway
             logger.debug("CMA_DONE to %s not sent: %s", pipe.name, exc)
 
@@ -374,11 +377,11 @@ class Transport:
                     pipe.cma_out = True
             return
         data = bytes(frame.payload)
-        if len(data) % 8:
+        if len(data) % _SEQ.size:
             raise FrameError(f"a CMA_DONE frame from {pipe.name} has {len(data)} bytes, "
                              "not a list of sequence numbers")
         with pipe.lock:
-            for (seq,) in struct.iter_unpack("<Q", data):
+            for (seq,) in _SEQ.iter_unpack(data):
                 pipe.cma_held.pop(seq, None)
             if not pipe.cma_held:
                 self._sender.holding.discard(pipe)
