@@ -28,7 +28,9 @@ call (a *run*).  The first few very small ones of a message (at most
 :data:`INBAND_MAX_TENSORS`, :data:`INBAND_MAX_BYTES` together) travel
 inside the pickle stream itself, as ``_rebuild_inband(code, shape, bytes)``:
 a message carrying a scalar or a short vector then needs no buffer and no
-bundle at all.
+bundle at all.  The first small tensor past those goes out of band as
+itself, zero-copy (a bundle of one would cost a table, a copy and a split);
+only the ones after it bundle.
 
 Wire forms: a plain 1-D tensor that is all of its storage (the common case)
 travels as ``_rebuild_vector(buffer, code, numel)``, ``code`` packing a dtype
@@ -261,6 +263,9 @@ class _MessagePickler(pickle.Pickler):
         # What a message may carry in the stream, and what this one still may.
         self._inband = serializer.inband
         self._inband_left, self._inband_room = self._inband
+        # Whether the next tensor that could bundle goes as itself instead
+        # (Serializer's first_alone; once per message).
+        self._first_alone = self._lone = serializer.first_alone
         if self._hook is not None or self._dispatch:
             # pickle reads this attribute once, here: without extensions the
             # per-object call goes straight to the tensor code.
@@ -294,6 +299,7 @@ class _MessagePickler(pickle.Pickler):
             self._chunks = []
             self._pack = None
             self._inband_left, self._inband_room = self._inband
+            self._lone = self._first_alone
             self.buffers = []
             self._storage_index = {}
             self._capture = None
@@ -351,9 +357,13 @@ class _MessagePickler(pickle.Pickler):
                         self._inband_left -= 1
                         return (_rebuild_inband, (code, tuple(t.shape), _string_at(ptr, nbytes)))
                 pack = self._pack
-                if pack is None:
-                    pack = self._pack = _bundle.Packer()
-                slot = pack.add(t, nbytes, code)
+                if pack is None and self._lone:
+                    self._lone = False  # it goes as itself, below
+                    slot = -1
+                else:
+                    if pack is None:
+                        pack = self._pack = _bundle.Packer()
+                    slot = pack.add(t, nbytes, code)
                 if slot >= 0:
                     flags = self._grad_flag(t) if t.requires_grad else 0
                     if cls is _Parameter:
@@ -531,14 +541,19 @@ class Serializer:
         inband_tensors, inband_bytes: how many small host tensors, and how
             many bytes of them, a message carries inside the pickle stream
             (:data:`INBAND_MAX_TENSORS`, :data:`INBAND_MAX_BYTES`).
+        first_alone: a message's first small host tensor past those goes
+            as its own buffer, not in a bundle: a bundle of one tensor
+            costs both sides a table, a copy and a split for nothing, and
+            most messages carry one tensor.  The ones after it bundle.
     """
 
     def __init__(self, *, max_buffers: int = 65535,
                  dispatch: Mapping[type, Reducer] | None = None, bundle: bool = True,
                  inband_tensors: int = INBAND_MAX_TENSORS,
-                 inband_bytes: int = INBAND_MAX_BYTES) -> None:
+                 inband_bytes: int = INBAND_MAX_BYTES, first_alone: bool = True) -> None:
         self.max_buffers = max_buffers
         self.bundle = bundle
+        self.first_alone = first_alone
         self.inband = (inband_tensors, inband_bytes)
         self._dispatch: dict[type, Reducer] = dict(dispatch or {})
         overridden = type(self).reducer_override is not Serializer.reducer_override

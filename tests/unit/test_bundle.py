@@ -24,8 +24,9 @@ ALL_DTYPES = [
 ] + [d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64"))
      if isinstance(d, torch.dtype)]
 
-# The bundle itself: no tensor goes in the pickle stream (test_inband.py).
-SER = Serializer(inband_tensors=0)
+# The bundle itself: no tensor goes in the pickle stream (test_inband.py),
+# and a message's first small tensor bundles too (see test_first_alone).
+SER = Serializer(inband_tensors=0, first_alone=False)
 
 
 def _wire(pickled: Pickled, misalign: int = 0) -> list[torch.Tensor]:
@@ -432,3 +433,64 @@ def test_groups_past_torchs_serial_copy_bound_are_gathered_right():
     back, p = _roundtrip(msg)
     assert len(p.buffers) == 1 and p.buffers[0].numel() == sum(sizes)
     assert all(torch.equal(a, b) for a, b in zip(back, msg))
+
+
+# --- first_alone: a message's first small tensor goes as its own buffer ------
+
+ALONE = Serializer(inband_tensors=0)  # first_alone is the default
+
+
+def test_a_lone_small_tensor_travels_as_its_own_buffer_zero_copy():
+    t = torch.arange(4096.0)  # 16 KiB: small enough to bundle
+    p = ALONE.dumps((_sample_fn, (t,), {}))
+    assert p.payload[:1] != _bundle.MARK  # no table: nothing bundled
+    assert len(p.buffers) == 1 and p.buffers[0].data_ptr() == t.data_ptr()
+    back = ALONE.loads(p.payload, _wire(p))
+    assert torch.equal(back[1][0], t)
+
+
+def test_after_the_first_small_tensor_the_rest_bundle():
+    first, second, third = torch.arange(10.0), torch.ones(3, dtype=torch.int64), torch.zeros(2)
+    p = ALONE.dumps([first, second, third])
+    assert p.payload[:1] == _bundle.MARK
+    # The first's own bytes first (regular buffers before bundles), then one
+    # bundle per dtype in order of first use.
+    assert [b.numel() for b in p.buffers] == [40, 24, 8]
+    assert p.buffers[0].data_ptr() == first.data_ptr()
+    back = ALONE.loads(p.payload, _wire(p, misalign=1))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype
+               for a, b in zip(back, [first, second, third]))
+
+
+def test_the_first_alone_keeps_flags_views_and_per_message_state():
+    base = torch.arange(10_000.0)
+    view = base[100:200]  # compacted by torch's rule: a copy of its 400 bytes
+    leaf = torch.ones(3, requires_grad=True)
+    for first in (view, leaf, torch.nn.Parameter(torch.full((2,), 2.0))):
+        cap = GradCapture()
+        p = ALONE.dumps([cap, first, torch.ones(2)])
+        back = ALONE.loads(p.payload, _wire(p))
+        assert torch.equal(back[1].detach(), first.detach())
+        assert type(back[1]) is type(first) and back[1].requires_grad == first.requires_grad
+        assert p.buffers[0].numel() == first.nbytes  # its own buffer, then the bundle
+    # Each message starts afresh: the next message's first goes alone again.
+    for _ in range(2):
+        p = ALONE.dumps(torch.ones(5))
+        assert len(p.buffers) == 1 and p.payload[:1] != _bundle.MARK
+
+
+def test_runs_bundle_whatever_came_first():
+    d = {f"t{i}": torch.full((4,), float(i)) for i in range(_bundle.RUN_MIN)}
+    p = ALONE.dumps(d)
+    assert [b.numel() for b in p.buffers] == [_bundle.RUN_MIN * 16]  # one bundle, none alone
+    back = ALONE.loads(p.payload, _wire(p))
+    assert all(torch.equal(back[k], v) for k, v in d.items())
+
+
+def test_first_alone_off_bundles_a_lone_tensor():
+    p = SER.dumps(torch.arange(10.0))
+    assert p.payload[:1] == _bundle.MARK and [b.numel() for b in p.buffers] == [40]
+
+
+def _sample_fn(x):
+    return x

@@ -54,13 +54,15 @@ def test_a_scalar_reply_needs_no_buffer():
 def test_the_budget_per_message_sends_the_rest_by_the_bundle():
     scalars = [torch.tensor(float(i)) for i in range(INBAND_MAX_TENSORS + 3)]
     back, p = _roundtrip(tuple(scalars))  # a tuple under RUN_MIN: tensor by tensor
-    assert [b.numel() for b in p.buffers] == [3 * 4]  # the three over the count, bundled
+    # The three over the count: the first as its own buffer, two bundled.
+    assert [b.numel() for b in p.buffers] == [4, 2 * 4] and p.payload[:1] == b"B"
     assert all(torch.equal(a, b) for a, b in zip(back, scalars))
 
     half = INBAND_MAX_BYTES // 2 // 4
     three = [torch.full((half,), float(i)) for i in range(3)]
     back, p = _roundtrip(three)
-    assert [b.numel() for b in p.buffers] == [half * 4]  # the third is over the bytes
+    # The third is over the bytes, and alone: its own buffer, no bundle.
+    assert [b.numel() for b in p.buffers] == [half * 4] and p.payload[:1] != b"B"
     assert all(torch.equal(a, b) for a, b in zip(back, three))
 
     big = torch.arange(INBAND_MAX_BYTES // 4 + 1, dtype=torch.float32)
