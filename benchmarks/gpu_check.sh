@@ -28,15 +28,17 @@
 # GPU_CHECK_PYTHON names the Python to use (default: python3).
 #
 # No registry is needed. When ucxx does not import, the wheels carried in
-# .whl/ are installed offline (see ../shared/gpu/fetch-ucxx-wheels.sh): into
-# a venv with --system-site-packages in $TMPDIR (torch, CuPy, numpy stay the
-# machine's), or with `pip --target .site` where no venv can be made. pytest and
-# pytest-timeout must import too; carry them the same way if the machine
-# lacks them:
+# .whl/ are installed offline (see ../shared/gpu/fetch-ucxx-wheels.sh) with
+# `pip --target` into $TMPDIR, put first on PYTHONPATH (torch, CuPy, numpy
+# stay the machine's). pytest and pytest-timeout must import too (the GPU
+# image has them); carry them the same way if the machine lacks them:
 #   python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
 #       -d .whl pytest pytest-timeout
 # With the device tool's 10-minute limit per command, run the steps in two
-# calls, e.g. `... "$OUT" facts info pytest proto` and `... "$OUT" perftest bench`.
+# calls; it brings back at most 8 files from $OUT, so report into a folder
+# of its own and tar that, e.g. (all of it took 215 s on an H100, 2026-11-26):
+#   bash benchmarks/gpu_check.sh /tmp/r facts info proto pytest perftest;
+#   tar czf "$OUT/r.tgz" -C /tmp r
 set -u
 
 cd "$(dirname "$0")/.." || exit 2
@@ -81,7 +83,10 @@ run_step() {
 }
 
 # Python with ucxx, pytest and pytest-timeout importable: the machine's, or
-# the carried wheels installed offline.
+# the carried wheels installed offline with `pip --target` beside it.  Not
+# into a venv: the GPU image's python3 is itself a venv (/opt/torch/.venv),
+# and a venv made from one with --system-site-packages sees the base
+# interpreter's packages, not torch's (the first GPU run, 2026-11-26).
 setup_python() {
     if "$PY" -c "import ucxx, pytest, pytest_timeout" 2>/dev/null; then
         return
@@ -90,23 +95,15 @@ setup_python() {
         say "setup: ucxx, pytest or pytest-timeout missing and no wheels in .whl/"
         return
     fi
-    local venv=${TMPDIR:-/tmp}/ucxrpc-gpu-venv
+    local site=${TMPDIR:-/tmp}/ucxrpc-gpu-site
     if [ "$DRY" = 1 ]; then
-        echo "would install .whl/*.whl offline into $venv"
+        echo "would install .whl/*.whl offline into $site"
         return
     fi
-    if timeout 300 "$PY" -m venv --system-site-packages "$venv" >"$REPORT/setup.log" 2>&1 &&
-        timeout 600 "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile \
-            --no-cache-dir .whl/*.whl >>"$REPORT/setup.log" 2>&1; then
-        PY=$venv/bin/python
-    else
-        echo "no venv here (see setup.log): installing with pip --target .site" \
-            | tee -a "$REPORT/setup.log"
-        timeout 600 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --upgrade --target "$REPO/.site" .whl/*.whl >>"$REPORT/setup.log" 2>&1
-        export PYTHONPATH="$REPO/.site:$PYTHONPATH"
-    fi
-    "$PY" -c "import ucxx, pytest, pytest_timeout" >>"$REPORT/setup.log" 2>&1 ||
+    timeout 600 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$site" .whl/*.whl >"$REPORT/setup.log" 2>&1
+    export PYTHONPATH="$site:$PYTHONPATH"
+    "$PY" -c "import torch, ucxx, pytest, pytest_timeout" >>"$REPORT/setup.log" 2>&1 ||
         say "setup: still missing after the offline install (see setup.log)"
 }
 
@@ -152,14 +149,14 @@ perftest() {
         port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
         echo "---- UCX_TLS=$tls, tag_bw, cuda -> cuda, 256 MiB"
         UCX_TLS=$tls UCX_PROTO_INFO=y timeout 120 "$bin" -t tag_bw -m cuda -s 268435456 \
-            -n 20 -p "$port" >"$REPORT/perftest-server-$tls.log" 2>&1 &
+            -n 20 -p "$port" >"$REPORT/perftest-server-${tls//,/_}.log" 2>&1 &
         server=$!
         sleep 3
         UCX_TLS=$tls UCX_PROTO_INFO=y timeout 100 "$bin" 127.0.0.1 -t tag_bw -m cuda \
             -s 268435456 -n 20 -p "$port" || rc=1
         wait "$server" || rc=1
         echo "---- server side:"
-        cat "$REPORT/perftest-server-$tls.log"
+        cat "$REPORT/perftest-server-${tls//,/_}.log"
     done
     return $rc
 }

@@ -68,7 +68,8 @@ class _Net:
 class _FakeWorker:
     net: _Net
 
-    def __init__(self, transports: Any, host_timeout: float = 10.0) -> None:
+    def __init__(self, transports: Any, host_timeout: float = 10.0, *,
+                 device_memory: bool = False) -> None:
         self.address = b"w%d" % next(self.net.addresses)
         self.net.queues[self.address] = []
         self.cuda_memory = False

@@ -177,11 +177,22 @@ def _streams(rank, world_size, init_method):
         on_pool, total = rpc.rpc_sync("worker1", stream_facts, (t,))
         assert on_pool and total == n
         side = torch.cuda.Stream()
-        # The control, first (so that no block of 4s is free for it to land
-        # in): on a plain future the callback's kernels run on the current
-        # stream and nothing makes the side stream wait for them, so the
-        # sum races the spin and comes out wrong.  If it does not, this
-        # check could not fail either (CUDA_LAUNCH_BLOCKING set, say).
+        # Every kernel below launched once first: with CUDA's lazy module
+        # loading (the default), a kernel's first launch loads its module and
+        # waits for the device, which would order the streams and keep the
+        # control from racing (seen on an H100, 2026-11-26: the control's
+        # first `x * 2` waited out the spin).  Its blocks hold 10s, not the
+        # 4s the checks look for.
+        warm = torch.futures.Future()
+        warm.set_result(t * 5)
+        warm.then(slow_double).wait().sum()
+        torch.cuda.synchronize()
+        # The control, before the checked chain (so that no block of 4s is
+        # free for it to land in): on a plain future the callback's kernels
+        # run on the current stream and nothing makes the side stream wait
+        # for them, so the sum races the spin and comes out wrong.  If it
+        # does not, this check could not fail either (CUDA_LAUNCH_BLOCKING
+        # set, say).
         plain = torch.futures.Future()
         plain.set_result(t + 1)
         raced_chain = plain.then(slow_double)
@@ -194,7 +205,10 @@ def _streams(rank, world_size, init_method):
         chained = rpc.rpc_async("worker1", plus_one, (t,)).then(slow_double)
         with torch.cuda.stream(side):
             total = chained.wait().sum()
-        out = {"raced": raced.item(), "total": total.item(), "n": n}
+        # The sum ran on the side stream: .item() copies on the current one.
+        torch.cuda.synchronize()
+        out = {"raced": raced.item(), "total": total.item(), "n": n,
+               "streams": (str(torch.cuda.current_stream()), str(side))}
     rpc.shutdown()
     return out
 

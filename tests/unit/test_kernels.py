@@ -28,7 +28,7 @@ def _tensors(device):
         shape = [(), (1,), (7,), (3, 5), (2, 3, 4)][i % 5]
         x = torch.randint(0, 2 if dtype is torch.bool else 120, shape, generator=g).to(dtype)
         out.append(x.to(device))
-    out.append(torch.randn(4, 6)[:, ::2].to(device))  # not contiguous
+    out.append(torch.randn(4, 6, generator=g)[:, ::2].to(device))  # not contiguous
     out.append(torch.empty(0, device=device))
     return out
 

@@ -25,6 +25,15 @@ def test_defaults_keep_shared_memory_with_error_handling_and_eager_intra_host():
     assert "UCX_TLS" not in env  # UCX chooses
 
 
+def test_a_process_that_may_send_device_memory_lets_ucx_pick_the_rendezvous_switch():
+    # One threshold serves every memory type: 2 MiB eagerly would copy CUDA
+    # messages to the peer 8 KiB at a time (benchmarks/RESULTS.md, Run R).
+    env = ucx_environment(None, 10.0, environ={}, device_memory=True)
+    assert env["UCX_RNDV_THRESH"] == "auto"
+    assert "UCX_RNDV_THRESH" not in ucx_environment(
+        None, 10.0, environ={"UCX_RNDV_THRESH": "intra:2M"}, device_memory=True)
+
+
 def test_the_users_settings_win_except_an_explicit_transports_list():
     mine = {"UCX_RNDV_THRESH": "auto", "UCX_TLS": "tcp", "UCX_MM_ERROR_HANDLING": "n",
             "UCX_MEMTYPE_CACHE": "y", "UCX_RNDV_FRAG_MEM_TYPES": "cuda",

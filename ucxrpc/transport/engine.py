@@ -111,7 +111,10 @@ class Transport:
         self._cuda_device = cudactx.wanted_device(cuda_devices, transports)
         #: Whose CUDA context UCX sees, or why none (for pipe_info and tests).
         self.cuda_context = self._make_cuda_current()
-        self._worker = Worker(transports, host_timeout)
+        # Any process with a usable GPU may send CUDA memory: its own device
+        # maps' tensors, and replies along a caller's map reversed.
+        self._worker = Worker(transports, host_timeout,
+                              device_memory=self._cuda_device is not None)
         self.address = self._worker.address
         self._host_as_device = staging.debug_host_as_device()
         #: What peers need to read our buffers by address (published), or

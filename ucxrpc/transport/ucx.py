@@ -64,7 +64,8 @@ def ucx_tls(transports: Sequence[str]) -> str:
 
 
 def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0,
-                    environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+                    environ: dict[str, str] | os._Environ[str] = os.environ, *,
+                    device_memory: bool = False) -> dict[str, str]:
     """Return the ``UCX_*`` settings ucxrpc needs, without applying them.
 
     They must be in the environment before ``ucxx`` is first imported: that
@@ -78,7 +79,9 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
     process still there), never the peer's own code, so a busy peer passes;
     its TCP keepalive gives up on a silent host after about
     ``host_timeout``, as the lifelines do.  Within a host, messages below
-    2 MiB go eagerly (``UCX_RNDV_THRESH``).  Variables the user already
+    2 MiB go eagerly (``UCX_RNDV_THRESH``), unless this process may send
+    ``device_memory`` (it has a usable GPU): then UCX picks per memory
+    type.  Variables the user already
     set win, except ``UCX_TLS`` when ``transports=`` is given explicitly
     (see :func:`ucx_tls`).
     """
@@ -116,7 +119,17 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # as slow).  Across hosts UCX keeps choosing.  (Host buffers from
         # 8 MiB within a host are read by address instead, where the pipe
         # allows it: cma.py.)
-        "UCX_RNDV_THRESH": "intra:2M,inter:auto",
+        #
+        # Not for a process that sends device memory: the threshold is one
+        # for every memory type, and an eager CUDA message is copied to the
+        # peer's FIFO 8 KiB at a time, a synchronous device copy per
+        # fragment on each side.  On an H100 (two processes, cuda_ipc
+        # lane) a 1 MiB GPU-direct call took 1,975 µs eagerly and 727 µs
+        # with UCX's own choice (rendezvous: cuda_ipc from 22 KB); ucxrpc
+        # bench's bidirectional 1 MiB cost 58 ms of CPU per call eagerly
+        # (benchmarks/RESULTS.md, Run R).  Such a process takes UCX's
+        # choice for its host messages too.
+        "UCX_RNDV_THRESH": "auto" if device_memory else "intra:2M,inter:auto",
         "UCX_KEEPALIVE_INTERVAL": "1s",
         "UCX_KEEPALIVE_NUM_EPS": "inf",
         "UCX_TCP_KEEPIDLE": f"{idle}s",
@@ -312,8 +325,11 @@ class Worker:
     readable on the next UCX event, so an idle progress loop can sleep.
     """
 
-    def __init__(self, transports: Sequence[str] | None, host_timeout: float = 10.0) -> None:
-        os.environ.update(ucx_environment(transports, host_timeout))
+    def __init__(self, transports: Sequence[str] | None, host_timeout: float = 10.0, *,
+                 device_memory: bool = False) -> None:
+        # device_memory: this process may send CUDA memory (see ucx_environment)
+        os.environ.update(ucx_environment(transports, host_timeout,
+                                          device_memory=device_memory))
         import ucxx._lib.libucxx as ucx  # noqa: PLC0415  (lazy: env first)
         from ucxx._lib.arr import Array  # noqa: PLC0415
 
