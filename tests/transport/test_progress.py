@@ -96,7 +96,7 @@ class _Loop:
     an event from the network; ``expect``/``pending`` are what the
     transport would say."""
 
-    def __init__(self, strategy: progress.Strategy) -> None:
+    def __init__(self, strategy: progress.Strategy, awaited=None, spin_s: float = 0.0) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.expect = False
         self.pending = False
@@ -107,7 +107,7 @@ class _Loop:
         self.seen_on = ""  # the thread whose turn saw the last event
         self.loop = ProgressThread(
             name="test-progress", progress=lambda: None, turn=self._turn,
-            in_flight=lambda: self.expect, awaited=None, spin_s=0.0,
+            in_flight=lambda: self.expect, awaited=awaited, spin_s=spin_s,
             pending=lambda: self.pending, arm=lambda: True, fd=self.fd,
             strategy=strategy, on_stall=lambda s, now: None, on_start=self._started)
         self.started_on: tuple[str, int] | None = None  # thread, turns before it
@@ -167,6 +167,28 @@ def test_an_idle_loop_sleeps_and_an_event_wakes_it(loop):
         loop.fire()
         assert loop.seen.wait(10), f"event {i} was not seen"
     assert loop.events == 3
+
+
+@pytest.mark.parametrize("mode", ["polling", "adaptive"])
+def test_a_sleep_that_times_out_is_no_event_to_poll_after(mode):
+    # A worker whose peer called it last expects the next request for spin_s
+    # after each event.  A sleep that merely ran out is no event: counted as
+    # one, an idle callee polled for spin_s after every SLEEP_S (10% of a
+    # core at the defaults).  A wake() is one: a call was just sent.
+    lp = _Loop(progress.strategy(mode), awaited=lambda: True, spin_s=5.0)
+    lp.loop.start()
+    try:
+        _wait_for(lambda: lp.loop.sleeps >= 1, "the first sleep")
+        before = lp.loop.turns
+        time.sleep(0.3)
+        assert lp.loop.turns - before <= 0.3 / progress.SLEEP_S + 3, lp.loop.info()
+        if mode == "polling":  # adaptive may be backing off on a busy host
+            sleeps = lp.loop.sleeps
+            lp.loop.wake()
+            _wait_for(lambda: lp.loop.turns - before > 1000, "polling after a wake")
+            assert lp.loop.sleeps == sleeps
+    finally:
+        lp.close()
 
 
 def test_on_start_runs_on_the_loop_thread_before_its_first_turn(loop):

@@ -464,10 +464,16 @@ class ProgressThread:
                 continue
             self._sleeping = True
             try:
-                self._sleep(now, SLEEP_S)
+                woken = self._sleep(now, SLEEP_S)
             finally:
                 self._sleeping = False
-            last_event = time.monotonic()
+            if woken:
+                # A waker (a call just sent: its reply is due) ended the
+                # sleep: expect a message.  Not after a sleep that timed out
+                # or that UCX ended (its keepalive, say: the next turn shows
+                # whether anything came): an idle worker would then poll for
+                # spin_s each time, 10% of a core (2026-11-26).
+                last_event = time.monotonic()
 
     def _one_turn(self) -> bool:
         """UCX progress and the transport's turn (under the baton)."""
@@ -506,22 +512,24 @@ class ProgressThread:
         return self._in_flight() or (idle_s < self._spin_s and (self._awaited is None
                                                                  or self._awaited()))
 
-    def _sleep(self, now: float, timeout: float) -> None:
+    def _sleep(self, now: float, timeout: float) -> bool:
         """Wait in epoll for UCX or :meth:`wake`, up to ``timeout``; the
         caller set its sleeping flag first (so a waker that changed state
-        after the checks here writes the wake descriptor)."""
+        after the checks here writes the wake descriptor).  True when work
+        for the loop or :meth:`wake` ended it, False when it ran out or UCX
+        ended it (or had work before it could wait)."""
         try:
             if self._pending() or self._stopping:
-                return
+                return True
             if self._arm():
                 self.sleeps += 1
-                self._epoll.poll(timeout)
-            else:
-                # UCX has work to do before it can wait (a rendezvous moving
-                # fragment by fragment, say): turn again, but not before
-                # anyone else who wants this core had it.
-                self.arm_busy += 1
-                self._yield(now)
+                return any(fd == self._wake_fd for fd, _ in self._epoll.poll(timeout))
+            # UCX has work to do before it can wait (a rendezvous moving
+            # fragment by fragment, say): turn again, but not before
+            # anyone else who wants this core had it.
+            self.arm_busy += 1
+            self._yield(now)
+            return False
         finally:
             try:
                 os.eventfd_read(self._wake_fd)
