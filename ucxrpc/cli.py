@@ -84,10 +84,13 @@ def _ucx_cuda(name: str, loaded: set[str], cuda_ok: bool) -> tuple[bool, str]:
 def _info(_: argparse.Namespace) -> int:
     import torch
 
-    from .transport import ucp, ucx
+    from .transport import cudactx, ucp, ucx
 
     cuda_ok, cuda_why, gpus = _torch_cuda()  # CUDA first: UCX sees its context
-    os.environ.update(ucx.ucx_environment(None))
+    # The settings a worker here starts UCX with (its rendezvous switch
+    # depends on whether a GPU is usable).
+    os.environ.update(ucx.ucx_environment(
+        None, device_memory=cudactx.wanted_device((), None) is not None))
     res = ucx.local_resources()
     settings = ucx.effective_settings()
     loaded = {t for t, _ in res["resources"]}

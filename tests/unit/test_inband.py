@@ -13,6 +13,7 @@ import pickle
 import pytest
 import torch
 
+from ucxrpc._bundle import MARK
 from ucxrpc.errors import SerializationError
 from ucxrpc.serialization import INBAND_MAX_BYTES, INBAND_MAX_TENSORS, GradCapture, Serializer
 from ucxrpc._tensor_codec import _DTYPE_CODES, _rebuild_inband
@@ -47,7 +48,7 @@ def test_every_dtype_and_shape_travels_in_the_stream(dtype, shape):
 
 def test_a_scalar_reply_needs_no_buffer():
     back, p = _roundtrip((torch.tensor(2), {"loss": torch.tensor(0.25)}))
-    assert p.buffers == [] and p.payload[:1] != b"B"  # no bundle table either
+    assert p.buffers == [] and p.payload[:1] != MARK  # no bundle table either
     assert back[0].item() == 2 and back[1]["loss"].item() == 0.25
 
 
@@ -55,14 +56,14 @@ def test_the_budget_per_message_sends_the_rest_by_the_bundle():
     scalars = [torch.tensor(float(i)) for i in range(INBAND_MAX_TENSORS + 3)]
     back, p = _roundtrip(tuple(scalars))  # a tuple under RUN_MIN: tensor by tensor
     # The three over the count: the first as its own buffer, two bundled.
-    assert [b.numel() for b in p.buffers] == [4, 2 * 4] and p.payload[:1] == b"B"
+    assert [b.numel() for b in p.buffers] == [4, 2 * 4] and p.payload[:1] == MARK
     assert all(torch.equal(a, b) for a, b in zip(back, scalars))
 
     half = INBAND_MAX_BYTES // 2 // 4
     three = [torch.full((half,), float(i)) for i in range(3)]
     back, p = _roundtrip(three)
     # The third is over the bytes, and alone: its own buffer, no bundle.
-    assert [b.numel() for b in p.buffers] == [half * 4] and p.payload[:1] != b"B"
+    assert [b.numel() for b in p.buffers] == [half * 4] and p.payload[:1] != MARK
     assert all(torch.equal(a, b) for a, b in zip(back, three))
 
     big = torch.arange(INBAND_MAX_BYTES // 4 + 1, dtype=torch.float32)

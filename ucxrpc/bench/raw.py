@@ -169,7 +169,7 @@ def raw_peer(rank: int, cfg: WorkloadConfig, device: str,
         RuntimeError: ucxx was already imported in this process, or UCX
             reported an error (unconverted: a measurement tool).
     """
-    prepare_environment(cfg.transports, device_memory=device != "cpu")
+    prepare_environment(cfg.transports)
     if device != "cpu":
         import torch
 

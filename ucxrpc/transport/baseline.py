@@ -32,20 +32,23 @@ _YIELD_EVERY = 256
 _DEADLINE_CHECK_EVERY = 4096
 
 
-def prepare_environment(transports: tuple[str, ...] | None, device_memory: bool = False) -> None:
+def prepare_environment(transports: tuple[str, ...] | None) -> None:
     """Set ``UCX_*`` for this (child) process; must run before ucxx loads.
 
     Uses the transport layer's own settings so the baseline runs UCX the way
     ucxrpc does: ``UCX_MM_ERROR_HANDLING=y`` (else shared memory is silently
     off with error-handling endpoints, pitfall 1) and ``transports`` mapped
-    onto ``UCX_TLS``; ``device_memory`` as a worker with a usable GPU has
-    it (UCX picks the eager/rendezvous switch per memory type).
+    onto ``UCX_TLS``; where a GPU is usable, UCX's own eager/rendezvous
+    switch, as a worker there has it (``cudactx.wanted_device``), whatever
+    memory this run sends.
     """
     if "ucxx" in sys.modules:
         raise RuntimeError("ucxx was imported before the baseline set UCX_* variables; "
                            "run the raw peer in a fresh (spawned) process")
+    from .cudactx import wanted_device
     from .ucx import ucx_environment
 
+    device_memory = wanted_device((), transports) is not None
     os.environ.update(ucx_environment(transports, device_memory=device_memory))
     # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows: a warning
     # per process that would only clutter benchmark output.
