@@ -145,7 +145,7 @@ def _exchange(rank, world_size, init_method, transports):
             "view": torch.randn(3 << 20, generator=g)[7:],
             # one by address, one through UCX
             "several": {"a": torch.ones(1 << 20, dtype=torch.float64),
-                        "b": torch.zeros(3 << 20, dtype=torch.int8)},
+                        "b": torch.zeros(cma.MIN_BYTES // 2, dtype=torch.int8)},
         }
         for name, obj in payloads.items():
             remote_digest, back = rpc.rpc_sync("worker1", digest_and_echo, (obj,))
@@ -164,7 +164,7 @@ def test_large_buffers_go_by_address_within_a_host(transports):
         assert out[name] == (True, True), name
     if transports is None and _siblings_may_read():
         assert out["pipe"] == {"in": True, "out": True}
-        # Three buffers of 8 MiB or more each way (the view's whole storage).
+        # Three buffers of cma.MIN_BYTES or more each way (the view's whole storage).
         assert out["mine"]["buffers_read_by_peers"] == 3
         assert out["theirs"]["buffers_read_by_peers"] == 3
         assert out["mine"]["bytes_read_by_address"] == out["theirs"]["bytes_read_by_address"] > 0

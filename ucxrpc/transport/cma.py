@@ -43,11 +43,17 @@ from .pool import PAGE
 
 __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 
-#: Host buffers from this size travel by address where a pipe allows it.
-#: Smaller ones go through UCX, which is as fast there on a quiet host: 4 MiB
-#: one-way took p50 603-701 µs by address and 581-632 through UCX, though
-#: at half the CPU (benchmarks/RESULTS.md, Run O).
-MIN_BYTES = 8 << 20
+#: Host buffers from this size travel by address where a pipe allows it:
+#: UCX's own switch to rendezvous within a host (ucx.py), above which it
+#: needs a round of handshakes anyway and then both processes turning
+#: their loops for every fragment.  Beside a busy process, 2 MiB went
+#: 20-45% faster by address (one-way 3.38 against 2.77 GB/s, round trip
+#: 4.02 / 2.80, bidirectional 2.44 / 1.88) at 70-80% of the CPU; on a quiet
+#: host 10-20% slower (5.16 / 5.73 GB/s one-way), still 1.5x torch's, and
+#: from 4 MiB as fast or faster (benchmarks/RESULTS.md, Run T).  Smaller
+#: ones go through UCX, eagerly: at 256 KiB and 1 MiB reading by address
+#: lost the round trip (0.79 against 0.99 GB/s at 256 KiB, busy host).
+MIN_BYTES = 2 << 20
 #: Reads from this size are split in two halves, one copied on a helper
 #: thread: a second core copies at once, as UCX's two copies through shared
 #: memory do (one process copying in while the other copies out).  16 MiB

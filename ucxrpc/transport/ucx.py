@@ -117,7 +117,7 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # posted is held in UCX's unexpected queue, so the threshold also
         # bounds what a receiver holds per message (16 MiB eagerly was twice
         # as slow).  Across hosts UCX keeps choosing.  (Host buffers from
-        # 8 MiB within a host are read by address instead, where the pipe
+        # 2 MiB within a host are read by address instead, where the pipe
         # allows it: cma.py.)
         #
         # Not for a process that sends device memory: the threshold is one
