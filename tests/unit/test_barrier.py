@@ -53,7 +53,7 @@ def test_a_missing_rank_times_the_barrier_out_naming_it():
         rendezvous.barrier(CountingStore(), "k", 0, 3, timeout=0.3)
 
 
-def test_ranks_arriving_together_pass_at_once():
+def test_ranks_arriving_together_all_pass():
     store = CountingStore()
     threads = [threading.Thread(target=rendezvous.barrier, args=(store, "k", r, 3, 30))
                for r in range(3)]

@@ -44,9 +44,9 @@ from .pool import PAGE
 __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 
 #: Host buffers from this size travel by address where a pipe allows it:
-#: UCX's own switch to rendezvous within a host (ucx.py), above which it
-#: needs a round of handshakes anyway and then both processes turning
-#: their loops for every fragment.  Beside a busy process, 2 MiB went
+#: where ucxrpc has UCX switch to rendezvous within a host (ucx.py, in a
+#: process without a GPU), from which UCX needs a round of handshakes
+#: anyway and then both processes turning their loops for every fragment.  Beside a busy process, 2 MiB went
 #: 20-45% faster by address (one-way 3.38 against 2.77 GB/s, round trip
 #: 4.02 / 2.80, bidirectional 2.44 / 1.88) at 70-80% of the CPU; on a quiet
 #: host 10-20% slower (5.16 / 5.73 GB/s one-way), still 1.5x torch's, and
