@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -122,14 +123,15 @@ def _counts():
     import ucxrpc as rpc
 
     info = rpc._get_debug_info()
-    return {k: info[k] for k in ("bytes_read_by_address", "buffers_read_by_peers")}
+    return {k: info[k] for k in ("bytes_read_by_address", "buffers_read_by_peers",
+                                 "buffers_held_for_peers")}
 
 
-def _exchange(rank, world_size, init_method, transports):
+def _exchange(rank, world_size, init_method, transports, progress="adaptive"):
     import ucxrpc as rpc
 
     opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
-                                    transports=transports)
+                                    transports=transports, progress=progress)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
     out = {}
     if rank == 0:
@@ -145,7 +147,7 @@ def _exchange(rank, world_size, init_method, transports):
             "view": torch.randn(3 << 20, generator=g)[7:],
             # one by address, one through UCX
             "several": {"a": torch.ones(1 << 20, dtype=torch.float64),
-                        "b": torch.zeros(cma.MIN_BYTES // 2, dtype=torch.int8)},
+                        "b": torch.zeros(cma.BUSY_MIN_BYTES // 2, dtype=torch.int8)},
         }
         for name, obj in payloads.items():
             remote_digest, back = rpc.rpc_sync("worker1", digest_and_echo, (obj,))
@@ -168,7 +170,55 @@ def test_large_buffers_go_by_address_within_a_host(transports):
         assert out["mine"]["buffers_read_by_peers"] == 3
         assert out["theirs"]["buffers_read_by_peers"] == 3
         assert out["mine"]["bytes_read_by_address"] == out["theirs"]["bytes_read_by_address"] > 0
+        # Every read was acknowledged by the time the next call came back.
+        assert out["mine"]["buffers_held_for_peers"] == 0
+        assert out["theirs"]["buffers_held_for_peers"] == 0
     else:  # TCP asked for, or the kernel refused: every byte goes through UCX
         assert out["pipe"] == {"in": False, "out": False}
         assert out["mine"] == out["theirs"] == {"bytes_read_by_address": 0,
-                                                "buffers_read_by_peers": 0}
+                                                "buffers_read_by_peers": 0,
+                                                "buffers_held_for_peers": 0}
+
+
+def _lazy_exchange(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    # The blocking mode: the loop never polls, so buffers go by address from
+    # BUSY_MIN_BYTES and reads are acknowledged with the next frame back.
+    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
+                                    progress="blocking")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        rpc.rpc_sync("worker1", torch.add, (1, 1))  # after the peer's CMA_OK
+        g = torch.Generator().manual_seed(5)
+        one = torch.randint(0, 255, (cma.BUSY_MIN_BYTES + 5,), dtype=torch.uint8, generator=g)
+        out["echo"] = [_digest(rpc.rpc_sync("worker1", digest_and_echo, (one,))[1]) == _digest(one)
+                       for _ in range(3)]
+        # Our read of the last reply: no frame of ours follows it, so the
+        # loop sends its acknowledgement once it finds nothing else to do.
+        deadline = time.monotonic() + 10
+        while rpc._get_debug_info()["acknowledgements_held"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["held_here"] = rpc._get_debug_info()["acknowledgements_held"]
+        out["mine"] = _counts()
+        out["theirs"] = rpc.rpc_sync("worker1", _counts)
+    rpc.shutdown()
+    return out
+
+
+def test_where_the_loop_blocks_one_mib_goes_by_address_acknowledged_lazily():
+    if not _siblings_may_read():
+        pytest.skip("this kernel does not let sibling processes read each other")
+    out = run_workers(_lazy_exchange, 2, timeout=90)[0]
+    assert out["echo"] == [True, True, True]
+    # Three requests and three replies by address: 1 MiB is below MIN_BYTES
+    # but not below BUSY_MIN_BYTES.
+    assert cma.MIN_BYTES > cma.BUSY_MIN_BYTES + 5
+    assert out["mine"]["buffers_read_by_peers"] == 3
+    assert out["theirs"]["buffers_read_by_peers"] == 3
+    # Every read acknowledged: the peer's of our requests with its replies,
+    # ours of its last reply by our idle loop.
+    assert out["held_here"] == 0
+    assert out["mine"]["buffers_held_for_peers"] == 0
+    assert out["theirs"]["buffers_held_for_peers"] == 0

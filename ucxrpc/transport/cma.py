@@ -54,6 +54,16 @@ __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 #: ones go through UCX, eagerly: at 256 KiB and 1 MiB reading by address
 #: lost the round trip (0.79 against 0.99 GB/s at 256 KiB, busy host).
 MIN_BYTES = 2 << 20
+#: ... and from this size while the sender's loop may not poll (a contended
+#: core, or the blocking mode), where the receiver also acknowledges lazily
+#: (engine.py): there every wake-up and every copy costs a share of a core
+#: someone else wants.  Beside a busy process, 1 MiB: one-way 2.13-2.16
+#: against 2.02-2.06 GB/s, round trip 2.80-2.86 against 2.61-2.64,
+#: bidirectional 1.45-1.51 against 1.33-1.34 at 90% of the CPU.  On a quiet
+#: host, where the loop polls, nothing changes; by address from 1 MiB
+#: there, the round trip fell from 3.2-6.3 to 2.5 GB/s, below torch's
+#: (RESULTS.md, Run T).
+BUSY_MIN_BYTES = 1 << 20
 #: Reads from this size are split in two halves, one copied on a helper
 #: thread: a second core copies at once, as UCX's two copies through shared
 #: memory do (one process copying in while the other copies out).  16 MiB

@@ -129,7 +129,10 @@ class Transport:
         self._inflight: deque[tuple[Request, Any]] = deque()
         self._sender = Sender(my_id=my_id, limits=limits,
                               host_as_device=self._host_as_device, inflight=self._inflight,
-                              wake=self.wake, failed=self._send_failed)
+                              wake=self.wake, failed=self._send_failed,
+                              contended=self._contended)
+        # Pipes with acknowledgements held back (_read_done); the loop's.
+        self._acks_held: set[Pipe] = set()
         # Requests in flight, with what each belongs to: a pipe (a frame we
         # sent) or a message being received (receive.py).  Changed in place
         # only: the receiver holds it too.
@@ -233,6 +236,10 @@ class Transport:
                        devices: list[int] | None = None) -> None:
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:
+                if pipe.acks_due and kind is not Kind.CMA_DONE:
+                    # Held back (_read_done): they reach the peer with this
+                    # message, in one wake-up.
+                    self._sender.send(pipe, self._take_acks(pipe), [], Kind.CMA_DONE)
                 self._sender.send(pipe, payload, buffers, kind, hint, devices)
                 return
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
@@ -276,6 +283,8 @@ class Transport:
             return
         self._closing = True
         self._liveness.begin_close()
+        for pipe in list(self._pipes.values()):
+            self._send_acks(pipe)  # held back: the peer waits for them to let its buffers go
         # Buffers a peer reads out of our memory must outlive its read: wait
         # (bounded) for its word, as for any send still in flight.
         end = time.monotonic() + 1.0
@@ -364,12 +373,49 @@ class Transport:
         one-way on a quiet host, p50 2.0-4.0 ms polling, 1.7-2.5 ms not)."""
         return not self._sender.holding and (spin_while is None or spin_while())
 
+    def _contended(self) -> bool:
+        """Whether the loop may not poll now (a contended core, or the
+        blocking mode): every frame then costs its receiver a wake-up,
+        likely a scheduler slice, and every copy a share of a core."""
+        return not self._loop.strategy.may_poll(time.monotonic())
+
     def _read_done(self, pipe: Pipe, seq: int) -> None:
-        """We read (or gave up on) the peer's buffers of frame ``seq``."""
+        """We read (or gave up on) the peer's buffers of frame ``seq``: say
+        so now, or, where the loop may not poll, with the next frame we
+        send the peer (the reply, mostly) or when the loop next finds
+        nothing to do.  The peer only frees its buffers on our word; what
+        it waits for (the reply) never waits for the word.  Sent alone, the
+        word cost the waiting peer a wake-up of its own (RESULTS.md, Run T)."""
+        with pipe.lock:
+            pipe.acks_due += _SEQ.pack(seq)
+        if self._contended():
+            self._acks_held.add(pipe)
+        else:
+            self._send_acks(pipe)
+
+    @staticmethod
+    def _take_acks(pipe: Pipe) -> bytes:
+        """The CMA_DONE payload for ``pipe``'s acknowledgements due (lock held)."""
+        acks = bytes(pipe.acks_due)
+        pipe.acks_due.clear()
+        return acks
+
+    def _send_acks(self, pipe: Pipe) -> None:
+        with pipe.lock:
+            acks = self._take_acks(pipe)
+        if not acks:
+            return
         try:
-            self._send_or_queue(pipe, _SEQ.pack(seq), [], Kind.CMA_DONE)
+            self._send_or_queue(pipe, acks, [], Kind.CMA_DONE)
         except Exception as exc:  # the pipe broke: the peer lets them go anyway
             logger.debug("CMA_DONE to %s not sent: %s", pipe.name, exc)
+
+    def _send_held_acks(self) -> None:
+        """From the loop (which alone adds to the set): send what it held back."""
+        pipes = list(self._acks_held)
+        self._acks_held.clear()
+        for pipe in pipes:
+            self._send_acks(pipe)
 
     def _on_cma(self, pipe: Pipe, frame: Frame) -> None:
         """A CMA_OK (the peer reads us by address from now on) or CMA_DONE
@@ -459,7 +505,10 @@ class Transport:
         busy = self._run_tasks()
         busy = self._rx.poll() or busy
         busy = self._poll_requests() or busy
-        return self._liveness.poll() or busy
+        busy = self._liveness.poll() or busy
+        if self._acks_held and not busy:
+            self._send_held_acks()  # nothing went to those peers meanwhile
+        return busy
 
     def wake(self) -> None:
         """Make the progress thread poll again now if it sleeps (cheap when
@@ -546,6 +595,8 @@ class Transport:
     def stats(self) -> dict[str, Any]:
         return {"refused_frames": self._rx.refused, "frame_errors": self._rx.frame_errors,
                 **self._sender.stats(), "bytes_read_by_address": self._rx.read_bytes,
+                "acknowledgements_held": sum(len(p.acks_due) for p in list(self._pipes.values()))
+                // _SEQ.size,
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 **self._liveness.stats(), "progress": self._loop.info(),
                 "cuda_context": self.cuda_context}

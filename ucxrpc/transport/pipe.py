@@ -99,6 +99,9 @@ class Pipe:
         self.cma_in = False
         self.cma_out = False
         self.cma_held: dict[int, list[torch.Tensor]] = {}
+        # Sequence numbers (packed u64s) of the peer's frames whose buffers
+        # we read and have not yet acknowledged (engine.py, _read_done).
+        self.acks_due = bytearray()
         self.in_key: bytes | None = None
         self.in_seq = 0
         self.error: BaseException | None = None

@@ -48,12 +48,16 @@ class Sender:
         wake: makes the loop turn, for requests left in flight.
         failed: ``(pipe, error)`` for a send that failed at once (the pipe
             breaks; called later, not under its lock).
+        contended: whether this worker's loop may not poll now
+            (:data:`.cma.BUSY_MIN_BYTES`).
     """
 
     def __init__(self, *, my_id: int, limits: Limits, host_as_device: bool,
                  inflight: deque[tuple[Request, Any]], wake: Callable[[], None],
-                 failed: Callable[[Pipe, BaseException], None]) -> None:
+                 failed: Callable[[Pipe, BaseException], None],
+                 contended: Callable[[], bool] = lambda: False) -> None:
         self.my_id = my_id
+        self._contended = contended
         self.limits = limits
         self._host_as_device = host_as_device
         self._inflight = inflight
@@ -152,21 +156,31 @@ class Sender:
     def stats(self) -> dict[str, int]:
         return {"staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
                 "batches": self.batches, "batched_messages": self.batched_messages,
-                "buffers_read_by_peers": self.read_buffers}
+                "buffers_read_by_peers": self.read_buffers,
+                # Not yet acknowledged: what peers still may read.
+                "buffers_held_for_peers": sum(len(b) for pipe in list(self.holding)
+                                              for b in list(pipe.cma_held.values()))}
 
     def _by_address(self, pipe: Pipe, kind: Kind,
                     buffers: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
         """The frame's ways when some of its buffers are to be read by
-        address (host buffers of :data:`.cma.MIN_BYTES` or more, in a message
-        without device buffers), else None."""
+        address (host buffers of :data:`.cma.MIN_BYTES` or more, of
+        :data:`.cma.BUSY_MIN_BYTES` where the loop may not poll, in a
+        message without device buffers), else None."""
         if kind is not Kind.MESSAGE or self._host_as_device:
             return None
         # Every message to such a pipe asks: one size read per buffer when,
         # as mostly, none is large.
         sizes = [b.numel() for b in buffers]
-        if not sizes or max(sizes) < cma.MIN_BYTES or any(b.is_cuda for b in buffers):
+        if not sizes:
             return None
-        return [(REMOTE, 0, b.data_ptr()) if n >= cma.MIN_BYTES else (0, 0, 0)
+        largest = max(sizes)
+        if largest < cma.BUSY_MIN_BYTES:
+            return None
+        least = cma.BUSY_MIN_BYTES if self._contended() else cma.MIN_BYTES
+        if largest < least or any(b.is_cuda for b in buffers):
+            return None
+        return [(REMOTE, 0, b.data_ptr()) if n >= least else (0, 0, 0)
                 for b, n in zip(buffers, sizes)]
 
     def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
