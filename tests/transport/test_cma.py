@@ -127,11 +127,11 @@ def _counts():
                                  "buffers_held_for_peers")}
 
 
-def _exchange(rank, world_size, init_method, transports, progress="adaptive"):
+def _exchange(rank, world_size, init_method, transports):
     import ucxrpc as rpc
 
     opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
-                                    transports=transports, progress=progress)
+                                    transports=transports)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
     out = {}
     if rank == 0:

@@ -46,13 +46,13 @@ __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 #: Host buffers from this size travel by address where a pipe allows it:
 #: where ucxrpc has UCX switch to rendezvous within a host (ucx.py, in a
 #: process without a GPU), from which UCX needs a round of handshakes
-#: anyway and then both processes turning their loops for every fragment.  Beside a busy process, 2 MiB went
-#: 20-45% faster by address (one-way 3.38 against 2.77 GB/s, round trip
-#: 4.02 / 2.80, bidirectional 2.44 / 1.88) at 70-80% of the CPU; on a quiet
-#: host 10-20% slower (5.16 / 5.73 GB/s one-way), still 1.5x torch's, and
-#: from 4 MiB as fast or faster (benchmarks/RESULTS.md, Run T).  Smaller
-#: ones go through UCX, eagerly: at 256 KiB and 1 MiB reading by address
-#: lost the round trip (0.79 against 0.99 GB/s at 256 KiB, busy host).
+#: anyway and then both processes turning their loops for every fragment.
+#: Beside a busy process, 2 MiB went 20-45% faster by address (one-way 3.38
+#: against 2.77 GB/s, round trip 4.02 / 2.80, bidirectional 2.44 / 1.88) at
+#: 70-80% of the CPU; on a quiet host 10-20% slower (5.16 / 5.73 GB/s
+#: one-way), still 1.5x torch's, and from 4 MiB as fast or faster
+#: (benchmarks/RESULTS.md, Run T).  Smaller ones go through UCX, eagerly, as
+#: long as the loop polls (below).
 MIN_BYTES = 2 << 20
 #: ... and from this size while the sender's loop may not poll (a contended
 #: core, or the blocking mode), where the receiver also acknowledges lazily
