@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .pool import PAGE
+from .ucx import INTRA_EAGER_MAX
 
 __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 
@@ -53,7 +54,7 @@ __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 #: one-way), still 1.5x torch's, and from 4 MiB as fast or faster
 #: (benchmarks/RESULTS.md, Run T).  Smaller ones go through UCX, eagerly, as
 #: long as the loop polls (below).
-MIN_BYTES = 2 << 20
+MIN_BYTES = INTRA_EAGER_MAX
 #: ... and from this size while the sender's loop may not poll (a contended
 #: core, or the blocking mode), where the receiver also acknowledges lazily
 #: (engine.py): there every wake-up and every copy costs a share of a core

@@ -411,7 +411,8 @@ class Transport:
             logger.debug("CMA_DONE to %s not sent: %s", pipe.name, exc)
 
     def _send_held_acks(self) -> None:
-        """From the loop (which alone adds to the set): send what it held back."""
+        """Send what the loop held back (the loop alone adds to the set:
+        the progress thread, or a thread driving it, under the baton)."""
         pipes = list(self._acks_held)
         self._acks_held.clear()
         for pipe in pipes:

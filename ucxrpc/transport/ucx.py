@@ -63,6 +63,12 @@ def ucx_tls(transports: Sequence[str]) -> str:
     return ",".join(names)
 
 
+#: Within a host, messages below this size go eagerly (``UCX_RNDV_THRESH``,
+#: see :func:`ucx_environment`); large host buffers from it are read by
+#: address instead where the pipe allows it (cma.py).
+INTRA_EAGER_MAX = 2 << 20
+
+
 def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0,
                     environ: dict[str, str] | os._Environ[str] = os.environ, *,
                     device_memory: bool = False) -> dict[str, str]:
@@ -116,9 +122,9 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # stay rendezvous: an eager message that lands before its receive is
         # posted is held in UCX's unexpected queue, so the threshold also
         # bounds what a receiver holds per message (16 MiB eagerly was twice
-        # as slow).  Across hosts UCX keeps choosing.  (Host buffers from
-        # 2 MiB within a host are read by address instead, where the pipe
-        # allows it: cma.py.)
+        # as slow).  Across hosts UCX keeps choosing.  (Large host buffers
+        # within a host are read by address instead, where the pipe allows
+        # it: cma.py.)
         #
         # Not for a process that sends device memory: the threshold is one
         # for every memory type, and an eager CUDA message is copied to the
@@ -129,7 +135,8 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # bench's bidirectional 1 MiB cost 58 ms of CPU per call eagerly
         # (benchmarks/RESULTS.md, Run R).  Such a process takes UCX's
         # choice for its host messages too.
-        "UCX_RNDV_THRESH": "auto" if device_memory else "intra:2M,inter:auto",
+        "UCX_RNDV_THRESH": ("auto" if device_memory
+                            else f"intra:{INTRA_EAGER_MAX >> 20}M,inter:auto"),
         "UCX_KEEPALIVE_INTERVAL": "1s",
         "UCX_KEEPALIVE_NUM_EPS": "inf",
         "UCX_TCP_KEEPIDLE": f"{idle}s",
