@@ -54,7 +54,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import logging
+import operator
 import pickle
 import threading
 import warnings
@@ -116,6 +118,26 @@ _SPARSE_COO = torch.sparse_coo
 _UINT8 = torch.uint8
 _storage_uses = _bundle.storage_uses
 _Run = _bundle.Run
+#: A run's dtype codes by dtype, and _NO_CODE where a dtype has none (no
+#: code is: codes are multiples of 4).
+_CODE_OF = {dtype: code for dtype, (code, _) in _DTYPE_CODES.items()}
+_NO_CODE = 0xFF
+_NO_CODES = itertools.repeat(_NO_CODE)
+_STRIDED_ONLY = {_STRIDED}
+# A run's checks are passes over its tensors in C (map), each attribute read
+# once per tensor: a Python loop over them cost ~1 µs per tensor, a quarter of
+# it the loop itself (100 tensors: 91 µs against 69).
+_dtype = operator.attrgetter("dtype")
+_requires_grad = operator.attrgetter("requires_grad")
+_layout = operator.attrgetter("layout")
+_is_nested = operator.attrgetter("is_nested")
+_is_cpu = operator.attrgetter("is_cpu")
+_nbytes = operator.attrgetter("nbytes")
+_cdata = operator.attrgetter("_cdata")
+_is_contiguous = torch.Tensor.is_contiguous
+_dim = torch.Tensor.dim
+_untyped_storage = torch.Tensor.untyped_storage
+_storage_nbytes = torch.UntypedStorage.nbytes
 
 
 def _bundles(t: torch.Tensor, storage: torch.UntypedStorage, storage_bytes: int,
@@ -126,8 +148,26 @@ def _bundles(t: torch.Tensor, storage: torch.UntypedStorage, storage_bytes: int,
     compact copy anyway.  Either way nothing else in the message shares its
     bytes; a tensor that might must keep the per-storage path, which makes
     it arrive shared."""
-    return ((_storage_uses(storage._cdata) == 2 if storage_bytes == nbytes
-             else _compacted(storage_bytes, nbytes)) and t.is_contiguous())
+    return _owns_bytes(storage, storage_bytes, nbytes) and t.is_contiguous()
+
+
+def _owns_bytes(storage: torch.UntypedStorage, storage_bytes: int, nbytes: int) -> bool:
+    """:func:`_bundles`' rule on the storage side."""
+    return (_storage_uses(storage._cdata) == 2 if storage_bytes == nbytes
+            else _compacted(storage_bytes, nbytes))
+
+
+def _all_bundle(tensors: Sequence[torch.Tensor], storages: list[torch.UntypedStorage],
+                storage_bytes: list[int], sizes: list[int]) -> bool:
+    """:func:`_bundles` for every tensor of a run, one pass per check."""
+    # Each all of its storage (the common case): 2 uses, the tensor and the
+    # storage object read here, as in _owns_bytes.
+    if storage_bytes == sizes:
+        owned = all(map((2).__eq__, map(_storage_uses, map(_cdata, storages))))
+    else:
+        owned = all(map(_owns_bytes, storages, storage_bytes, sizes))
+    return owned and all(map(_is_contiguous, tensors))
+
 
 Reducer = Callable[[Any], Any]
 
@@ -411,29 +451,24 @@ class _MessagePickler(pickle.Pickler):
         when every one of them bundles alone (see reducer_override), else
         the container as itself."""
         cls = type(obj)
-        values = obj.values() if cls is dict else obj
+        # with_runs checked the type and the __dict__ of each.
+        values = list(obj.values()) if cls is dict else obj
+        codes = bytes(map(_CODE_OF.get, map(_dtype, values), _NO_CODES))
+        if (_NO_CODE in codes or any(map(_requires_grad, values))
+                or _STRIDED_ONLY != set(map(_layout, values)) or any(map(_is_nested, values))
+                or not all(map(_is_cpu, values))):
+            return (_as_is, (obj,))
+        sizes = list(map(_nbytes, values))
         pack = self._pack
         room = _bundle.MAX_TOTAL_BYTES - (pack.nbytes if pack is not None else 0)
-        sizes: list[int] = []
-        codes = bytearray()
-        shapes: dict[int, tuple[int, ...]] = {}
-        # with_runs checked the type and the __dict__ of each.
-        for t in values:
-            spec = _DTYPE_CODES.get(t.dtype)
-            if (spec is None or t.requires_grad or t.layout is not _STRIDED or t.is_nested
-                    or not t.is_cpu):
-                return (_as_is, (obj,))
-            nbytes = t.nbytes
-            room -= nbytes
-            if not 0 < nbytes <= _bundle.MAX_TENSOR_BYTES or room < 0:
-                return (_as_is, (obj,))
-            storage = t.untyped_storage()
-            if not _bundles(t, storage, storage.nbytes(), nbytes):
-                return (_as_is, (obj,))
-            if t.dim() != 1:
-                shapes[len(sizes)] = tuple(t.shape)
-            sizes.append(nbytes)
-            codes.append(spec[0])
+        if min(sizes) <= 0 or max(sizes) > _bundle.MAX_TENSOR_BYTES or sum(sizes) > room:
+            return (_as_is, (obj,))
+        storages = list(map(_untyped_storage, values))
+        if not _all_bundle(values, storages, list(map(_storage_nbytes, storages)), sizes):
+            return (_as_is, (obj,))
+        dims = list(map(_dim, values))
+        shapes = ({k: tuple(values[k].shape) for k, d in enumerate(dims) if d != 1}
+                  if dims.count(1) != len(dims) else {})
         if pack is None:
             pack = self._pack = _bundle.Packer()
         start = pack.extend(values, sizes, codes, shapes)

@@ -305,6 +305,36 @@ def test_a_run_whose_tensors_do_not_all_bundle_travels_as_itself():
             assert back[-1].note == "kept"
 
 
+def _dense(t):
+    return t.dequantize() if t.is_quantized else t.to_dense() if t.is_sparse else t
+
+
+def test_a_run_with_a_tensor_of_another_kind_travels_as_itself():
+    # The run's checks are one pass each over the run; a tensor failing any
+    # of them leaves the container to pickle as itself.
+    shared = torch.arange(3.0)
+    odd_ones = {
+        "empty": [torch.ones(0)],
+        "quantized": [torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.qint8)],
+        "sparse": [torch.eye(3).to_sparse()],
+        "nested": [torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])],
+        "meta": [torch.ones(2, device="meta")],
+        "one storage, two tensors": [shared, shared.view(3)],
+    }
+    for name, odd in odd_ones.items():
+        msg = [torch.full((3,), float(i)) for i in range(_RUN)] + odd
+        back, p = _roundtrip(msg)
+        assert _runs_in(p) == 0, name
+        for a, b in zip(back, msg):
+            assert (a.dtype, a.layout, a.device, a.is_nested) == (
+                b.dtype, b.layout, b.device, b.is_nested), name
+            if name not in ("meta", "nested"):
+                assert torch.equal(_dense(a), _dense(b)), name
+    back, _ = _roundtrip([torch.full((3,), float(i)) for i in range(_RUN)]
+                         + odd_ones["one storage, two tensors"])
+    assert back[-1].data_ptr() == back[-2].data_ptr()  # arrived sharing, as sent
+
+
 def test_a_run_past_the_bundle_cap_travels_as_itself():
     n = _bundle.MAX_TOTAL_BYTES // (64 << 10) + 3
     msg = [torch.full((16 << 10,), float(i)) for i in range(n)]
