@@ -21,7 +21,9 @@ compact copy, while the message's bundle stays under :data:`MAX_TOTAL_BYTES`
 bytes are copied at ``dumps``: a bundled tensor changed after ``dumps``
 travels as it was then, and a lazily negated, conjugated or zero tensor as
 a plain tensor of its values.  Received, a bundled tensor is a view of its
-bundle buffer, as an inlined one was a view of the frame.
+bundle buffer, as an inlined one was a view of the frame, unless that view
+would travel on with the whole bundle (torch's compaction rule): then it
+is a copy of its own, as torch's receiver gives every tensor its storage.
 
 A message's dicts, lists and tuples of :data:`RUN_MIN` or more plain
 tensors travel as *runs* (:func:`with_runs`): their tensors take
@@ -51,7 +53,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._tensor_codec import _CODE_SPECS
+from ._tensor_codec import _CODE_SPECS, compacted
 from .errors import SerializationError
 
 __all__ = ["MARK", "MAX_TENSOR_BYTES", "MAX_TOTAL_BYTES", "RUN_MIN", "Packer", "Run",
@@ -394,9 +396,7 @@ def unpack(payload: bytes | memoryview,
                                          f"{expected}")
             if buf.data_ptr() % itemsize or buf.stride() != (1,):
                 buf = buf.clone()  # misaligned in its frame: realigned once
-            # split_with_sizes itself: Tensor.split's Python wrapper cost
-            # another 0.3 µs per tensor.
-            parts.append(buf.view(dtype).split_with_sizes(sizes[g]))
+            parts.append(_split(buf, buf.view(dtype), sizes[g], itemsize))
         if ngroups == 1:
             out = list(parts[0])
         else:
@@ -413,3 +413,28 @@ def unpack(payload: bytes | memoryview,
                 raise SerializationError(f"bundle slot {k} of {t.numel()} elements cannot "
                                          f"have shape {shape!r}") from exc
     return view[start + size:], out, ngroups
+
+
+def _split(buf: torch.Tensor, whole: torch.Tensor, numels: list[int],
+           itemsize: int) -> Sequence[torch.Tensor]:
+    """The tensors of one bundle (``whole``, ``buf`` as its dtype): views of
+    it, except where a view would travel on with the whole bundle (torch's
+    rule, :func:`._tensor_codec.compacted`: a bundle under 8 KiB, or a
+    tensor over half of it).  Those get storages of their own, as torch's
+    receiver gives every tensor: sent on (a reply echoing them), they stay
+    a run and do not arrive sharing one storage."""
+    # split_with_sizes itself: Tensor.split's Python wrapper cost another
+    # 0.3 µs per tensor.
+    pieces = whole.split_with_sizes(numels)
+    if len(numels) < 2:
+        return pieces  # all of the buffer: it travels as itself
+    storage_bytes = buf.untyped_storage().nbytes()
+    if compacted(storage_bytes, max(numels) * itemsize):
+        return pieces  # every view would travel as a compact copy: the common case
+    if not compacted(storage_bytes, 0):  # none would: one copy each, in one call
+        # (torch's stub types it as returning None; it returns the copies)
+        copies: list[torch.Tensor] = torch.split_with_sizes_copy(  # type: ignore[func-returns-value,assignment]
+            whole, numels)
+        return copies
+    return [p if compacted(storage_bytes, n * itemsize) else p.clone()
+            for p, n in zip(pieces, numels)]

@@ -32,6 +32,18 @@ _UINT8 = torch.uint8
 _PROTOS: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
 
+# torch's RPC rule (tensorpipe_utils.cpp): re-copy a view when its storage is
+# at least this large and at least COMPACT_RATIO times the bytes it uses.
+COMPACT_MIN_BYTES = 8 * 1024
+COMPACT_RATIO = 2
+
+
+def compacted(storage_bytes: int, view_bytes: int) -> bool:
+    """torch's rule: whether a view travels as a compact copy of itself
+    (else with its whole storage, shared with whatever else uses it)."""
+    return storage_bytes >= COMPACT_MIN_BYTES and storage_bytes >= COMPACT_RATIO * view_bytes
+
+
 def _device_name(t: torch.Tensor) -> str:
     # str(t.device) is several times slower and this runs once per buffer.
     return f"cuda:{t.get_device()}" if t.is_cuda else "cpu"

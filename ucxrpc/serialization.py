@@ -72,7 +72,7 @@ from ._tensor_codec import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER,
                             GradCapture, _as_is, _bundled_run, _bundled_slot,
                             _Loader, _device_name, _dtype_name, _rebuild_bundled,
                             _rebuild_capture, _rebuild_inband, _rebuild_sparse_coo,
-                            _rebuild_tensor, _rebuild_vector)
+                            _rebuild_tensor, _rebuild_vector, compacted)
 from .errors import SerializationError
 
 
@@ -81,11 +81,6 @@ __all__ = ["BufferSpec", "GradCapture", "Pickled", "Serializer", "dumps", "loads
 logger = logging.getLogger(__name__)
 
 PROTOCOL = 5
-
-# torch's RPC rule (tensorpipe_utils.cpp): re-copy a view when its storage is
-# at least this large and at least _COMPACT_RATIO times the bytes it uses.
-_COMPACT_MIN_BYTES = 8 * 1024
-_COMPACT_RATIO = 2
 
 #: Small host tensors that travel inside the pickle stream: at most this
 #: many per message, of at most this many bytes together.  A message's
@@ -104,11 +99,6 @@ _string_at = ctypes.string_at
 # PickleBuffers (large numpy arrays) below this size stay inside the pickle:
 # one more transport buffer costs more than copying a few KiB.
 _OOB_MIN_BYTES = 64 * 1024
-
-
-def _compacted(storage_bytes: int, view_bytes: int) -> bool:
-    """torch's rule: whether a view travels as a compact copy of itself."""
-    return storage_bytes >= _COMPACT_MIN_BYTES and storage_bytes >= _COMPACT_RATIO * view_bytes
 
 
 _Tensor = torch.Tensor
@@ -154,7 +144,7 @@ def _bundles(t: torch.Tensor, storage: torch.UntypedStorage, storage_bytes: int,
 def _owns_bytes(storage: torch.UntypedStorage, storage_bytes: int, nbytes: int) -> bool:
     """:func:`_bundles`' rule on the storage side."""
     return (_storage_uses(storage._cdata) == 2 if storage_bytes == nbytes
-            else _compacted(storage_bytes, nbytes))
+            else compacted(storage_bytes, nbytes))
 
 
 def _all_bundle(tensors: Sequence[torch.Tensor], storages: list[torch.UntypedStorage],
@@ -531,7 +521,7 @@ class _MessagePickler(pickle.Pickler):
         """Index of the buffer holding ``t``'s whole storage, or -1 to compact."""
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        if _compacted(nbytes, t.nbytes):
+        if compacted(nbytes, t.nbytes):
             return -1
         # The device is part of the key so that empty storages (all at
         # address 0) on different devices stay apart.

@@ -306,7 +306,7 @@ def test_a_run_whose_tensors_do_not_all_bundle_travels_as_itself():
 
 
 def _dense(t):
-    return t.dequantize() if t.is_quantized else t.to_dense() if t.is_sparse else t
+    return t.to_dense() if t.is_sparse else t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def test_a_run_with_a_tensor_of_another_kind_travels_as_itself():
@@ -315,7 +315,7 @@ def test_a_run_with_a_tensor_of_another_kind_travels_as_itself():
     shared = torch.arange(3.0)
     odd_ones = {
         "empty": [torch.ones(0)],
-        "quantized": [torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.qint8)],
+        "no dtype code": [torch.ones(4).to(torch.float8_e4m3fn)],
         "sparse": [torch.eye(3).to_sparse()],
         "nested": [torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])],
         "meta": [torch.ones(2, device="meta")],
@@ -333,6 +333,37 @@ def test_a_run_with_a_tensor_of_another_kind_travels_as_itself():
     back, _ = _roundtrip([torch.full((3,), float(i)) for i in range(_RUN)]
                          + odd_ones["one storage, two tensors"])
     assert back[-1].data_ptr() == back[-2].data_ptr()  # arrived sharing, as sent
+
+
+def _own_storage(t):
+    return t.untyped_storage().nbytes() == t.nbytes
+
+
+def test_a_view_that_would_travel_on_with_its_whole_bundle_arrives_apart():
+    # torch's receiver gives each tensor a storage of its own.  A view of a
+    # bundle under torch's compaction size would go on with all of it,
+    # shared with its neighbours: such tensors arrive as copies, and an echo
+    # of them is a run again, arriving apart.
+    small = [torch.full((4,), float(i)) for i in range(_RUN)]
+    for misalign in (0, 1):
+        back, p = _roundtrip(small, misalign)
+        assert _runs_in(p) == 1 and all(map(_own_storage, back))
+        again, p = _roundtrip(back)
+        assert _runs_in(p) == 1 and all(map(_own_storage, again))
+        assert all(torch.equal(a, b) for a, b in zip(again, small))
+        assert len({t.data_ptr() for t in again}) == len(small)
+    # In a large bundle every view but one over half of it travels as a
+    # compact copy: they stay views, that one comes apart.
+    large = [torch.full((1024,), float(i)) for i in range(_RUN)]
+    big = torch.arange(12_000.0)  # 48 KB of a 113.5 KB bundle: under half
+    mixed = [torch.arange(16_000.0), *small]  # 64 KB of 64.3 KB: over half
+    back, p = _roundtrip(large)
+    assert _runs_in(p) == 1 and not any(map(_own_storage, back))
+    back, p = _roundtrip([big, *large])
+    assert _runs_in(p) == 1 and not any(map(_own_storage, back))
+    back, p = _roundtrip(mixed)
+    assert _runs_in(p) == 1 and _own_storage(back[0]) and not any(map(_own_storage, back[1:]))
+    assert all(torch.equal(a, b) for a, b in zip(back, mixed))
 
 
 def test_a_run_past_the_bundle_cap_travels_as_itself():
