@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from ucxrpc.agent.calls import CallTable, SyncReply
+from ucxrpc.agent import calls
+from ucxrpc.agent.calls import CallFuture, CallTable, SyncReply
 from ucxrpc.errors import BrokenError, ClosedError, RpcTimeoutError
 
 
@@ -101,3 +102,38 @@ def test_an_rpc_sync_reply_slot_fails_at_its_deadline(table: CallTable) -> None:
     table.arm(1, 0.05)
     with pytest.raises(RpcTimeoutError, match="RPC ran for more than set timeout"):
         slot.wait()  # woken by the timer thread
+
+
+def _thread_of(ran_on: list[str]):
+    return lambda _fut: ran_on.append(threading.current_thread().name)
+
+
+def test_a_future_completes_where_the_reply_lands_unless_a_callback_is_hooked_on(
+        table: CallTable) -> None:
+    plain, hooked = CallFuture(), CallFuture()
+    ran_on: list[str] = []
+    hooked.then(_thread_of(ran_on))
+    for msg_id, fut in ((1, plain), (2, hooked)):
+        table.add(msg_id, fut, peer=7)
+        call = table.pop(msg_id)
+        assert call is not None
+        table.complete(call, value=msg_id)
+    assert plain.done() and plain.value() == 1  # inline, on this thread
+    _wait(lambda: ran_on, "the hooked future's callback")
+    assert ran_on != [threading.current_thread().name] and hooked.value() == 2
+    assert not calls._settling
+
+
+def test_a_callback_hooked_on_while_the_future_completes_inline_runs_on_its_own_thread() -> None:
+    fut = CallFuture()
+    assert fut.claim_inline()  # the completer's side, as CallTable.complete does
+    ran_on: list[str] = []
+    hooker = threading.Thread(target=lambda: fut.then(_thread_of(ran_on)), name="hooker")
+    hooker.start()
+    _wait(lambda: calls._settling.get(id(fut)) is not None, "the hooker to wait")
+    assert not ran_on and not fut.done()
+    fut.set_result(3)
+    fut.inline_done()
+    hooker.join(10)
+    assert ran_on == ["hooker"] and not calls._settling
+    assert not fut.claim_inline()  # hooked now: the next completer uses the pool
