@@ -130,10 +130,29 @@ def test_a_callback_hooked_on_while_the_future_completes_inline_runs_on_its_own_
     ran_on: list[str] = []
     hooker = threading.Thread(target=lambda: fut.then(_thread_of(ran_on)), name="hooker")
     hooker.start()
-    _wait(lambda: calls._settling.get(id(fut)) is not None, "the hooker to wait")
+    _wait(lambda: calls._settling.get(id(fut), (0, None))[1] is not None, "the hooker to wait")
     assert not ran_on and not fut.done()
     fut.set_result(3)
     fut.inline_done()
     hooker.join(10)
     assert ran_on == ["hooker"] and not calls._settling
     assert not fut.claim_inline()  # hooked now: the next completer uses the pool
+
+
+def test_a_callback_hooked_on_by_the_completion_itself_runs_at_once() -> None:
+    # A callback chained in C++ (wait_all's, collect_all's) runs inside the
+    # completion; code it runs may hook a callback onto the same future.
+    fut = CallFuture()
+    ran: list[int] = []
+
+    def complete() -> None:
+        assert fut.claim_inline()
+        fut.set_result(4)
+        fut.then(lambda f: ran.append(f.value()))  # as a chained callback would
+        fut.inline_done()
+
+    completer = threading.Thread(target=complete, daemon=True)
+    completer.start()
+    completer.join(10)
+    assert not completer.is_alive(), "the completion waited for itself"
+    assert ran == [4] and not calls._settling

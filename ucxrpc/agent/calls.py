@@ -44,9 +44,10 @@ __all__ = ["Call", "CallFuture", "CallTable", "SyncReply"]
 #: burst of rpc_async calls held 3 tracked objects a future, and full
 #: collections took a tenth of the caller's time (benchmarks/RESULTS.md).
 _hooks = threading.Lock()
-#: Futures being completed inline now (by id), with the event a thread that
-#: hooked a callback on meanwhile waits for (None while nobody does).
-_settling: dict[int, threading.Event | None] = {}
+#: Futures being completed inline now (by id): the completing thread, and
+#: the event a thread that hooked a callback on meanwhile waits for (None
+#: while nobody does).
+_settling: dict[int, tuple[int, threading.Event | None]] = {}
 
 
 class CallFuture(torch.futures.Future):
@@ -75,11 +76,17 @@ class CallFuture(torch.futures.Future):
         with _hooks:
             self._hooked = True
             key = id(self)
-            if key not in _settling:
+            entry = _settling.get(key)
+            if entry is None:
                 return
-            event = _settling[key]
+            completer, event = entry
+            if completer == threading.get_ident():
+                # From a callback the completion runs (one chained in C++, as
+                # wait_all's): the value is set, and waiting would never end.
+                return
             if event is None:
-                event = _settling[key] = threading.Event()
+                event = threading.Event()
+                _settling[key] = (completer, event)
         event.wait()
 
     def claim_inline(self) -> bool:
@@ -88,12 +95,12 @@ class CallFuture(torch.futures.Future):
         with _hooks:
             if self._hooked:
                 return False
-            _settling[id(self)] = None
+            _settling[id(self)] = (threading.get_ident(), None)
             return True
 
     def inline_done(self) -> None:
         with _hooks:
-            event = _settling.pop(id(self))
+            _, event = _settling.pop(id(self))
         if event is not None:
             event.set()
 
