@@ -52,6 +52,13 @@ def wanted_device(declared: Sequence[torch.device | str | int],
     return torch.cuda.current_device()
 
 
+def device_memory(transports: Sequence[str] | None) -> bool:
+    """Whether UCX in this process must be set up for device memory: a GPU
+    is usable and ``transports`` keeps UCX's CUDA support (as
+    :func:`wanted_device` decides, for a worker that declared no device)."""
+    return wanted_device((), transports) is not None
+
+
 def make_current(device: int) -> None:
     """Make ``device``'s primary context current on the calling thread.
 
