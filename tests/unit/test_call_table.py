@@ -128,7 +128,8 @@ def test_a_callback_hooked_on_while_the_future_completes_inline_runs_on_its_own_
     fut = CallFuture()
     assert fut.claim_inline()  # the completer's side, as CallTable.complete does
     ran_on: list[str] = []
-    hooker = threading.Thread(target=lambda: fut.then(_thread_of(ran_on)), name="hooker")
+    hooker = threading.Thread(target=lambda: fut.then(_thread_of(ran_on)), name="hooker",
+                              daemon=True)
     hooker.start()
     _wait(lambda: calls._settling.get(id(fut), (0, None))[1] is not None, "the hooker to wait")
     assert not ran_on and not fut.done()

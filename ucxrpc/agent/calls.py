@@ -38,7 +38,8 @@ __all__ = ["Call", "CallFuture", "CallTable", "SyncReply"]
 
 #: Decides, for every :class:`CallFuture`, between completing it inline and
 #: on the callback pool, against a callback being hooked on meanwhile.  One
-#: lock for all futures: it guards a flag and a set, never code that runs.
+#: lock for all futures: it guards a flag and a table entry, never code
+#: that runs.
 #: A lock of each future's own (and the instance dict its flag needed) were
 #: two more objects per call for the cyclic garbage collector to walk: a
 #: burst of rpc_async calls held 3 tracked objects a future, and full
