@@ -396,7 +396,7 @@ def unpack(payload: bytes | memoryview,
                                          f"{expected}")
             if buf.data_ptr() % itemsize or buf.stride() != (1,):
                 buf = buf.clone()  # misaligned in its frame: realigned once
-            parts.append(_split(buf, buf.view(dtype), sizes[g], itemsize))
+            parts.append(_split(buf.view(dtype), sizes[g], itemsize))
         if ngroups == 1:
             out = list(parts[0])
         else:
@@ -415,9 +415,8 @@ def unpack(payload: bytes | memoryview,
     return view[start + size:], out, ngroups
 
 
-def _split(buf: torch.Tensor, whole: torch.Tensor, numels: list[int],
-           itemsize: int) -> Sequence[torch.Tensor]:
-    """The tensors of one bundle (``whole``, ``buf`` as its dtype): views of
+def _split(whole: torch.Tensor, numels: list[int], itemsize: int) -> Sequence[torch.Tensor]:
+    """The tensors of one bundle (``whole``, as their dtype): views of
     it, except where a view would travel on with the whole bundle (torch's
     rule, :func:`._tensor_codec.compacted`: a bundle under 8 KiB, or a
     tensor over half of it).  Those get storages of their own, as torch's
@@ -428,7 +427,7 @@ def _split(buf: torch.Tensor, whole: torch.Tensor, numels: list[int],
     pieces = whole.split_with_sizes(numels)
     if len(numels) < 2:
         return pieces  # all of the buffer: it travels as itself
-    storage_bytes = buf.untyped_storage().nbytes()
+    storage_bytes = whole.untyped_storage().nbytes()
     if compacted(storage_bytes, max(numels) * itemsize):
         return pieces  # every view would travel as a compact copy: the common case
     if not compacted(storage_bytes, 0):  # none would: one copy each, in one call

@@ -90,7 +90,7 @@ def _info(_: argparse.Namespace) -> int:
     # The settings a worker here starts UCX with (its rendezvous switch
     # depends on whether a GPU is usable).
     os.environ.update(ucx.ucx_environment(
-        None, device_memory=cudactx.device_memory(None)))
+        None, device_memory=cudactx.uses_device_memory(None)))
     res = ucx.local_resources()
     settings = ucx.effective_settings()
     loaded = {t for t, _ in res["resources"]}

@@ -45,10 +45,10 @@ def prepare_environment(transports: tuple[str, ...] | None) -> None:
     if "ucxx" in sys.modules:
         raise RuntimeError("ucxx was imported before the baseline set UCX_* variables; "
                            "run the raw peer in a fresh (spawned) process")
-    from .cudactx import device_memory
+    from .cudactx import uses_device_memory
     from .ucx import ucx_environment
 
-    os.environ.update(ucx_environment(transports, device_memory=device_memory(transports)))
+    os.environ.update(ucx_environment(transports, device_memory=uses_device_memory(transports)))
     # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows: a warning
     # per process that would only clutter benchmark output.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

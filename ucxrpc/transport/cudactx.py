@@ -52,7 +52,7 @@ def wanted_device(declared: Sequence[torch.device | str | int],
     return torch.cuda.current_device()
 
 
-def device_memory(transports: Sequence[str] | None) -> bool:
+def uses_device_memory(transports: Sequence[str] | None) -> bool:
     """Whether UCX in this process must be set up for device memory: a GPU
     is usable and ``transports`` keeps UCX's CUDA support (as
     :func:`wanted_device` decides, for a worker that declared no device)."""

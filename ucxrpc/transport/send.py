@@ -170,7 +170,7 @@ class Sender:
         if kind is not Kind.MESSAGE or self._host_as_device:
             return None
         # Every message to such a pipe asks: one size read per buffer when,
-        # as mostly, none is large.
+        # as mostly, none is large, and the strategy only when one is.
         sizes = [b.numel() for b in buffers]
         if not sizes:
             return None
