@@ -134,11 +134,11 @@ def test_random_bytes_decode_to_a_checked_frame_or_frame_error(data, key):
 
 @fuzz(400)
 @given(kind=st.integers(0, 255), nbuf=st.integers(0, 24), plen=st.integers(0, 300),
-       seq=st.integers(0, 2**64 - 1), rest=st.binary(max_size=900),
-       key=st.sampled_from([None, KEY]))
-def test_a_valid_prefix_over_random_bytes(kind, nbuf, plen, seq, rest, key):
+       seq=st.integers(0, 2**64 - 1), ack=st.integers(0, 2**64 - 1),
+       rest=st.binary(max_size=900), key=st.sampled_from([None, KEY]))
+def test_a_valid_prefix_over_random_bytes(kind, nbuf, plen, seq, ack, rest, key):
     """Past the magic and version checks: random descriptors and sizes."""
-    raw = as_array(PREFIX.pack(MAGIC, VERSION, kind, nbuf, 0, plen, seq) + rest)
+    raw = as_array(PREFIX.pack(MAGIC, VERSION, kind, nbuf, 0, plen, seq, ack) + rest)
     decode_checked(raw, key, LIMITS)
 
 

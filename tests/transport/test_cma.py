@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -222,3 +223,60 @@ def test_where_the_loop_blocks_one_mib_goes_by_address_acknowledged_lazily():
     assert out["held_here"] == 0
     assert out["mine"]["buffers_held_for_peers"] == 0
     assert out["theirs"]["buffers_held_for_peers"] == 0
+
+
+# Set on worker1 by _let_go: a call there that holds the buffer it was sent
+# (read by address at once) until the caller says so.
+_release = threading.Event()
+
+
+def _hold_until_released(t):
+    _release.wait(30)
+    return t.numel()
+
+
+def _let_go():
+    _release.set()
+
+
+def _sent_alone():
+    import ucxrpc as rpc
+
+    return rpc._get_debug_info()["acknowledgements_sent_alone"]
+
+
+def _acknowledged_alone(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=60)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        rpc.rpc_sync("worker1", torch.add, (1, 1))  # after the peer's CMA_OK
+        before = rpc.rpc_sync("worker1", _sent_alone)
+        big = torch.ones(cma.MIN_BYTES + 7, dtype=torch.uint8)
+        fut = rpc.rpc_async("worker1", _hold_until_released, (big,))
+        deadline = time.monotonic() + 30
+        while _counts()["buffers_held_for_peers"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["held"] = _counts()["buffers_held_for_peers"]
+        out["running"] = not fut.done()
+        out["alone"] = rpc.rpc_sync("worker1", _sent_alone) - before
+        rpc.rpc_sync("worker1", _let_go)
+        out["result"] = fut.wait()
+        out["mine"] = _counts()
+    rpc.shutdown()
+    return out
+
+
+def test_a_read_whose_reply_is_late_is_acknowledged_alone():
+    """The word that a buffer was read rides on the next frame back (the
+    reply, mostly); a call still running after ACK_DELAY_S has it sent
+    alone, so the sender lets the buffer go while the call runs on."""
+    if not _siblings_may_read():
+        pytest.skip("this kernel does not let sibling processes read each other")
+    out = run_workers(_acknowledged_alone, 2, timeout=90)[0]
+    assert out["mine"]["buffers_read_by_peers"] == 1
+    assert out["held"] == 0 and out["running"]
+    assert out["alone"] == 1
+    assert out["result"] == cma.MIN_BYTES + 7

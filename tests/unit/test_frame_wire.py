@@ -11,7 +11,8 @@ from ucxrpc import wire
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.options import UcxRpcBackendOptions
 from ucxrpc.transport import auth
-from ucxrpc.transport.frame import NOT_INLINE, Kind, Limits, check_limits, decode, encode
+from ucxrpc.transport.frame import (DESC, NOT_INLINE, PREFIX, Kind, Limits, check_limits, decode,
+                                   encode)
 
 KEY = b"k" * 32
 
@@ -36,6 +37,19 @@ def test_frame_round_trip_inlines_small_buffers_only():
     assert d0.inline_offset % 64 == 0
     assert bytes(frame[d0.inline_offset:d0.inline_offset + 10]) == bytes(range(10))
     assert f.total == frame.nbytes + 2000
+
+
+def test_the_acknowledgement_rides_in_the_prefix_under_the_mac():
+    """Every frame says how far its sender read the receiver's frames by
+    address (frame.py's ``ack``); a frame that says nothing says 0."""
+    frame, _ = encode(Kind.MESSAGE, 9, b"reply", _bufs(10), KEY, Limits(), ack=2**64 - 1)
+    assert decode(frame, KEY, Limits()).ack == 2**64 - 1
+    plain, _ = encode(Kind.CMA_DONE, 10, b"", [], KEY, Limits())
+    assert decode(plain, KEY, Limits()).ack == 0
+    forged = frame.copy()
+    forged[PREFIX.size - 8] ^= 1  # the ack's lowest byte
+    with pytest.raises(FrameError, match="MAC mismatch"):
+        decode(forged, KEY, Limits())
 
 
 def test_device_buffers_never_inline():
@@ -66,7 +80,7 @@ def _set(a: np.ndarray, i: int, v: int) -> np.ndarray:
 @pytest.mark.parametrize("count", [1, 20])  # the per-struct and the numpy coders
 def test_inline_offsets_outside_the_frame_are_refused(count):
     frame, _ = encode(Kind.MESSAGE, 3, b"p", _bufs(*([8] * count)), b"", Limits())
-    off = 20 + 24 * (count - 1) + 8  # the last descriptor's inline_offset field
+    off = PREFIX.size + DESC.size * (count - 1) + 8  # the last descriptor's inline_offset field
     bad = frame.copy()
     bad[off:off + 8] = np.frombuffer((10**6).to_bytes(8, "little"), np.uint8)
     with pytest.raises(FrameError, match=f"buffer {count - 1} claims inline bytes"):
@@ -112,7 +126,7 @@ def test_inlining_stays_within_the_receivers_frame_limit():
     ((5000, 0, 0, Limits(), 4096, "worker3"),
      "exceeds max_frame_bytes=4096 of the receiver \\(worker3\\)"),
     ((10, 1, 1 << 20, Limits(max_message_bytes=1 << 20)),
-     "message of 1048646 bytes exceeds max_message_bytes=1048576"),
+     "message of 1048654 bytes exceeds max_message_bytes=1048576"),
 ])
 def test_limits_checked_before_encoding(args, message):
     with pytest.raises(FrameError, match=message):

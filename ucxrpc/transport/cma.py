@@ -20,8 +20,8 @@ another PID namespace), and only then do we tell the peer, in an
 authenticated frame, that it may send us buffers by address.  Only where
 UCX reaches the peer through shared memory: processes in two network
 namespaces of one kernel talk over TCP, and their large buffers must not
-go around it.  Each buffer
-read is acknowledged, and the sender holds it until then.
+go around it.  The sender holds each buffer until the receiver says it
+read it (``ack`` in the next frame back, frame.py).
 
 Only an authenticated frame makes us read anything, and only from the PID
 the peer published: an unauthenticated sender cannot use us to look into
@@ -56,9 +56,8 @@ __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 #: long as the loop polls (below).
 MIN_BYTES = INTRA_EAGER_MAX
 #: ... and from this size while the sender's loop may not poll (a contended
-#: core, or the blocking mode), where the receiver also acknowledges lazily
-#: (engine.py): there every wake-up and every copy costs a share of a core
-#: someone else wants.  Beside a busy process, 1 MiB: one-way 2.13-2.16
+#: core, or the blocking mode): there every wake-up and every copy costs a
+#: share of a core someone else wants.  Beside a busy process, 1 MiB: one-way 2.13-2.16
 #: against 2.02-2.06 GB/s, round trip 2.80-2.86 against 2.61-2.64,
 #: bidirectional 1.45-1.51 against 1.33-1.34 at 90% of the CPU.  On a quiet
 #: host, where the loop polls, nothing changes; by address from 1 MiB

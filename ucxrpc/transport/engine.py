@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import struct
 import time
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -48,8 +47,13 @@ from .ucx import Endpoint, Request, Worker, effective_tls
 
 logger = logging.getLogger(__name__)
 
-#: A sequence number in a CMA_DONE frame's payload (frame.Kind.CMA_DONE).
-_SEQ = struct.Struct("<Q")
+#: How long our word that we read a peer's buffers by address may wait
+#: for a frame going back to it (the reply, mostly: frame.py's ``ack``)
+#: before a CMA_DONE frame takes it alone.  Until then the peer keeps the
+#: buffers; nothing else waits for the word, while a frame sent alone costs
+#: both sides a frame and the peer, if it sleeps, a wake-up (RESULTS.md,
+#: Run T).
+ACK_DELAY_S = 0.005
 
 OnBroken = Callable[[int, BaseException], None]
 
@@ -131,8 +135,10 @@ class Transport:
                               host_as_device=self._host_as_device, inflight=self._inflight,
                               wake=self.wake, failed=self._send_failed,
                               contended=self._contended)
-        # Pipes with acknowledgements held back (_read_done); the loop's.
-        self._acks_held: set[Pipe] = set()
+        # Pipes whose peer's buffers we read and have not yet said so, with
+        # when the first of those reads ended (_read_done); the loop's.
+        self._acks_due: dict[Pipe, float] = {}
+        self.acks_alone = 0  # CMA_DONE frames sent: no other frame carried the word
         # Requests in flight, with what each belongs to: a pipe (a frame we
         # sent) or a message being received (receive.py).  Changed in place
         # only: the receiver holds it too.
@@ -148,7 +154,8 @@ class Transport:
                             host_as_device=self._host_as_device, cuda_direct=self.cuda_direct,
                             on_message=on_message, on_frame_error=on_frame_error,
                             on_handshake=self._handshake.on_frame, adopt=self._adopt,
-                            on_read=self._read_done, on_cma=self._on_cma)
+                            on_read=self._read_done, on_ack=self._on_ack,
+                            on_cma=self._on_cma)
         self._closing = False
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
                                   host_timeout=host_timeout, pipes=self._pipes,
@@ -236,10 +243,6 @@ class Transport:
                        devices: list[int] | None = None) -> None:
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:
-                if pipe.acks_due and kind is not Kind.CMA_DONE:
-                    # Held back (_read_done): they reach the peer with this
-                    # message, in one wake-up.
-                    self._sender.send(pipe, self._take_acks(pipe), [], Kind.CMA_DONE)
                 self._sender.send(pipe, payload, buffers, kind, hint, devices)
                 return
             if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
@@ -284,7 +287,7 @@ class Transport:
         self._closing = True
         self._liveness.begin_close()
         for pipe in list(self._pipes.values()):
-            self._send_acks(pipe)  # held back: the peer waits for them to let its buffers go
+            self._send_ack(pipe)  # not yet said: the peer waits for it to let its buffers go
         # Buffers a peer reads out of our memory must outlive its read: wait
         # (bounded) for its word, as for any send still in flight.
         end = time.monotonic() + 1.0
@@ -368,10 +371,12 @@ class Transport:
 
     def _awaited(self, spin_while: Callable[[], bool] | None) -> bool:
         """Whether polling for a message pays: not while a peer copies what
-        we sent it by address (nothing of ours comes before it is done, and
-        a polling thread here would take a core its copy runs on: 16 MiB
-        one-way on a quiet host, p50 2.0-4.0 ms polling, 1.7-2.5 ms not)."""
-        return not self._sender.holding and (spin_while is None or spin_while())
+        we sent it by address in two halves, on two threads (a polling
+        thread here would take a core that copy runs on: 16 MiB one-way on a
+        quiet host, p50 2.0-4.0 ms polling, 1.7-2.5 ms not).  A read in one
+        call leaves the peer's other core free, and its reply (which says
+        the read is done) is then taken at once."""
+        return not self._sender.holding_split and (spin_while is None or spin_while())
 
     def _contended(self) -> bool:
         """Whether the loop may not poll now (a contended core, or the
@@ -379,62 +384,67 @@ class Transport:
         likely a scheduler slice, and every copy a share of a core."""
         return not self._loop.strategy.may_poll(time.monotonic())
 
-    def _read_done(self, pipe: Pipe, seq: int) -> None:
-        """We read (or gave up on) the peer's buffers of frame ``seq``: say
-        so now, or, where the loop may not poll, with the next frame we
-        send the peer (the reply, mostly) or when the loop next finds
-        nothing to do.  The peer only frees its buffers on our word; what
-        it waits for (the reply) never waits for the word.  Sent alone, the
-        word cost the waiting peer a wake-up of its own (RESULTS.md, Run T)."""
-        with pipe.lock:
-            pipe.acks_due += _SEQ.pack(seq)
-        if self._contended():
-            self._acks_held.add(pipe)
-        else:
-            self._send_acks(pipe)
+    def _read_done(self, pipe: Pipe) -> None:
+        """We read (or gave up on) buffers of the peer's, up to its frame
+        ``pipe.read_through``: the next frame we send it says so (the
+        reply, mostly), or, if none went within :data:`ACK_DELAY_S`, a
+        CMA_DONE frame the loop sends when it next finds nothing to do."""
+        if pipe.ack_sent < pipe.read_through:
+            self._acks_due.setdefault(pipe, time.monotonic())
 
-    @staticmethod
-    def _take_acks(pipe: Pipe) -> bytes:
-        """The CMA_DONE payload for ``pipe``'s acknowledgements due (lock held)."""
-        acks = bytes(pipe.acks_due)
-        pipe.acks_due.clear()
-        return acks
-
-    def _send_acks(self, pipe: Pipe) -> None:
-        with pipe.lock:
-            acks = self._take_acks(pipe)
-        if not acks:
+    def _send_ack(self, pipe: Pipe) -> None:
+        """A CMA_DONE frame to ``pipe`` if our word on its buffers is not
+        yet there."""
+        if pipe.ack_sent >= pipe.read_through:
             return
         try:
-            self._send_or_queue(pipe, acks, [], Kind.CMA_DONE)
+            self._send_or_queue(pipe, b"", [], Kind.CMA_DONE)
         except Exception as exc:  # the pipe broke: the peer lets them go anyway
             logger.debug("CMA_DONE to %s not sent: %s", pipe.name, exc)
+            return
+        self.acks_alone += 1
 
-    def _send_held_acks(self) -> None:
-        """Send what the loop held back (the loop alone adds to the set:
-        the progress thread, or a thread driving it, under the baton)."""
-        pipes = list(self._acks_held)
-        self._acks_held.clear()
-        for pipe in pipes:
-            self._send_acks(pipe)
+    def _send_due_acks(self) -> None:
+        """The loop's: send what no frame carried within
+        :data:`ACK_DELAY_S` (the loop alone changes the table: the progress
+        thread, or a thread driving it, under the baton)."""
+        due = time.monotonic() - ACK_DELAY_S
+        for pipe, since in list(self._acks_due.items()):
+            if pipe.ack_sent >= pipe.read_through:
+                del self._acks_due[pipe]  # a frame carried it
+            elif since <= due:
+                del self._acks_due[pipe]
+                self._send_ack(pipe)
+
+    def _on_ack(self, pipe: Pipe, ack: int) -> None:
+        """The peer is done with our buffers of frames up to ``ack``: let
+        them go."""
+        with pipe.lock:
+            if ack > pipe.out_seq:
+                raise FrameError(f"{pipe.name} acknowledged our frame {ack}, but we sent "
+                                 f"{pipe.out_seq}")
+            pipe.acked = ack
+            held = pipe.cma_held
+            while held:
+                seq = next(iter(held))  # in the order sent
+                if seq > ack:
+                    break
+                del held[seq]
+            if not held:
+                self._sender.holding.discard(pipe)
+            if pipe.cma_split_seq <= ack:
+                self._sender.holding_split.discard(pipe)
 
     def _on_cma(self, pipe: Pipe, frame: Frame) -> None:
         """A CMA_OK (the peer reads us by address from now on) or CMA_DONE
-        (it read the buffers of the frames listed) from ``pipe``'s peer."""
-        if frame.kind is Kind.CMA_OK:
-            if self.cma_offer is not None:
-                with pipe.lock:
-                    pipe.cma_out = True
-            return
-        data = bytes(frame.payload)
-        if len(data) % _SEQ.size:
-            raise FrameError(f"a CMA_DONE frame from {pipe.name} has {len(data)} bytes, "
-                             "not a list of sequence numbers")
-        with pipe.lock:
-            for (seq,) in _SEQ.iter_unpack(data):
-                pipe.cma_held.pop(seq, None)
-            if not pipe.cma_held:
-                self._sender.holding.discard(pipe)
+        (an acknowledgement alone, taken as every frame's) from ``pipe``'s
+        peer."""
+        if frame.payload.nbytes:
+            raise FrameError(f"a {frame.kind.name} frame from {pipe.name} has a "
+                             f"{frame.payload.nbytes}-byte payload; it carries none")
+        if frame.kind is Kind.CMA_OK and self.cma_offer is not None:
+            with pipe.lock:
+                pipe.cma_out = True
 
     # --------------------------------------------------------------- peers
 
@@ -507,8 +517,8 @@ class Transport:
         busy = self._rx.poll() or busy
         busy = self._poll_requests() or busy
         busy = self._liveness.poll() or busy
-        if self._acks_held and not busy:
-            self._send_held_acks()  # nothing went to those peers meanwhile
+        if self._acks_due and not busy:
+            self._send_due_acks()
         return busy
 
     def wake(self) -> None:
@@ -562,6 +572,7 @@ class Transport:
             pipe.outbox_bytes = 0
             pipe.cma_held.clear()  # its process is gone or will never read them
             self._sender.holding.discard(pipe)
+            self._sender.holding_split.discard(pipe)
             pipe.cma_in = pipe.cma_out = False
         if self._pipes.get(pipe.peer_id) is not pipe:
             return  # replaced: the worker came back under a new address
@@ -596,8 +607,10 @@ class Transport:
     def stats(self) -> dict[str, Any]:
         return {"refused_frames": self._rx.refused, "frame_errors": self._rx.frame_errors,
                 **self._sender.stats(), "bytes_read_by_address": self._rx.read_bytes,
-                "acknowledgements_held": sum(len(p.acks_due) for p in list(self._pipes.values()))
-                // _SEQ.size,
+                # Peers whose buffers we read and have not yet said so.
+                "acknowledgements_held": sum(p.ack_sent < p.read_through
+                                             for p in list(self._pipes.values())),
+                "acknowledgements_sent_alone": self.acks_alone,
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 **self._liveness.stats(), "progress": self._loop.info(),
                 "cuda_context": self.cuda_context}

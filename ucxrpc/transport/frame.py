@@ -8,7 +8,7 @@ allocate each buffer in its final memory before UCX writes into it.
 Layout (little endian)::
 
     prefix   magic "UX" | version u8 | kind u8 | nbuf u16 | reserved u16
-             | payload_len u32 | seq u64                      (20 bytes)
+             | payload_len u32 | seq u64 | ack u64            (28 bytes)
     nbuf x   nbytes u64 | offset u64 | device i16 (-1 = cpu) | flags u8
              | pad u8 | arg u32                               (24 bytes each)
     payload  payload_len bytes, opaque to the transport
@@ -27,9 +27,15 @@ straight into its final memory, or inline when ``offset`` is not NOT_INLINE):
 * PACKED: the buffer lives in the pack ``arg`` at ``offset``; the receiver
   cuts it out (one kernel launch per pack) when the pack arrives.
 * REMOTE: a host buffer the receiver reads out of the sender's memory at
-  address ``offset`` (:mod:`.cma`), and acknowledges in a CMA_DONE frame;
-  nothing is sent for it.  Only a pipe whose receiver sent CMA_OK carries
-  them.
+  address ``offset`` (:mod:`.cma`); nothing is sent for it.  Only a pipe
+  whose receiver sent CMA_OK carries them.
+
+Every frame's ``ack`` says the sender has read (or given up on) the REMOTE
+buffers of all the receiver's frames up to that sequence number (0: none
+yet), so the other side may let them go.  Reads happen as frames arrive, in
+order, so one number acknowledges them all; it rides on whatever frame goes
+back (the reply, mostly), and a CMA_DONE frame carries it alone when
+nothing else went back for a while.
 
 Small buffers travel inline because one tag message costs microseconds in
 Python, while copying a few KiB costs nanoseconds.  The MAC covers what is
@@ -52,8 +58,8 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"UX"
-VERSION = 3  # 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE
-PREFIX = struct.Struct("<2sBBHHIQ")
+VERSION = 4  # 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE; 4: ack
+PREFIX = struct.Struct("<2sBBHHIQQ")
 DESC = struct.Struct("<QQhBxI")
 MAC_LEN = 16
 NOT_INLINE = 0xFFFF_FFFF_FFFF_FFFF
@@ -76,9 +82,9 @@ class Kind(enum.IntEnum):
     # Several small messages in one frame (batch.py): queued to a pipe
     # while its previous frame was still in flight.
     BATCH = 6
-    # Reading by address (cma.py), authenticated like MESSAGE: the receiver
-    # may read this side's buffers (empty payload); it read the REMOTE
-    # buffers of the frames whose sequence numbers the payload lists (u64s).
+    # Reading by address (cma.py), authenticated like MESSAGE, with empty
+    # payloads: the receiver may read this side's buffers; an ack sent
+    # alone (the prefix's, as every frame's).
     CMA_OK = 7
     CMA_DONE = 8
 
@@ -134,6 +140,7 @@ class Frame:
     raw: np.ndarray  # the received bytes; inline buffers are views of it
     total: int = 0   # frame plus out-of-band bytes; checked by the receiver
     delivered: int = -1  # buffers handed up (PACK buffers, last, are not); -1: all
+    ack: int = 0  # the receiver's frames whose REMOTE buffers the sender is done with
 
     @property
     def nbuf(self) -> int:
@@ -176,7 +183,8 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
            buffers: Sequence[tuple[int, memoryview | None, int]], key: bytes,
            limits: Limits,
            ways: Sequence[tuple[int, int, int]] | None = None,
-           peer_max_frame: int = 1 << 62, seal: bool = True) -> tuple[np.ndarray, list[int]]:
+           peer_max_frame: int = 1 << 62, seal: bool = True,
+           ack: int = 0) -> tuple[np.ndarray, list[int]]:
     """Build a frame; returns it and the indices of buffers sent separately.
 
     ``buffers`` holds (nbytes, host bytes view or None, device) triples; a
@@ -187,7 +195,7 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     with flags set is never inlined, and PACKED and REMOTE ones are not sent
     at all (a REMOTE one's address rides in its offset).
     ``seal=False`` leaves the MAC zero: a message inside a batch, whose
-    frame's MAC covers it whole.
+    frame's MAC covers it whole.  ``ack``: see the module's docstring.
 
     Raises:
         FrameError: the message breaks a limit (named in the message).
@@ -230,7 +238,7 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
                          f"max_message_bytes={limits.max_message_bytes}")
     arr = np.empty(size, dtype=np.uint8)  # ucxx's Array is unsafe with bytearray
     out = arr.data
-    PREFIX.pack_into(out, 0, MAGIC, VERSION, kind, nbuf, 0, len(payload), seq)
+    PREFIX.pack_into(out, 0, MAGIC, VERSION, kind, nbuf, 0, len(payload), seq, ack)
     if 0 < nbuf <= 8:  # as in decode: the numpy table costs ~2-3 µs more for a few
         for i, (b, off) in enumerate(zip(buffers, offs)):
             flags, arg = (ways[i][0], ways[i][1]) if ways is not None else (0, 0)
@@ -270,7 +278,7 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
     n = data.nbytes
     if n < PREFIX.size + MAC_LEN:
         raise FrameError(f"truncated frame: {n} bytes is shorter than a frame header")
-    magic, version, kind, nbuf, _, plen, seq = PREFIX.unpack_from(data, 0)
+    magic, version, kind, nbuf, _, plen, seq, ack = PREFIX.unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r}")
     if version != VERSION:
@@ -304,8 +312,8 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
                                  f"outside the {n}-byte frame")
             descs.append(BufferDesc(nbytes, off, device, flags, arg))
         if flagged:
-            return _with_ways(Frame(kind, seq, payload, tuple(descs), raw, total))
-        return Frame(kind, seq, payload, tuple(descs), raw, total)
+            return _with_ways(Frame(kind, seq, payload, tuple(descs), raw, total, ack=ack))
+        return Frame(kind, seq, payload, tuple(descs), raw, total, ack=ack)
     table = np.frombuffer(data, dtype=_DESC_DTYPE, count=nbuf, offset=PREFIX.size)
     sizes, offs, flags = table["nbytes"], table["off"], table["flags"]
     plain = flags == 0
@@ -321,7 +329,7 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
     table_descs = tuple(map(BufferDesc._make, zip(sizes.tolist(), offs.tolist(),
                                                   table["device"].tolist(), flags.tolist(),
                                                   table["arg"].tolist())))
-    frame = Frame(kind, seq, payload, table_descs, raw, total)
+    frame = Frame(kind, seq, payload, table_descs, raw, total, ack=ack)
     return frame if plain.all() else _with_ways(frame)
 
 
@@ -351,7 +359,8 @@ def _with_ways(frame: Frame) -> Frame:
                 raise FrameError(f"buffer {i} claims bytes [{d.inline_offset}, "
                                  f"{d.inline_offset + d.nbytes}) on device {d.device} of a "
                                  f"{pack.nbytes}-byte pack on device {pack.device}")
-    return Frame(frame.kind, frame.seq, frame.payload, descs, frame.raw, total, first_pack)
+    return Frame(frame.kind, frame.seq, frame.payload, descs, frame.raw, total, first_pack,
+                 frame.ack)
 
 
 def peek_kind(raw: np.ndarray) -> int | None:

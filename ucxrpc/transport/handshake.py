@@ -78,6 +78,7 @@ def accept(pipe: Pipe, payload: memoryview, secret: bytes, my_id: int) -> None:
     pipe.in_nonces.clear()
     pipe.in_key = auth.session_key(secret, x, y, nx, ny)
     pipe.in_seq = 0
+    pipe.read_through = pipe.ack_sent = 0  # they count the peer's frames, which start again
 
 
 class Handshake:

@@ -92,16 +92,22 @@ class Pipe:
         # Reading by address (cma.py): the peer's process and published offer
         # (None: not on this host, or this side does not read by address);
         # whether we read its REMOTE buffers (we probed it and sent CMA_OK),
-        # whether it reads ours (it sent CMA_OK); and our buffers it has not
-        # yet acknowledged, by the sequence number of their frame.
+        # whether it reads ours (it sent CMA_OK); our buffers it has not yet
+        # acknowledged, by the sequence number of their frame, in order, and
+        # the last of those frames it reads in two halves (cma.SPLIT_BYTES).
         self.cma_pid = 0
         self.cma_offer: cma.Offer | None = None
         self.cma_in = False
         self.cma_out = False
         self.cma_held: dict[int, list[torch.Tensor]] = {}
-        # Sequence numbers (packed u64s) of the peer's frames whose buffers
-        # we read and have not yet acknowledged (engine.py, _read_done).
-        self.acks_due = bytearray()
+        self.cma_split_seq = 0
+        # The peer's frames whose REMOTE buffers we are done with, up to this
+        # sequence number (set after the reads, on the loop), and how far the
+        # last frame we sent acknowledged them (frame.py: ``ack``).
+        self.read_through = 0
+        self.ack_sent = 0
+        # How far the peer acknowledged ours (the highest ``ack`` it sent).
+        self.acked = 0
         self.in_key: bytes | None = None
         self.in_seq = 0
         self.error: BaseException | None = None

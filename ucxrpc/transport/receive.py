@@ -73,8 +73,11 @@ class Receiver:
             raise AuthenticationError or FrameError, which are counted here.
         adopt: ``(sender, pipe)`` → the pipe for a HELLO from a worker id
             without one (dynamic membership), or ``pipe`` unchanged.
-        on_read: ``(pipe, seq)`` once the REMOTE buffers of the peer's frame
-            ``seq`` were read (or failed to be): the peer may let them go.
+        on_read: ``(pipe)`` once the REMOTE buffers of the peer's frame
+            were read (or failed to be) and the frame delivered:
+            ``pipe.read_through`` says which, and the peer may let them go.
+        on_ack: ``(pipe, ack)`` for a frame acknowledging more of ours
+            than any before it (``pipe.acked``).
         on_cma: ``(pipe, frame)`` for a CMA_OK or CMA_DONE frame.
     """
 
@@ -84,7 +87,7 @@ class Receiver:
                  cuda_direct: bool, on_message: OnMessage, on_frame_error: OnFrameError,
                  on_handshake: Callable[[Pipe, Frame], None],
                  adopt: Callable[[int, Pipe | None], Pipe | None],
-                 on_read: Callable[[Pipe, int], None],
+                 on_read: Callable[[Pipe], None], on_ack: Callable[[Pipe, int], None],
                  on_cma: Callable[[Pipe, Frame], None]) -> None:
         self._worker = worker
         self.limits = limits
@@ -99,6 +102,7 @@ class Receiver:
         self._on_handshake = on_handshake
         self._adopt = adopt
         self._on_read = on_read
+        self._on_ack = on_ack
         self._on_cma = on_cma
         self.read_bytes = 0
         #: Frames being received: (request, buffer, tag, length, why dropped).
@@ -210,6 +214,8 @@ class Receiver:
         if frame.seq <= pipe.in_seq:
             raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
         pipe.in_seq = frame.seq
+        if frame.ack > pipe.acked:
+            self._on_ack(pipe, frame.ack)
         if frame.kind is Kind.BATCH:
             self._batch(pipe, buf, frame)
             return
@@ -233,10 +239,12 @@ class Receiver:
                 read = True
             else:
                 bufs.append(self._post(msg, i, d))
-        if read:
-            self._on_read(pipe, frame.seq)
+        if read:  # before delivering: a reply sent meanwhile carries the word
+            pipe.read_through = frame.seq
         if msg.waiting == 0:
             self._deliver(msg)
+        if read:
+            self._on_read(pipe)
 
     def _post(self, msg: Incoming, i: int, d: BufferDesc) -> torch.Tensor:
         """Post the receives of buffer ``i`` of ``msg``; what it lands in."""
@@ -324,7 +332,8 @@ class Receiver:
         they do not sit in UCX's unexpected queue; their errors are ignored.
         Those sent by address are not read, and are let go."""
         if any(d.flags == REMOTE for d in frame.buffers):
-            self._on_read(pipe, frame.seq)
+            pipe.read_through = frame.seq
+            self._on_read(pipe)
         for i, d in enumerate(frame.buffers):
             for _ in range(staging.receives(d)):
                 sink = np.empty(1, dtype=np.uint8)

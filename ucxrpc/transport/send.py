@@ -4,7 +4,8 @@ A message is one frame (small buffers inline) and one tag message per
 separate buffer (:mod:`.frame`); CUDA buffers go GPU-direct, staged through
 host chunks, or packed (:mod:`.staging`); large host buffers to a peer that
 reads us by address go as their address alone (:mod:`.cma`), held until
-the peer says it read them.  A small message sent while the
+the peer says it read them.  Every frame says how far this side read the
+peer's (``ack``, :mod:`.frame`).  A small message sent while the
 pipe's previous frame is still in flight waits in the pipe's outbox and
 leaves with the others as one BATCH frame (:mod:`.batch`).
 
@@ -69,9 +70,11 @@ class Sender:
         self.batches = 0
         self.batched_messages = 0
         self.read_buffers = 0
-        #: Pipes whose peer has not yet read all it was sent by address (the
-        #: transport removes a pipe under its lock when that ends).
+        #: Pipes whose peer has not yet read all it was sent by address, and
+        #: those among them where it reads some in two halves (the transport
+        #: removes a pipe under its lock when that ends).
         self.holding: set[Pipe] = set()
+        self.holding_split: set[Pipe] = set()
 
     def send(self, pipe: Pipe, payload: bytes | memoryview, buffers: list[torch.Tensor],
              kind: Kind = Kind.MESSAGE, hint: int = 0, devices: list[int] | None = None) -> None:
@@ -92,15 +95,18 @@ class Sender:
                 b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
             out = staging.plan(buffers, devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device)
+        ack = pipe.read_through  # read once: the loop may move it on meanwhile
         if remote is not None:
             frame, separate = encode(kind, pipe.out_seq + 1, payload, _host_views(buffers),
-                                     pipe.out_key, self.limits, remote, pipe.peer_max_frame)
+                                     pipe.out_key, self.limits, remote, pipe.peer_max_frame,
+                                     ack=ack)
         elif out is None:
             frame, separate = encode(kind, pipe.out_seq + 1, payload, _host_views(buffers),
-                                     pipe.out_key, self.limits, peer_max_frame=pipe.peer_max_frame)
+                                     pipe.out_key, self.limits, peer_max_frame=pipe.peer_max_frame,
+                                     ack=ack)
         else:  # the receiver allocates on the device each descriptor names
             frame, separate = encode(kind, pipe.out_seq + 1, payload, out.views, pipe.out_key,
-                                     self.limits, out.ways, pipe.peer_max_frame)
+                                     self.limits, out.ways, pipe.peer_max_frame, ack=ack)
             self.staged_bytes += out.staged_bytes
             self.packed_buffers += out.packed
         if frame.nbytes > pipe.peer_max_frame:  # its header alone: inlining stays within
@@ -109,11 +115,15 @@ class Sender:
         pipe.out_seq += 1
         seq = pipe.out_seq
         assert pipe.ep is not None
-        if remote is not None:  # before the frame: its CMA_DONE may come at once
-            pipe.cma_held[seq] = [b for b, way in zip(buffers, remote) if way[0]]
-            self.read_buffers += len(pipe.cma_held[seq])
+        if remote is not None:  # before the frame: its acknowledgement may come at once
+            held = pipe.cma_held[seq] = [b for b, way in zip(buffers, remote) if way[0]]
+            self.read_buffers += len(held)
             self.holding.add(pipe)
+            if any(b.numel() >= cma.SPLIT_BYTES for b in held):
+                pipe.cma_split_seq = seq
+                self.holding_split.add(pipe)
         sent = pipe.ep.tag_send(frame, self._frame_base | hint)
+        pipe.ack_sent = ack
         reqs: list[tuple[Request, Pipe]] = [(sent, pipe)]
         try:
             for i in separate:
@@ -131,10 +141,12 @@ class Sender:
         if not frames or pipe.out_state is not OutState.OPEN:
             return
         assert pipe.ep is not None
+        ack = pipe.read_through
         frame, _ = encode(Kind.BATCH, pipe.out_seq + 1, batch.pack(frames), [], pipe.out_key,
-                          self.limits, peer_max_frame=pipe.peer_max_frame)
+                          self.limits, peer_max_frame=pipe.peer_max_frame, ack=ack)
         pipe.out_seq += 1
         sent = pipe.ep.tag_send(frame, self._frame_base)
+        pipe.ack_sent = ack
         pipe.sent += len(frames)
         self.batches += 1
         self.batched_messages += len(frames)
