@@ -33,6 +33,12 @@ from .remote_errors import rebuild_exception
 from .serving import Server
 from .state import AgentState
 
+#: A peer that sent us a request this recently is likely to send the next
+#: one soon, even if a reply came in since (a worker that both serves and
+#: calls, as each side of an exchange does): the transport's own polling
+#: window after an event (Transport's ``spin_s``).
+CALLED_WITHIN_S = 0.01
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,7 +77,7 @@ class RpcAgent:
         #: ``rpc_timeout`` as below the API: seconds, or None for none.
         self.default_timeout = timeouts.of_option(options.rpc_timeout)
         self.state = AgentState.NEW
-        self._last_was_request = False
+        self._requested_at = -CALLED_WITHIN_S  # when a peer's last request came
         self.counters = {"calls_sent": 0, "calls_served": 0, "remote_errors": 0}
         secret = rendezvous.job_secret(store, rank)
         limits = Limits(max_buffers=options.max_buffers,
@@ -329,7 +335,8 @@ class RpcAgent:
         pool thread runs code and a message is likely soon: a reply to a call
         in flight, or the next request of a peer that is calling us.
         """
-        return not self._pool.computing() and (bool(self.calls) or self._last_was_request)
+        return not self._pool.computing() and (
+            bool(self.calls) or time.monotonic() - self._requested_at < CALLED_WITHIN_S)
 
     def send_message(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
                      buffers: list[torch.Tensor], targets: list[int] | None = None) -> None:
@@ -373,8 +380,8 @@ class RpcAgent:
 
     def _on_message(self, peer: int, payload: memoryview, buffers: list[torch.Tensor]) -> None:
         hdr, body = wire.decode(payload)
-        self._last_was_request = hdr.kind is wire.MsgKind.REQUEST
         if hdr.kind is wire.MsgKind.REQUEST:
+            self._requested_at = time.monotonic()
             self._server.accept(peer, hdr.msg_id, body, buffers)
         elif hdr.kind is wire.MsgKind.RESPONSE:
             call = self.calls.pop(hdr.msg_id)
