@@ -53,16 +53,20 @@ __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 #: 70-80% of the CPU; on a quiet host 10-20% slower (5.16 / 5.73 GB/s
 #: one-way), still 1.5x torch's, and from 4 MiB as fast or faster
 #: (benchmarks/RESULTS.md, Run T).  Smaller ones go through UCX, eagerly, as
-#: long as the loop polls (below).
+#: long as the loop polls (below): from 1 MiB or 256 KiB by address, a quiet
+#: host's echoes took 8-30% longer, even with no acknowledgements at all
+#: (the kernel pins the pages read one by one: 84 us for 1 MiB from cache),
+#: and gained only where cross-core copies were slow (Run W).
 MIN_BYTES = INTRA_EAGER_MAX
 #: ... and from this size while the sender's loop may not poll (a contended
 #: core, or the blocking mode): there every wake-up and every copy costs a
-#: share of a core someone else wants.  Beside a busy process, 1 MiB: one-way 2.13-2.16
-#: against 2.02-2.06 GB/s, round trip 2.80-2.86 against 2.61-2.64,
-#: bidirectional 1.45-1.51 against 1.33-1.34 at 90% of the CPU.  On a quiet
-#: host, where the loop polls, nothing changes; by address from 1 MiB
-#: there, the round trip fell from 3.2-6.3 to 2.5 GB/s, below torch's
-#: (RESULTS.md, Run T).
+#: share of a core someone else wants.  Beside a busy process, 1 MiB:
+#: one-way 2.13-2.16 against 2.02-2.06 GB/s, round trip 2.80-2.86 against
+#: 2.61-2.64, bidirectional 1.45-1.51 against 1.33-1.34 at 90% of the CPU
+#: (RESULTS.md, Run T).  On a quiet host, where the loop polls, nothing
+#: changes; by address from 1 MiB there, the round trip fell from 6.3-6.5
+#: to 5.1-5.2 GB/s and the exchange both ways from 3.6-3.8 to 1.9-2.0
+#: (Run W).
 BUSY_MIN_BYTES = 1 << 20
 #: Reads from this size are split in two halves, one copied on a helper
 #: thread: a second core copies at once, as UCX's two copies through shared

@@ -74,8 +74,9 @@ class Receiver:
         adopt: ``(sender, pipe)`` → the pipe for a HELLO from a worker id
             without one (dynamic membership), or ``pipe`` unchanged.
         on_read: ``(pipe)`` once the REMOTE buffers of the peer's frame
-            were read (or failed to be) and the frame delivered:
-            ``pipe.read_through`` says which, and the peer may let them go.
+            were read (or given up on) and the frame handed on (or
+            dropped): ``pipe.read_through`` says which frame, and the peer
+            may let them go.
         on_ack: ``(pipe, ack)`` for a frame acknowledging more of ours
             than any before it (``pipe.acked``).
         on_cma: ``(pipe, frame)`` for a CMA_OK or CMA_DONE frame.
