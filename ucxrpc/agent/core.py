@@ -24,7 +24,7 @@ from .._pool import WorkerPool
 from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
 from ..serialization import Serializer
-from ..transport import Limits, Transport
+from ..transport import SPIN_S, Limits, Transport
 from .calls import CallFuture, CallTable, SyncReply
 from .hooks import Hooks
 from .info import WorkerInfo
@@ -36,8 +36,8 @@ from .state import AgentState
 #: A peer that sent us a request this recently is likely to send the next
 #: one soon, even if a reply came in since (a worker that both serves and
 #: calls, as each side of an exchange does): the transport's own polling
-#: window after an event (Transport's ``spin_s``).
-CALLED_WITHIN_S = 0.01
+#: window after an event, which this agent's transport keeps.
+CALLED_WITHIN_S = SPIN_S
 
 logger = logging.getLogger(__name__)
 

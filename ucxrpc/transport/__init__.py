@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .engine import MAX_WORKER_ID, Transport
+from .engine import MAX_WORKER_ID, SPIN_S, Transport
 from .frame import Limits
 
-__all__ = ["Transport", "Limits", "MAX_WORKER_ID"]
+__all__ = ["Transport", "Limits", "MAX_WORKER_ID", "SPIN_S"]

@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 #: both sides a frame and the peer, if it sleeps, a wake-up (RESULTS.md,
 #: Run T).
 ACK_DELAY_S = 0.005
+#: How long the progress loop polls after its last event, by default
+#: (``spin_s``), while a message is expected.
+SPIN_S = 0.01
 
 OnBroken = Callable[[int, BaseException], None]
 
@@ -94,7 +97,7 @@ class Transport:
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
                  allocator: Allocator | None = None,
                  progress_mode: progress.Mode | str = progress.Mode.ADAPTIVE,
-                 spin_s: float = 0.01, spin_while: Callable[[], bool] | None = None,
+                 spin_s: float = SPIN_S, spin_while: Callable[[], bool] | None = None,
                  host_timeout: float = 10.0,
                  cuda_devices: Sequence[torch.device | str | int] = ()) -> None:
         if not 0 <= my_id <= MAX_WORKER_ID:

@@ -95,18 +95,13 @@ class Sender:
                 b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
             out = staging.plan(buffers, devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device)
+        # Where staged or packed, the receiver allocates on the device each
+        # descriptor names; REMOTE ways (by address) come only without them.
+        views, ways = (_host_views(buffers), remote) if out is None else (out.views, out.ways)
         ack = pipe.read_through  # read once: the loop may move it on meanwhile
-        if remote is not None:
-            frame, separate = encode(kind, pipe.out_seq + 1, payload, _host_views(buffers),
-                                     pipe.out_key, self.limits, remote, pipe.peer_max_frame,
-                                     ack=ack)
-        elif out is None:
-            frame, separate = encode(kind, pipe.out_seq + 1, payload, _host_views(buffers),
-                                     pipe.out_key, self.limits, peer_max_frame=pipe.peer_max_frame,
-                                     ack=ack)
-        else:  # the receiver allocates on the device each descriptor names
-            frame, separate = encode(kind, pipe.out_seq + 1, payload, out.views, pipe.out_key,
-                                     self.limits, out.ways, pipe.peer_max_frame, ack=ack)
+        frame, separate = encode(kind, pipe.out_seq + 1, payload, views, pipe.out_key,
+                                 self.limits, ways, pipe.peer_max_frame, ack=ack)
+        if out is not None:
             self.staged_bytes += out.staged_bytes
             self.packed_buffers += out.packed
         if frame.nbytes > pipe.peer_max_frame:  # its header alone: inlining stays within
