@@ -516,22 +516,28 @@ class ProgressThread:
         """Wait in epoll for UCX or :meth:`wake`, up to ``timeout``; the
         caller set its sleeping flag first (so a waker that changed state
         after the checks here writes the wake descriptor).  True when work
-        for the loop or :meth:`wake` ended it, False when it ran out or UCX
-        ended it (or had work before it could wait)."""
+        waited for the loop or :meth:`wake` was called meanwhile, False when
+        it ran out or UCX ended it (or had work before it could wait)."""
+        woken = False
         try:
             if self._pending() or self._stopping:
                 return True
             if self._arm():
                 self.sleeps += 1
-                return any(fd == self._wake_fd for fd, _ in self._epoll.poll(timeout))
-            # UCX has work to do before it can wait (a rendezvous moving
-            # fragment by fragment, say): turn again, but not before
-            # anyone else who wants this core had it.
-            self.arm_busy += 1
-            self._yield(now)
-            return False
+                self._epoll.poll(timeout)
+            else:
+                # UCX has work to do before it can wait (a rendezvous moving
+                # fragment by fragment, say): turn again, but not before
+                # anyone else who wants this core had it.
+                self.arm_busy += 1
+                self._yield(now)
         finally:
+            # Whether wake() wrote while we slept, read from the descriptor
+            # rather than from what ended the wait: a write landing as the
+            # wait timed out (the waker saw us asleep) was otherwise drained
+            # here unseen, and the wake-up lost.
             try:
-                os.eventfd_read(self._wake_fd)
+                woken = os.eventfd_read(self._wake_fd) > 0
             except BlockingIOError:
                 pass
+        return woken
