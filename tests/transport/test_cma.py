@@ -225,6 +225,39 @@ def test_where_the_loop_blocks_one_mib_goes_by_address_acknowledged_lazily():
     assert out["theirs"]["buffers_held_for_peers"] == 0
 
 
+def _toward_a_blocking_peer(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    # worker0 polls (it is never contended itself); worker1 blocks, and its
+    # every frame says so.
+    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
+                                    progress="polling" if rank == 0 else "blocking")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        rpc.rpc_sync("worker1", torch.add, (1, 1))  # after the peer's CMA_OK
+        one = torch.arange(cma.BUSY_MIN_BYTES // 8 + 1, dtype=torch.int64)
+        out["echo"] = [torch.equal(rpc.rpc_sync("worker1", torch.clone, (one,)), one)
+                       for _ in range(3)]
+        out["mine"] = _counts()
+        out["state"] = rpc._get_debug_info()["peers_busy"]
+    rpc.shutdown()
+    return out
+
+
+def test_a_peer_that_may_not_poll_is_sent_one_mib_by_address():
+    """A receiver that does not poll takes a large eager message as a run of
+    wake-ups: its frames say so (frame.py's ``state``), and a sender whose
+    own loop polls sends it buffers by address from BUSY_MIN_BYTES too."""
+    if not _siblings_may_read():
+        pytest.skip("this kernel does not let sibling processes read each other")
+    out = run_workers(_toward_a_blocking_peer, 2, timeout=90)[0]
+    assert out["echo"] == [True, True, True]
+    assert cma.MIN_BYTES > cma.BUSY_MIN_BYTES + 8
+    assert out["mine"]["buffers_read_by_peers"] == 3
+    assert out["state"] == 1
+
+
 # Set on worker1 by _let_go: a call there that holds the buffer it was sent
 # (read by address at once) until the caller says so.
 _release = threading.Event()

@@ -11,8 +11,8 @@ from ucxrpc import wire
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.options import UcxRpcBackendOptions
 from ucxrpc.transport import auth
-from ucxrpc.transport.frame import (DESC, NOT_INLINE, PREFIX, Kind, Limits, check_limits, decode,
-                                   encode)
+from ucxrpc.transport.frame import (BUSY, DESC, MAC_LEN, NOT_INLINE, PREFIX, Kind, Limits,
+                                   check_limits, decode, encode, mac)
 
 KEY = b"k" * 32
 
@@ -50,6 +50,24 @@ def test_the_acknowledgement_rides_in_the_prefix_under_the_mac():
     forged[PREFIX.size - 8] ^= 1  # the ack's lowest byte
     with pytest.raises(FrameError, match="MAC mismatch"):
         decode(forged, KEY, Limits())
+
+
+def test_the_senders_state_rides_in_the_prefix_under_the_mac():
+    """Every frame says whether its sender's loop may not poll (frame.py's
+    ``state``: BUSY); bits this side does not know are refused."""
+    frame, _ = encode(Kind.MESSAGE, 3, b"x", [], KEY, Limits(), busy=True)
+    assert decode(frame, KEY, Limits()).busy
+    assert not decode(encode(Kind.MESSAGE, 4, b"x", [], KEY, Limits())[0], KEY, Limits()).busy
+    forged = frame.copy()
+    forged[6] ^= BUSY  # the state's low byte, after magic, version, kind, nbuf
+    with pytest.raises(FrameError, match="MAC mismatch"):
+        decode(forged, KEY, Limits())
+    unknown, _ = encode(Kind.MESSAGE, 5, b"x", [], KEY, Limits())
+    unknown[6] = 0x02  # sealed anew: refused for the bit, not the MAC
+    head = unknown[:PREFIX.size + len(b"x")]
+    unknown[-MAC_LEN:] = np.frombuffer(mac(KEY, head.data, unknown.nbytes), dtype=np.uint8)
+    with pytest.raises(FrameError, match="unknown frame state bits 0x0002"):
+        decode(unknown, KEY, Limits())
 
 
 def test_device_buffers_never_inline():

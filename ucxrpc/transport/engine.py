@@ -614,6 +614,8 @@ class Transport:
                 "acknowledgements_held": sum(p.ack_sent < p.read_through
                                              for p in list(self._pipes.values())),
                 "acknowledgements_sent_alone": self.acks_alone,
+                # Peers whose last frame said their loop may not poll.
+                "peers_busy": sum(p.peer_busy for p in list(self._pipes.values())),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 **self._liveness.stats(), "progress": self._loop.info(),
                 "cuda_context": self.cuda_context}

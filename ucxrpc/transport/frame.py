@@ -7,7 +7,7 @@ allocate each buffer in its final memory before UCX writes into it.
 
 Layout (little endian)::
 
-    prefix   magic "UX" | version u8 | kind u8 | nbuf u16 | reserved u16
+    prefix   magic "UX" | version u8 | kind u8 | nbuf u16 | state u16
              | payload_len u32 | seq u64 | ack u64            (28 bytes)
     nbuf x   nbytes u64 | offset u64 | device i16 (-1 = cpu) | flags u8
              | pad u8 | arg u32                               (24 bytes each)
@@ -37,6 +37,12 @@ order, so one number acknowledges them all; it rides on whatever frame goes
 back (the reply, mostly), and a CMA_DONE frame carries it alone when
 nothing else went back for a while.
 
+Every frame's ``state`` says how its sender's loop waits (BUSY: it may not
+poll, its core being contended, or it blocks by choice).  A receiver that
+does not poll takes a large eager message as a run of wake-ups, one per
+batch of shared-memory fragments, so the peer sends such a receiver large
+host buffers by address sooner (:data:`.cma.BUSY_MIN_BYTES`).
+
 Small buffers travel inline because one tag message costs microseconds in
 Python, while copying a few KiB costs nanoseconds.  The MAC covers what is
 interpreted (layout and the pickle stream) but not raw tensor bytes, inline
@@ -58,13 +64,14 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"UX"
-VERSION = 4  # 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE; 4: ack
+VERSION = 5  # 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE; 4: ack; 5: state
 PREFIX = struct.Struct("<2sBBHHIQQ")
 DESC = struct.Struct("<QQhBxI")
 MAC_LEN = 16
 NOT_INLINE = 0xFFFF_FFFF_FFFF_FFFF
 ALIGN = 64
 STAGED, PACK, PACKED, REMOTE = 1, 2, 4, 8
+BUSY = 1  # the prefix's state: the sender's loop may not poll
 _FLAG_SETS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE)
 MIN_CHUNK_KIB = 64  # bounds the receives one staged buffer can ask for
 
@@ -141,6 +148,7 @@ class Frame:
     total: int = 0   # frame plus out-of-band bytes; checked by the receiver
     delivered: int = -1  # buffers handed up (PACK buffers, last, are not); -1: all
     ack: int = 0  # the receiver's frames whose REMOTE buffers the sender is done with
+    busy: bool = False  # the sender's loop may not poll (the state's BUSY)
 
     @property
     def nbuf(self) -> int:
@@ -184,7 +192,7 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
            limits: Limits,
            ways: Sequence[tuple[int, int, int]] | None = None,
            peer_max_frame: int = 1 << 62, seal: bool = True,
-           ack: int = 0) -> tuple[np.ndarray, list[int]]:
+           ack: int = 0, busy: bool = False) -> tuple[np.ndarray, list[int]]:
     """Build a frame; returns it and the indices of buffers sent separately.
 
     ``buffers`` holds (nbytes, host bytes view or None, device) triples; a
@@ -195,7 +203,8 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     with flags set is never inlined, and PACKED and REMOTE ones are not sent
     at all (a REMOTE one's address rides in its offset).
     ``seal=False`` leaves the MAC zero: a message inside a batch, whose
-    frame's MAC covers it whole.  ``ack``: see the module's docstring.
+    frame's MAC covers it whole.  ``ack`` and ``busy`` (the state's BUSY):
+    see the module's docstring.
 
     Raises:
         FrameError: the message breaks a limit (named in the message).
@@ -238,7 +247,8 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
                          f"max_message_bytes={limits.max_message_bytes}")
     arr = np.empty(size, dtype=np.uint8)  # ucxx's Array is unsafe with bytearray
     out = arr.data
-    PREFIX.pack_into(out, 0, MAGIC, VERSION, kind, nbuf, 0, len(payload), seq, ack)
+    PREFIX.pack_into(out, 0, MAGIC, VERSION, kind, nbuf, BUSY if busy else 0, len(payload),
+                     seq, ack)
     if 0 < nbuf <= 8:  # as in decode: the numpy table costs ~2-3 µs more for a few
         for i, (b, off) in enumerate(zip(buffers, offs)):
             flags, arg = (ways[i][0], ways[i][1]) if ways is not None else (0, 0)
@@ -278,7 +288,7 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
     n = data.nbytes
     if n < PREFIX.size + MAC_LEN:
         raise FrameError(f"truncated frame: {n} bytes is shorter than a frame header")
-    magic, version, kind, nbuf, _, plen, seq, ack = PREFIX.unpack_from(data, 0)
+    magic, version, kind, nbuf, state, plen, seq, ack = PREFIX.unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r}")
     if version != VERSION:
@@ -286,6 +296,9 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
     kind = _KINDS.get(kind)
     if kind is None:
         raise FrameError(f"unknown frame kind {PREFIX.unpack_from(data, 0)[2]}")
+    if state & ~BUSY:
+        raise FrameError(f"unknown frame state bits {state:#06x}")
+    busy = state == BUSY
     if nbuf > limits.max_buffers:
         raise FrameError(f"frame declares {nbuf} buffers; the limit is {limits.max_buffers}")
     head_len = PREFIX.size + DESC.size * nbuf + plen
@@ -312,8 +325,9 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
                                  f"outside the {n}-byte frame")
             descs.append(BufferDesc(nbytes, off, device, flags, arg))
         if flagged:
-            return _with_ways(Frame(kind, seq, payload, tuple(descs), raw, total, ack=ack))
-        return Frame(kind, seq, payload, tuple(descs), raw, total, ack=ack)
+            return _with_ways(Frame(kind, seq, payload, tuple(descs), raw, total, ack=ack,
+                                    busy=busy))
+        return Frame(kind, seq, payload, tuple(descs), raw, total, ack=ack, busy=busy)
     table = np.frombuffer(data, dtype=_DESC_DTYPE, count=nbuf, offset=PREFIX.size)
     sizes, offs, flags = table["nbytes"], table["off"], table["flags"]
     plain = flags == 0
@@ -329,7 +343,7 @@ def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
     table_descs = tuple(map(BufferDesc._make, zip(sizes.tolist(), offs.tolist(),
                                                   table["device"].tolist(), flags.tolist(),
                                                   table["arg"].tolist())))
-    frame = Frame(kind, seq, payload, table_descs, raw, total, ack=ack)
+    frame = Frame(kind, seq, payload, table_descs, raw, total, ack=ack, busy=busy)
     return frame if plain.all() else _with_ways(frame)
 
 
@@ -360,7 +374,7 @@ def _with_ways(frame: Frame) -> Frame:
                                  f"{d.inline_offset + d.nbytes}) on device {d.device} of a "
                                  f"{pack.nbytes}-byte pack on device {pack.device}")
     return Frame(frame.kind, frame.seq, frame.payload, descs, frame.raw, total, first_pack,
-                 frame.ack)
+                 frame.ack, frame.busy)
 
 
 def peek_kind(raw: np.ndarray) -> int | None:

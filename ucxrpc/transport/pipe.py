@@ -108,6 +108,9 @@ class Pipe:
         self.ack_sent = 0
         # How far the peer acknowledged ours (the highest ``ack`` it sent).
         self.acked = 0
+        # Whether the peer's loop could not poll when it sent its last frame
+        # (frame.py: ``state``): large buffers go to it by address sooner.
+        self.peer_busy = False
         self.in_key: bytes | None = None
         self.in_seq = 0
         self.error: BaseException | None = None

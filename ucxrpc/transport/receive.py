@@ -215,6 +215,7 @@ class Receiver:
         if frame.seq <= pipe.in_seq:
             raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
         pipe.in_seq = frame.seq
+        pipe.peer_busy = frame.busy
         if frame.ack > pipe.acked:
             self._on_ack(pipe, frame.ack)
         if frame.kind is Kind.BATCH:

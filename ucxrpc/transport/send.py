@@ -49,8 +49,8 @@ class Sender:
         wake: makes the loop turn, for requests left in flight.
         failed: ``(pipe, error)`` for a send that failed at once (the pipe
             breaks; called later, not under its lock).
-        contended: whether this worker's loop may not poll now
-            (:data:`.cma.BUSY_MIN_BYTES`).
+        contended: whether this worker's loop may not poll now (every
+            frame says so to the peer; :data:`.cma.BUSY_MIN_BYTES`).
     """
 
     def __init__(self, *, my_id: int, limits: Limits, host_as_device: bool,
@@ -90,7 +90,8 @@ class Sender:
             elif pipe.outbox:
                 self.flush(pipe)  # what waits goes first
         out = None
-        remote = self._by_address(pipe, kind, buffers) if pipe.cma_out else None
+        busy = self._contended()
+        remote = self._by_address(pipe, kind, buffers, busy) if pipe.cma_out else None
         if remote is None and buffers and (self._host_as_device or any(
                 b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
             out = staging.plan(buffers, devices, staged=not pipe.direct,
@@ -100,7 +101,7 @@ class Sender:
         views, ways = (_host_views(buffers), remote) if out is None else (out.views, out.ways)
         ack = pipe.read_through  # read once: the loop may move it on meanwhile
         frame, separate = encode(kind, pipe.out_seq + 1, payload, views, pipe.out_key,
-                                 self.limits, ways, pipe.peer_max_frame, ack=ack)
+                                 self.limits, ways, pipe.peer_max_frame, ack=ack, busy=busy)
         if out is not None:
             self.staged_bytes += out.staged_bytes
             self.packed_buffers += out.packed
@@ -138,7 +139,8 @@ class Sender:
         assert pipe.ep is not None
         ack = pipe.read_through
         frame, _ = encode(Kind.BATCH, pipe.out_seq + 1, batch.pack(frames), [], pipe.out_key,
-                          self.limits, peer_max_frame=pipe.peer_max_frame, ack=ack)
+                          self.limits, peer_max_frame=pipe.peer_max_frame, ack=ack,
+                          busy=self._contended())
         pipe.out_seq += 1
         sent = pipe.ep.tag_send(frame, self._frame_base)
         pipe.ack_sent = ack
@@ -168,12 +170,13 @@ class Sender:
                 "buffers_held_for_peers": sum(len(b) for pipe in list(self.holding)
                                               for b in list(pipe.cma_held.values()))}
 
-    def _by_address(self, pipe: Pipe, kind: Kind,
-                    buffers: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
+    def _by_address(self, pipe: Pipe, kind: Kind, buffers: list[torch.Tensor],
+                    busy: bool) -> list[tuple[int, int, int]] | None:
         """The frame's ways when some of its buffers are to be read by
         address (host buffers of :data:`.cma.MIN_BYTES` or more, of
-        :data:`.cma.BUSY_MIN_BYTES` where the loop may not poll, in a
-        message without device buffers), else None."""
+        :data:`.cma.BUSY_MIN_BYTES` where this loop (``busy``) or the
+        peer's may not poll, in a message without device buffers), else
+        None."""
         if kind is not Kind.MESSAGE or self._host_as_device:
             return None
         # Every message to such a pipe asks: one size read per buffer when,
@@ -184,7 +187,7 @@ class Sender:
         largest = max(sizes)
         if largest < cma.BUSY_MIN_BYTES:
             return None
-        least = cma.BUSY_MIN_BYTES if self._contended() else cma.MIN_BYTES
+        least = cma.BUSY_MIN_BYTES if busy or pipe.peer_busy else cma.MIN_BYTES
         if largest < least or any(b.is_cuda for b in buffers):
             return None
         return [(REMOTE, 0, b.data_ptr()) if n >= least else (0, 0, 0)
