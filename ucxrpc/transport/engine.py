@@ -17,6 +17,7 @@ loop only when a send is left in flight.
 
 Parts of their own: the handshake (:mod:`.handshake`), sending and
 batching (:mod:`.send`, :mod:`.batch`), receiving (:mod:`.receive`),
+reading by address (:mod:`.by_address`, :mod:`.cma`),
 liveness, lifelines and the shared-memory queue check (:mod:`.liveness`),
 pipes (:mod:`.pipe`) and the loop (:mod:`.progress`).  This module is the
 context that holds them together: the pipes (adding, opening, breaking,
@@ -33,9 +34,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import AuthenticationError, BrokenError, ClosedError, FrameError
+from ..errors import AuthenticationError, BrokenError, ClosedError
 from . import canary, cma, cudactx, progress, staging
-from .frame import Frame, Kind, Limits, check_limits
+from .by_address import ByAddress
+from .frame import Kind, Limits, check_limits
 from .handshake import Handshake
 from .liveness import Liveness
 from .pipe import OutState, Pipe, cuda_path
@@ -47,13 +49,6 @@ from .ucx import Endpoint, Request, Worker, effective_tls
 
 logger = logging.getLogger(__name__)
 
-#: How long our word that we read a peer's buffers by address may wait
-#: for a frame going back to it (the reply, mostly: frame.py's ``ack``)
-#: before a CMA_DONE frame takes it alone.  Until then the peer keeps the
-#: buffers; nothing else waits for the word, while a frame sent alone costs
-#: both sides a frame and the peer, if it sleeps, a wake-up (RESULTS.md,
-#: Run T).
-ACK_DELAY_S = 0.005
 #: How long the progress loop polls after its last event, by default
 #: (``spin_s``), while a message is expected.
 SPIN_S = 0.01
@@ -138,10 +133,9 @@ class Transport:
                               host_as_device=self._host_as_device, inflight=self._inflight,
                               wake=self.wake, failed=self._send_failed,
                               contended=self._contended)
-        # Pipes whose peer's buffers we read and have not yet said so, with
-        # when the first of those reads ended (_read_done); the loop's.
-        self._acks_due: dict[Pipe, float] = {}
-        self.acks_alone = 0  # CMA_DONE frames sent: no other frame carried the word
+        self._by_address = ByAddress(sender=self._sender, send=self._send_or_queue,
+                                     endpoint=self._endpoint,
+                                     offered=self.cma_offer is not None)
         # Requests in flight, with what each belongs to: a pipe (a frame we
         # sent) or a message being received (receive.py).  Changed in place
         # only: the receiver holds it too.
@@ -149,7 +143,7 @@ class Transport:
         self._handshake = Handshake(my_id=my_id, secret=secret, limits=limits,
                                     sender=self._sender, endpoint=self._endpoint,
                                     watch=self._watch, fail=self._break,
-                                    accepted=self._accepted)
+                                    accepted=self._by_address.accepted)
         self._rx = Receiver(worker=self._worker, limits=limits, pipes=self._pipes,
                             watch=self._watch, alloc=self._alloc,
                             alloc_read=(self.pool.alloc if allocator is None
@@ -157,8 +151,8 @@ class Transport:
                             host_as_device=self._host_as_device, cuda_direct=self.cuda_direct,
                             on_message=on_message, on_frame_error=on_frame_error,
                             on_handshake=self._handshake.on_frame, adopt=self._adopt,
-                            on_read=self._read_done, on_ack=self._on_ack,
-                            on_cma=self._on_cma)
+                            on_read=self._by_address.read_done,
+                            on_ack=self._by_address.on_ack, on_cma=self._by_address.on_frame)
         self._closing = False
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
                                   host_timeout=host_timeout, pipes=self._pipes,
@@ -290,7 +284,8 @@ class Transport:
         self._closing = True
         self._liveness.begin_close()
         for pipe in list(self._pipes.values()):
-            self._send_ack(pipe)  # not yet said: the peer waits for it to let its buffers go
+            # Not yet said: the peer waits for the word to let its buffers go.
+            self._by_address.send_ack(pipe)
         # Buffers a peer reads out of our memory must outlive its read: wait
         # (bounded) for its word, as for any send still in flight.
         end = time.monotonic() + 1.0
@@ -342,35 +337,7 @@ class Transport:
         except Exception as exc:
             self._break(pipe, exc)
 
-    # ------------------------------------------------- reading by address
-
-    def _accepted(self, pipe: Pipe) -> None:
-        """The peer's frames to us authenticated: if it offered to be read
-        by address, try, and tell it whether we can."""
-        if pipe.cma_offer is None or pipe.cma_in:
-            return
-        # Only where UCX itself reaches the peer through shared memory: two
-        # network namespaces of one kernel, say, talk over TCP, and a job
-        # measuring that path must not find its large buffers going around it.
-        try:
-            self._endpoint(pipe)
-        except Exception as exc:  # the pipe's own sends will say what is wrong
-            logger.debug("no endpoint to %s yet: %s", pipe.name, exc)
-            return
-        if not pipe.fifo:
-            logger.info("large buffers from %s travel through UCX, which reaches it without "
-                        "shared memory", pipe.name)
-            return
-        why = cma.probe(pipe.cma_pid, pipe.cma_offer)
-        if why is not None:
-            logger.info("large buffers from %s travel through UCX: reading its memory by "
-                        "address failed (%s)", pipe.name, why)
-            return
-        pipe.cma_in = True
-        try:
-            self._send_or_queue(pipe, b"", [], Kind.CMA_OK)
-        except Exception as exc:  # the pipe broke meanwhile
-            logger.debug("CMA_OK to %s not sent: %s", pipe.name, exc)
+    # ---------------------------------------------------------- the loop's
 
     def _awaited(self, spin_while: Callable[[], bool] | None) -> bool:
         """Whether polling for a message pays: not while a peer copies what
@@ -386,68 +353,6 @@ class Transport:
         blocking mode): every frame then costs its receiver a wake-up,
         likely a scheduler slice, and every copy a share of a core."""
         return not self._loop.strategy.may_poll(time.monotonic())
-
-    def _read_done(self, pipe: Pipe) -> None:
-        """We read (or gave up on) buffers of the peer's, up to its frame
-        ``pipe.read_through``: the next frame we send it says so (the
-        reply, mostly), or, if none went within :data:`ACK_DELAY_S`, a
-        CMA_DONE frame the loop sends when it next finds nothing to do."""
-        if pipe.ack_sent < pipe.read_through:
-            self._acks_due.setdefault(pipe, time.monotonic())
-
-    def _send_ack(self, pipe: Pipe) -> None:
-        """A CMA_DONE frame to ``pipe`` if our word on its buffers is not
-        yet there."""
-        if pipe.ack_sent >= pipe.read_through:
-            return
-        try:
-            self._send_or_queue(pipe, b"", [], Kind.CMA_DONE)
-        except Exception as exc:  # the pipe broke: the peer lets them go anyway
-            logger.debug("CMA_DONE to %s not sent: %s", pipe.name, exc)
-            return
-        self.acks_alone += 1
-
-    def _send_due_acks(self) -> None:
-        """The loop's: send what no frame carried within
-        :data:`ACK_DELAY_S` (the loop alone changes the table: the progress
-        thread, or a thread driving it, under the baton)."""
-        due = time.monotonic() - ACK_DELAY_S
-        for pipe, since in list(self._acks_due.items()):
-            if pipe.ack_sent >= pipe.read_through:
-                del self._acks_due[pipe]  # a frame carried it
-            elif since <= due:
-                del self._acks_due[pipe]
-                self._send_ack(pipe)
-
-    def _on_ack(self, pipe: Pipe, ack: int) -> None:
-        """The peer is done with our buffers of frames up to ``ack``: let
-        them go."""
-        with pipe.lock:
-            if ack > pipe.out_seq:
-                raise FrameError(f"{pipe.name} acknowledged our frame {ack}, but we sent "
-                                 f"{pipe.out_seq}")
-            pipe.acked = ack
-            held = pipe.cma_held
-            while held:
-                seq = next(iter(held))  # in the order sent
-                if seq > ack:
-                    break
-                del held[seq]
-            if not held:
-                self._sender.holding.discard(pipe)
-            if pipe.cma_split_seq <= ack:
-                self._sender.holding_split.discard(pipe)
-
-    def _on_cma(self, pipe: Pipe, frame: Frame) -> None:
-        """A CMA_OK (the peer reads us by address from now on) or CMA_DONE
-        (an acknowledgement alone, taken as every frame's) from ``pipe``'s
-        peer."""
-        if frame.payload.nbytes:
-            raise FrameError(f"a {frame.kind.name} frame from {pipe.name} has a "
-                             f"{frame.payload.nbytes}-byte payload; it carries none")
-        if frame.kind is Kind.CMA_OK and self.cma_offer is not None:
-            with pipe.lock:
-                pipe.cma_out = True
 
     # --------------------------------------------------------------- peers
 
@@ -520,8 +425,8 @@ class Transport:
         busy = self._rx.poll() or busy
         busy = self._poll_requests() or busy
         busy = self._liveness.poll() or busy
-        if self._acks_due and not busy:
-            self._send_due_acks()
+        if self._by_address.due and not busy:
+            self._by_address.send_due()
         return busy
 
     def wake(self) -> None:
@@ -613,7 +518,7 @@ class Transport:
                 # Peers whose buffers we read and have not yet said so.
                 "acknowledgements_held": sum(p.ack_sent < p.read_through
                                              for p in list(self._pipes.values())),
-                "acknowledgements_sent_alone": self.acks_alone,
+                "acknowledgements_sent_alone": self._by_address.sent_alone,
                 # Peers whose last frame said their loop may not poll.
                 "peers_busy": sum(p.peer_busy for p in list(self._pipes.values())),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
