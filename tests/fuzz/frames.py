@@ -5,7 +5,7 @@ process of ``test_fuzz_live`` and the atheris harness import it too.
 
 Layout offsets below restate ``ucxrpc.transport.frame``'s docstring::
 
-    prefix  magic 2s | version u8 | kind u8 | nbuf u16 | reserved u16
+    prefix  magic 2s | version u8 | kind u8 | nbuf u16 | state u16
             | payload_len u32 | seq u64 | ack u64                (28 bytes)
     desc    nbytes u64 | offset u64 | device i16 | flags u8 | pad u8 | arg u32
 """
@@ -30,7 +30,7 @@ VALID_FLAGS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE)
 
 # (offset, width, signed) of each field, relative to its struct.
 PREFIX_FIELDS = {"magic": (0, 2, False), "version": (2, 1, False), "kind": (3, 1, False),
-                 "nbuf": (4, 2, False), "reserved": (6, 2, False), "plen": (8, 4, False),
+                 "nbuf": (4, 2, False), "state": (6, 2, False), "plen": (8, 4, False),
                  "seq": (12, 8, False), "ack": (20, 8, False)}
 DESC_FIELDS = {"nbytes": (0, 8, False), "off": (8, 8, False), "device": (16, 2, True),
                "flags": (18, 1, False), "pad": (19, 1, False), "arg": (20, 4, False)}
