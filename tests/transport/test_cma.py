@@ -208,13 +208,13 @@ def _lazy_exchange(rank, world_size, init_method):
     return out
 
 
-def test_where_the_loop_blocks_one_mib_goes_by_address_acknowledged_lazily():
+def test_where_the_loop_blocks_smaller_buffers_go_by_address_acknowledged_lazily():
     if not _siblings_may_read():
         pytest.skip("this kernel does not let sibling processes read each other")
     out = run_workers(_lazy_exchange, 2, timeout=90)[0]
     assert out["echo"] == [True, True, True]
-    # Three requests and three replies by address: 1 MiB is below MIN_BYTES
-    # but not below BUSY_MIN_BYTES.
+    # Three requests and three replies by address: BUSY_MIN_BYTES + 5 is
+    # below MIN_BYTES.
     assert cma.MIN_BYTES > cma.BUSY_MIN_BYTES + 5
     assert out["mine"]["buffers_read_by_peers"] == 3
     assert out["theirs"]["buffers_read_by_peers"] == 3
@@ -245,7 +245,7 @@ def _toward_a_blocking_peer(rank, world_size, init_method):
     return out
 
 
-def test_a_peer_that_may_not_poll_is_sent_one_mib_by_address():
+def test_a_peer_that_may_not_poll_is_sent_smaller_buffers_by_address():
     """A receiver that does not poll takes a large eager message as a run of
     wake-ups: its frames say so (frame.py's ``state``), and a sender whose
     own loop polls sends it buffers by address from BUSY_MIN_BYTES too."""

@@ -58,16 +58,20 @@ __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read"]
 #: (the kernel pins the pages read one by one: 84 us for 1 MiB from cache),
 #: and gained only where cross-core copies were slow (Run W).
 MIN_BYTES = INTRA_EAGER_MAX
-#: ... and from this size while the sender's loop may not poll (a contended
-#: core, or the blocking mode): there every wake-up and every copy costs a
-#: share of a core someone else wants.  Beside a busy process, 1 MiB:
-#: one-way 2.13-2.16 against 2.02-2.06 GB/s, round trip 2.80-2.86 against
-#: 2.61-2.64, bidirectional 1.45-1.51 against 1.33-1.34 at 90% of the CPU
-#: (RESULTS.md, Run T).  On a quiet host, where the loop polls, nothing
-#: changes; by address from 1 MiB there, the round trip fell from 6.3-6.5
-#: to 5.1-5.2 GB/s and the exchange both ways from 3.6-3.8 to 1.9-2.0
-#: (Run W).
-BUSY_MIN_BYTES = 1 << 20
+#: ... and from this size while the sender's loop, or the receiver's (as
+#: its last frame said), may not poll (a contended core, or the blocking
+#: mode): there every wake-up and every copy costs a share of a core
+#: someone else wants, and a receiver that sleeps takes an eager message as
+#: a run of wake-ups.  Beside a busy process, 256 KiB by address: one-way
+#: 0.71-0.73 against 0.60-0.64 GB/s, round trip 1.02-1.05 against
+#: 0.90-0.95, bidirectional 0.47-0.49 against 0.42-0.47, at 10-15% less
+#: CPU; the 100 x 4 KiB dict's 400 KiB bundle unchanged (RESULTS.md, Run
+#: X).  With the sender's state alone, 256 KiB gained nothing (Run W): the
+#: side that shares a core with the busy process is mostly the receiver.
+#: On a quiet host, where the loops poll, nothing changes; by address from
+#: 1 MiB there, the round trip fell from 6.3-6.5 to 5.1-5.2 GB/s and the
+#: exchange both ways from 3.6-3.8 to 1.9-2.0 (Run W).
+BUSY_MIN_BYTES = 256 << 10
 #: Reads from this size are split in two halves, one copied on a helper
 #: thread: a second core copies at once, as UCX's two copies through shared
 #: memory do (one process copying in while the other copies out).  16 MiB
