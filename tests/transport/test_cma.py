@@ -47,6 +47,10 @@ def _siblings_may_read() -> bool:
         return True  # no Yama
 
 
+needs_sibling_reads = pytest.mark.skipif(
+    not _siblings_may_read(), reason="this kernel does not let sibling processes read each other")
+
+
 @pytest.fixture
 def holder():
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
@@ -181,13 +185,13 @@ def test_large_buffers_go_by_address_within_a_host(transports):
                                                 "buffers_held_for_peers": 0}
 
 
-def _lazy_exchange(rank, world_size, init_method):
+def _echo_above_busy_min(rank, world_size, init_method, modes):
     import ucxrpc as rpc
 
-    # The blocking mode: the loop never polls, so buffers go by address from
-    # BUSY_MIN_BYTES and reads are acknowledged with the next frame back.
+    # Each rank's progress mode: a blocking loop never polls, so its frames
+    # say so, and buffers to or from it go by address from BUSY_MIN_BYTES.
     opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
-                                    progress="blocking")
+                                    progress=modes[rank])
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
     out = {}
     if rank == 0:
@@ -202,16 +206,16 @@ def _lazy_exchange(rank, world_size, init_method):
         while rpc._get_debug_info()["acknowledgements_held"] and time.monotonic() < deadline:
             time.sleep(0.01)
         out["held_here"] = rpc._get_debug_info()["acknowledgements_held"]
+        out["state"] = rpc._get_debug_info()["peers_busy"]
         out["mine"] = _counts()
         out["theirs"] = rpc.rpc_sync("worker1", _counts)
     rpc.shutdown()
     return out
 
 
+@needs_sibling_reads
 def test_where_the_loop_blocks_smaller_buffers_go_by_address_acknowledged_lazily():
-    if not _siblings_may_read():
-        pytest.skip("this kernel does not let sibling processes read each other")
-    out = run_workers(_lazy_exchange, 2, timeout=90)[0]
+    out = run_workers(_echo_above_busy_min, 2, args=(("blocking", "blocking"),), timeout=90)[0]
     assert out["echo"] == [True, True, True]
     # Three requests and three replies by address: BUSY_MIN_BYTES + 5 is
     # below MIN_BYTES.
@@ -225,33 +229,13 @@ def test_where_the_loop_blocks_smaller_buffers_go_by_address_acknowledged_lazily
     assert out["theirs"]["buffers_held_for_peers"] == 0
 
 
-def _toward_a_blocking_peer(rank, world_size, init_method):
-    import ucxrpc as rpc
-
-    # worker0 polls (it is never contended itself); worker1 blocks, and its
-    # every frame says so.
-    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
-                                    progress="polling" if rank == 0 else "blocking")
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
-    out = {}
-    if rank == 0:
-        rpc.rpc_sync("worker1", torch.add, (1, 1))  # after the peer's CMA_OK
-        one = torch.arange(cma.BUSY_MIN_BYTES // 8 + 1, dtype=torch.int64)
-        out["echo"] = [torch.equal(rpc.rpc_sync("worker1", torch.clone, (one,)), one)
-                       for _ in range(3)]
-        out["mine"] = _counts()
-        out["state"] = rpc._get_debug_info()["peers_busy"]
-    rpc.shutdown()
-    return out
-
-
+@needs_sibling_reads
 def test_a_peer_that_may_not_poll_is_sent_smaller_buffers_by_address():
     """A receiver that does not poll takes a large eager message as a run of
     wake-ups: its frames say so (frame.py's ``state``), and a sender whose
-    own loop polls sends it buffers by address from BUSY_MIN_BYTES too."""
-    if not _siblings_may_read():
-        pytest.skip("this kernel does not let sibling processes read each other")
-    out = run_workers(_toward_a_blocking_peer, 2, timeout=90)[0]
+    own loop polls (worker0: never contended itself) sends it buffers by
+    address from BUSY_MIN_BYTES too."""
+    out = run_workers(_echo_above_busy_min, 2, args=(("polling", "blocking"),), timeout=90)[0]
     assert out["echo"] == [True, True, True]
     assert cma.MIN_BYTES > cma.BUSY_MIN_BYTES + 8
     assert out["mine"]["buffers_read_by_peers"] == 3
@@ -302,12 +286,11 @@ def _acknowledged_alone(rank, world_size, init_method):
     return out
 
 
+@needs_sibling_reads
 def test_a_read_whose_reply_is_late_is_acknowledged_alone():
     """The word that a buffer was read rides on the next frame back (the
     reply, mostly); a call still running after ACK_DELAY_S has it sent
     alone, so the sender lets the buffer go while the call runs on."""
-    if not _siblings_may_read():
-        pytest.skip("this kernel does not let sibling processes read each other")
     out = run_workers(_acknowledged_alone, 2, timeout=90)[0]
     assert out["mine"]["buffers_read_by_peers"] == 1
     assert out["held"] == 0 and out["running"]
