@@ -104,6 +104,8 @@ def _info(_: argparse.Namespace) -> int:
     print(_line("CuPy", *_cupy()))
     for name in ("cuda_copy", "cuda_ipc"):
         print(_line(name, *_ucx_cuda(name, loaded, cuda_ok)))
+    problem = ucx.environment_problem()
+    print(_line("UCX settings", problem is None, problem or "no UCX_* setting known to break pipes"))
     cache = settings.get("UCX_MEMTYPE_CACHE", "?")
     print(_line("memtype cache", cache == "n",
                 f"UCX_MEMTYPE_CACHE={cache}, as UCX read it" if cache == "n" else

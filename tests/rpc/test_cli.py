@@ -14,10 +14,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ucxrpc(*args: str, timeout: float, cwd: Path | None = None,
-            pythonpath: tuple[str, ...] = ()) -> str:
-    # No UCX_* variable from this process: had it imported ucxx, its
-    # UCX_MEMTYPE_CACHE=n would reach the child however ucxrpc behaves.
+            pythonpath: tuple[str, ...] = (), ucx: dict[str, str] | None = None) -> str:
+    # No UCX_* variable from this process (only ``ucx``): had it imported
+    # ucxx, its UCX_MEMTYPE_CACHE=n would reach the child however ucxrpc behaves.
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env.update(ucx or {})
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *pythonpath])
     proc = subprocess.run([sys.executable, "-m", "ucxrpc.cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd, env=env)
@@ -73,6 +74,13 @@ def test_info_says_whether_each_cuda_piece_is_ready_and_why_not():
         assert got["cuda_copy"] == got["cuda_ipc"] == "not ready: no usable GPU (see CUDA)"
         assert got["CuPy"].startswith("not ready: CuPy "), got
         assert got["CUDA support"].startswith("not usable"), got
+
+
+@pytest.mark.timeout(90)
+def test_info_names_a_ucx_setting_that_breaks_pipes():
+    assert _readiness(_ucxrpc("info", timeout=60))["UCX settings"].startswith("ready (")
+    got = _readiness(_ucxrpc("info", timeout=60, ucx={"UCX_SYSV_SEG_SIZE": "65600"}))
+    assert got["UCX settings"].startswith("not ready: UCX_SYSV_SEG_SIZE=65600 is over 65535 "), got
 
 
 @pytest.mark.timeout(90)

@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from ucxrpc.transport.ucx import cuda_memory, ucx_environment, ucx_tls
+from tests.workers import run_workers
+from ucxrpc.transport.ucx import (MAX_SHM_SEG_SIZE, cuda_memory, environment_problem,
+                                    ucx_environment, ucx_tls)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,3 +115,59 @@ def test_ucx_reads_the_settings_in_a_process_that_starts_without_them():
                    "UCX_WARN_UNUSED_ENV_VARS": "y"}, got
     # every variable set was read, so UCX's check of them stays quiet
     assert "unused environment variable" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("environ, culprit", [
+    ({"UCX_SYSV_SEG_SIZE": "65600"}, "UCX_SYSV_SEG_SIZE=65600"),
+    ({"UCX_POSIX_SEG_SIZE": "64k"}, "UCX_POSIX_SEG_SIZE=64k"),
+    ({"UCX_XPMEM_SEG_SIZE": "1MB"}, "UCX_XPMEM_SEG_SIZE=1MB"),
+    ({"UCX_SYSV_SEG_SIZE": "inf"}, "UCX_SYSV_SEG_SIZE=inf"),
+    ({"UCX_MM_SEG_SIZE": "65536"}, "UCX_MM_SEG_SIZE=65536"),
+    # sysv's own setting wins for sysv, but posix still takes the family's
+    ({"UCX_SYSV_SEG_SIZE": "8k", "UCX_MM_SEG_SIZE": "0.5m"}, "UCX_MM_SEG_SIZE=0.5m"),
+    ({}, None),
+    ({"UCX_SYSV_SEG_SIZE": str(MAX_SHM_SEG_SIZE), "UCX_POSIX_SEG_SIZE": "32K"}, None),
+    ({"UCX_MM_SEG_SIZE": "1m", "UCX_SYSV_SEG_SIZE": "8k", "UCX_POSIX_SEG_SIZE": "8k",
+      "UCX_XPMEM_SEG_SIZE": "auto"}, None),
+    ({"UCX_SYSV_SEG_SIZE": "lots"}, None),  # not a size: UCX says so itself
+])
+def test_a_shared_memory_segment_over_64_kib_is_named_as_the_problem(environ, culprit):
+    problem = environment_problem(environ)
+    if culprit is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(culprit), problem
+        assert "16 bits" in problem and f"at most {MAX_SHM_SEG_SIZE}" in problem
+
+
+def _init_and_echo(rank, world_size, init_method, nbytes):
+    import ucxrpc as rpc
+
+    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=20)
+    try:
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=opts)
+    except ValueError as exc:
+        return str(exc)
+    out = None
+    if rank == 0:
+        x = torch.arange(nbytes, dtype=torch.uint8)
+        out = (bool(torch.equal(rpc.rpc_sync("worker1", torch.clone, (x,)), x)),
+               rpc.get_pipe_info("worker1")[0]["transports"])
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_workers_refuse_a_segment_that_ucx_would_wrap_and_take_the_largest_it_carries():
+    """Over 64 KiB, UCX's shared-memory queue wraps a full fragment's 16-bit
+    length: messages of several segments never arrive, or arrive altered.
+    Both workers refuse to start, naming the setting; at the bound, a
+    message of five segments travels whole (eagerly: under 2 MiB)."""
+    bad = run_workers(_init_and_echo, 2, args=(300_000,), timeout=60,
+                      env={"UCX_SYSV_SEG_SIZE": "65600", "UCX_POSIX_SEG_SIZE": "65600"})
+    assert all(isinstance(r, str) and r.startswith("UCX_SYSV_SEG_SIZE=65600") for r in bad), bad
+    good = run_workers(_init_and_echo, 2, args=(300_000,), timeout=60,
+                       env={"UCX_SYSV_SEG_SIZE": str(MAX_SHM_SEG_SIZE),
+                            "UCX_POSIX_SEG_SIZE": str(MAX_SHM_SEG_SIZE)})
+    assert good[0] is not None and good[0][0], good

@@ -46,8 +46,10 @@ def prepare_environment(transports: tuple[str, ...] | None) -> None:
         raise RuntimeError("ucxx was imported before the baseline set UCX_* variables; "
                            "run the raw peer in a fresh (spawned) process")
     from .cudactx import uses_device_memory
-    from .ucx import ucx_environment
+    from .ucx import environment_problem, ucx_environment
 
+    if (problem := environment_problem()) is not None:  # as a worker would refuse it
+        raise ValueError(problem)
     os.environ.update(ucx_environment(transports, device_memory=uses_device_memory(transports)))
     # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows: a warning
     # per process that would only clutter benchmark output.

@@ -69,6 +69,50 @@ def ucx_tls(transports: Sequence[str]) -> str:
 INTRA_EAGER_MAX = 2 << 20
 
 
+#: The largest shared-memory segment UCX 1.21 carries whole: its FIFO
+#: element records a fragment's length in 16 bits (``uct_mm_fifo_element_t``
+#: in ``uct/sm/mm/base/mm_iface.h``), and ``max_bcopy`` is the segment size,
+#: so a larger ``UCX_{MM,SYSV,POSIX,XPMEM}_SEG_SIZE`` wraps the length of a
+#: full fragment.  Measured: with 65,536-byte segments ``ucx_perftest``'s own
+#: 300 KB ping-pong over sysv hangs (65,535 runs), and between two ucxrpc
+#: workers messages of 64 KiB and more never arrive, or arrive altered and
+#: fail their MAC (benchmarks/RESULTS.md, Run Y).
+MAX_SHM_SEG_SIZE = 65535
+_SHM_SEG_VARS = {"SYSV": "UCX_SYSV_SEG_SIZE", "POSIX": "UCX_POSIX_SEG_SIZE",
+                 "XPMEM": "UCX_XPMEM_SEG_SIZE"}
+_MEMUNITS = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)b?\s*", re.IGNORECASE)
+
+
+def _memunits(text: str) -> float | None:
+    """A UCX size setting in bytes (``inf`` is infinite), or None where it
+    is ``auto`` or not a size (UCX itself then says what is wrong)."""
+    if text.strip().lower() == "inf":
+        return math.inf
+    found = _MEMUNITS.fullmatch(text)
+    if found is None:
+        return None
+    return float(found[1]) * 1024 ** "bkmgt".index((found[2] or "b").lower())
+
+
+def environment_problem(environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """What in the ``UCX_*`` settings is known to break pipes without a word
+    from UCX, naming the variable and what to set instead; None if nothing.
+    (:class:`Worker` refuses to start on it; ``ucxrpc info`` shows it.)"""
+    for transport, name in _SHM_SEG_VARS.items():
+        # A transport's own variable wins over the family's (UCX's prefixes).
+        for var in (name, "UCX_MM_SEG_SIZE"):
+            if var in environ:
+                size = _memunits(environ[var])
+                if size is not None and size > MAX_SHM_SEG_SIZE:
+                    return (f"{var}={environ[var]} is over {MAX_SHM_SEG_SIZE} bytes: UCX's "
+                            f"shared-memory queue ({transport.lower()}) records a fragment's "
+                            "length in 16 bits, so larger segments lose or corrupt messages "
+                            f"of more than one segment; set {var} to at most "
+                            f"{MAX_SHM_SEG_SIZE} or leave it unset")
+                break
+    return None
+
+
 def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0,
                     environ: dict[str, str] | os._Environ[str] = os.environ, *,
                     device_memory: bool = False) -> dict[str, str]:
@@ -330,11 +374,17 @@ class Worker:
 
     Blocking mode gives an epoll descriptor (``fd``) that :meth:`arm` makes
     readable on the next UCX event, so an idle progress loop can sleep.
+
+    Raises:
+        ValueError: a ``UCX_*`` setting known to break pipes
+            (:func:`environment_problem`), before UCX loads.
     """
 
     def __init__(self, transports: Sequence[str] | None, host_timeout: float = 10.0, *,
                  device_memory: bool = False) -> None:
         # device_memory: this process may send CUDA memory (see ucx_environment)
+        if (problem := environment_problem()) is not None:
+            raise ValueError(problem)
         os.environ.update(ucx_environment(transports, host_timeout,
                                           device_memory=device_memory))
         import ucxx._lib.libucxx as ucx  # noqa: PLC0415  (lazy: env first)
