@@ -5,6 +5,7 @@ whose buffers travel so between two workers over real pipes."""
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from tests.workers import run_workers
 from ucxrpc.errors import FrameError
 from ucxrpc.transport import cma
 from ucxrpc.transport.frame import REMOTE, Kind, Limits, decode, encode
-from ucxrpc.transport.pool import PAGE, HostPool
+from ucxrpc.transport.pool import HUGE, PAGE, HostPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,6 +123,32 @@ def test_pool_buffers_start_where_asked_in_their_page():
     del t
     again = pool.alloc(3 << 20, 64)
     assert again.data_ptr() % PAGE == 64 and pool.stats()["hits"] >= 1
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (proc(5))."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="this kernel has no transparent huge pages")
+def test_large_pool_buffers_are_advised_onto_huge_pages_from_a_huge_page_boundary():
+    # A peer reads them by address a huge page at a time (pool.HUGE).
+    pool = HostPool()
+    plain, phased = pool.alloc(HUGE), pool.alloc(5 << 20, 100)
+    assert plain.data_ptr() % HUGE == 0 and phased.data_ptr() % HUGE == 100
+    assert "hg" in _vm_flags(plain.data_ptr()) and "hg" in _vm_flags(phased.data_ptr())
+    plain[-1] = phased[-1] = 7  # all of it is ours
+    assert plain[-1] == phased[-1] == 7
 
 
 def _counts():
