@@ -73,10 +73,11 @@ INTRA_EAGER_MAX = 2 << 20
 #: element records a fragment's length in 16 bits (``uct_mm_fifo_element_t``
 #: in ``uct/sm/mm/base/mm_iface.h``), and ``max_bcopy`` is the segment size,
 #: so a larger ``UCX_{MM,SYSV,POSIX,XPMEM}_SEG_SIZE`` wraps the length of a
-#: full fragment.  Measured: with 65,536-byte segments ``ucx_perftest``'s own
-#: 300 KB ping-pong over sysv hangs (65,535 runs), and between two ucxrpc
-#: workers messages of 64 KiB and more never arrive, or arrive altered and
-#: fail their MAC (benchmarks/RESULTS.md, Run Y).
+#: full fragment.  Measured: ``ucx_perftest``'s own 300 KB ping-pong over
+#: sysv hangs with 65,536-byte segments and runs with 65,535, and between two
+#: ucxrpc workers with larger segments, messages of 64 KiB and more never
+#: arrived, or arrived altered and failed their MAC (benchmarks/RESULTS.md,
+#: Run Y).
 MAX_SHM_SEG_SIZE = 65535
 _SHM_SEG_VARS = {"SYSV": "UCX_SYSV_SEG_SIZE", "POSIX": "UCX_POSIX_SEG_SIZE",
                  "XPMEM": "UCX_XPMEM_SEG_SIZE"}
