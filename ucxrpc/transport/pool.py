@@ -38,7 +38,12 @@ def _buffer(nbytes: int) -> np.ndarray:
     # A private mapping with room to start on a huge-page boundary: only
     # whole aligned huge pages can be huge.  The array keeps the mapping
     # alive; untouched room costs address space only.
-    room = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        room = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        # No mapping to be had (vm.max_map_count, say): the allocator's
+        # memory, or its MemoryError naming the size, as before huge pages.
+        return np.empty(nbytes, dtype=np.uint8)
     whole = np.frombuffer(room, dtype=np.uint8)
     skip = -whole.ctypes.data % HUGE
     try:
