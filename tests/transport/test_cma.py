@@ -154,13 +154,11 @@ def test_large_pool_buffers_are_advised_onto_huge_pages_from_a_huge_page_boundar
 def test_a_pool_buffer_comes_from_the_allocator_where_no_mapping_can_be_made(monkeypatch):
     import mmap
 
-    from ucxrpc.transport import pool as pool_module
-
     def refuse(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
 
     monkeypatch.setattr(mmap, "mmap", refuse)
-    t = pool_module.HostPool().alloc(HUGE + 1, 100)
+    t = HostPool().alloc(HUGE + 1, 100)
     assert t.numel() == HUGE + 1 and t.data_ptr() % PAGE == 100
     t[-1] = 7
     assert t[-1] == 7
