@@ -242,7 +242,11 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     size = (cursor if inline else head_len) + MAC_LEN
     if size > limits.max_frame_bytes:
         raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
-    if size + total > limits.max_message_bytes:
+    # A BATCH frame is not a message but holds several, each checked when
+    # it was queued (send.py) and again by the receiver (receive.py): the
+    # limit is theirs.  Applied to the batch, a callee with a small limit
+    # refused its own batch of replies, and the replies in it were lost.
+    if size + total > limits.max_message_bytes and kind is not Kind.BATCH:
         raise FrameError(f"message of {size + total} bytes exceeds "
                          f"max_message_bytes={limits.max_message_bytes}")
     arr = np.empty(size, dtype=np.uint8)  # ucxx's Array is unsafe with bytearray
