@@ -9,6 +9,10 @@ worker in a child process, through an endpoint to itself.
   error that names the truncation; the next message still arrives.
 * Buffers that are not writable host arrays (bytes, a read-only view) go
   through ucxx and arrive the same.
+* Host byte tensors (a message's data buffers) are sent and received
+  directly too, into a receive posted before or after the message came; a
+  too-short one fails with the truncation named.  Empty and non-byte
+  tensors go through ucxx and arrive the same.
 * After the endpoint is closed, sending raises BrokenError instead of
   handing UCX a stale handle.
 """
@@ -92,6 +96,34 @@ def _scenario(rank, world_size, init_method, name):
             _, buf, req = take(TAG | (10 + i))
             got.append((type(sent).__name__, bytes(buf) == bytes(payload), req.error()))
         out["got"] = got
+    elif name == "tensors":
+        import torch
+
+        def trip(data, into, post_first, tag):
+            """Send ``data``, receive it into ``into`` with a receive posted
+            before the send or after it; (send kind, receive kind, error)."""
+            if post_first:
+                req = worker.tag_recv(into, tag)
+            sent = ep.tag_send(data, tag)
+            if not post_first:
+                until(lambda: sent.done)
+                req = worker.tag_recv(into, tag)
+            until(lambda: req.done and sent.done)
+            return type(sent).__name__, type(req).__name__, req.error()
+
+        data = torch.from_numpy(np.random.default_rng(2).integers(0, 255, 1 << 20, dtype=np.uint8))
+        for post_first in (True, False):
+            into = torch.zeros(1 << 20, dtype=torch.uint8)
+            kinds = trip(data, into, post_first, TAG | (20 + post_first))
+            out[f"posted_first={post_first}"] = (*kinds, bool(torch.equal(into, data)))
+        short = torch.zeros(100, dtype=torch.uint8)
+        _, _, err = trip(data[:300], short, True, TAG | 22)
+        out["short"] = f"{type(err).__name__}: {err}"
+        others = {"empty": (torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)),
+                  "float": (torch.arange(16, dtype=torch.float32), torch.zeros(16))}
+        for i, (label, (src, into)) in enumerate(others.items()):
+            sent_kind, recv_kind, err = trip(src, into, True, TAG | (30 + i))
+            out[label] = (sent_kind, recv_kind, err, bool(torch.equal(into, src.contiguous())))
     else:  # "closed"
         ep.close()
         try:
@@ -139,3 +171,19 @@ def test_buffers_that_are_not_writable_host_arrays_go_through_ucxx():
 def test_sending_after_close_raises_broken_error():
     res = _run("closed")
     assert res["raised"] == "UCX endpoint already closed", res
+
+
+def test_host_byte_tensors_go_directly_and_other_tensors_through_ucxx():
+    res = _run("tensors")
+    direct = ("UcpRequest", "_Completed")
+    for post_first in (True, False):
+        sent, received, err, same = res[f"posted_first={post_first}"]
+        assert sent in direct and received in direct, res
+        assert err is None and same, res
+    assert res["short"].startswith("BrokenError: UCX request failed:"), res
+    assert "truncated" in res["short"].lower(), res
+    # an empty tensor has no address for the direct path; the others are
+    # not what the transport sends, and ucxx takes any of them
+    for label in ("empty", "float"):
+        assert res[label] == ("UcxxRequest", "UcxxRequest", None, True), (label, res)
+    assert res["endpoint_errors"] == [], res

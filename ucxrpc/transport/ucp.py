@@ -3,10 +3,12 @@
 Sending a 200-byte frame through ucxx's Python layer costs 4–8 µs (a tag
 object, an ``Array``, a C++ request and its Python wrapper, pybind11); the
 same ``ucp_tag_send_nbx`` called here costs about 1 µs, and a frame found
-and received costs ~3 µs less (benchmarks/RESULTS.md, Run J).  Frames are
-small host buffers that UCX almost always sends or receives at once, so
-this module handles only host memory and leaves device memory, and the
-large data buffers, to ucxx.
+and received costs ~3 µs less (benchmarks/RESULTS.md, Run J).  A message's
+host data buffers (a bundle of small tensors, a large tensor) take the same
+calls, and their receives are posted here too: posting one through ucxx
+took ~10 µs of the receiver's frame handling (RESULTS.md, Run Z).  This
+module handles host memory only; device memory, and empty buffers, go
+through ucxx.
 
 Two rules keep it safe beside ucxx:
 
@@ -42,6 +44,7 @@ _ERR_LAST = -100  # UCS_ERR_LAST: status pointers at or above (2**64 - 100) are 
 _ERR_FLOOR = (1 << 64) + _ERR_LAST
 _OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 _MEMORY_TYPE_HOST = 0
+_FULL_MASK = (1 << 64) - 1
 
 
 class _RequestParam(ctypes.Structure):
@@ -180,6 +183,9 @@ class Ucp:
         self._probe = lib.ucp_tag_probe_nb
         self._probe.argtypes = [vp, u64, u64, ctypes.c_int, vp]
         self._probe.restype = vp
+        self._tag_recv = lib.ucp_tag_recv_nbx
+        self._tag_recv.argtypes = [vp, vp, size, u64, u64, vp]
+        self._tag_recv.restype = vp
         self._recv = lib.ucp_tag_msg_recv_nbx
         self._recv.argtypes = [vp, vp, size, vp, vp]
         self._recv.restype = vp
@@ -242,6 +248,12 @@ class Ucp:
         shorter buffer truncates it: the request fails, the data is gone)."""
         return self._outcome(self._recv(worker, host_address(buf), buf.nbytes, msg,
                                         self._param_address), buf)
+
+    def tag_recv(self, worker: int, buf: np.ndarray, tag: int) -> UcpRequest | _Completed:
+        """Post a receive of the message with exactly ``tag`` into host
+        array ``buf`` (a longer message fails the request: truncated)."""
+        return self._outcome(self._tag_recv(worker, host_address(buf), buf.nbytes, tag,
+                                            _FULL_MASK, self._param_address), buf)
 
 
 _ucp: Ucp | None = None

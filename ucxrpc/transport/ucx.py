@@ -306,11 +306,18 @@ class UcxxRequest:
         return None
 
 
-def _direct(buf: Any) -> bool:
-    """Whether ``buf`` may take the direct path of :mod:`.ucp`: a writable,
-    contiguous host array (frames are; tensors and device memory go
-    through ucxx)."""
-    return type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable
+def _host_array(buf: Any) -> np.ndarray | None:
+    """``buf`` as what the direct path of :mod:`.ucp` takes (a writable,
+    contiguous host array: frames, and the byte tensors a message's host
+    buffers travel as), or None where it goes through ucxx: device memory,
+    an empty tensor (no address to give), any other tensor."""
+    cls = type(buf)
+    if cls is np.ndarray:
+        return buf if buf.flags.c_contiguous and buf.flags.writeable else None
+    if (cls is torch.Tensor and buf.dtype is torch.uint8 and buf.is_cpu and buf.numel()
+            and buf.is_contiguous() and not buf.requires_grad):
+        return buf.numpy()  # a view: the request holds it, and it the tensor's memory
+    return None
 
 
 class Endpoint:
@@ -341,8 +348,9 @@ class Endpoint:
         :meth:`close`'s callers do)."""
         if not self._handle:
             raise BrokenError("UCX endpoint already closed")
-        if _direct(buf):
-            return self._ucp.send(self._handle, buf, tag)
+        arr = _host_array(buf)
+        if arr is not None:
+            return self._ucp.send(self._handle, arr, tag)
         src = as_array_source(buf)
         return UcxxRequest(self._ep.tag_send(self._Array(src), self._ucx.UCXXTag(tag)), (buf, src))
 
@@ -429,6 +437,11 @@ class Worker:
         return self._ucp.receive(self._handle, buf, probe.raw)
 
     def tag_recv(self, buf: Any, tag: int) -> Request:
+        """Post a receive of the message with exactly ``tag`` into ``buf``:
+        host memory directly (:mod:`.ucp`), the rest through ucxx."""
+        arr = _host_array(buf)
+        if arr is not None:
+            return self._ucp.tag_recv(self._handle, arr, tag)
         src = as_array_source(buf)
         return UcxxRequest(self.raw.tag_recv(self.Array(src), self.ucx.UCXXTag(tag)), (buf, src))
 
