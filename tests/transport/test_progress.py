@@ -7,8 +7,7 @@
   (an idle worker turns a few times a second, no more), wakes when its fd
   fires or :meth:`wake` is called, never sleeps with work pending, stops
   from another thread or its own, and its adaptive strategy sees a thread
-  that holds the GIL as contention.  An arm UCX refuses is tried again after
-  a turn before the loop yields.
+  that holds the GIL as contention.
 * A thread waiting for a message drives the loop itself (one at a time,
   never from inside a turn), the progress thread parks meanwhile and takes
   over when it leaves; Ctrl-C in a driving main thread waits for the turn.
@@ -97,8 +96,7 @@ class _Loop:
     an event from the network; ``expect``/``pending`` are what the
     transport would say."""
 
-    def __init__(self, strategy: progress.Strategy, awaited=None, spin_s: float = 0.0,
-                 arm=None) -> None:
+    def __init__(self, strategy: progress.Strategy, awaited=None, spin_s: float = 0.0) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.expect = False
         self.pending = False
@@ -110,7 +108,7 @@ class _Loop:
         self.loop = ProgressThread(
             name="test-progress", progress=lambda: None, turn=self._turn,
             in_flight=lambda: self.expect, awaited=awaited, spin_s=spin_s,
-            pending=lambda: self.pending, arm=arm or (lambda: True), fd=self.fd,
+            pending=lambda: self.pending, arm=lambda: True, fd=self.fd,
             strategy=strategy, on_stall=lambda s, now: None, on_start=self._started)
         self.started_on: tuple[str, int] | None = None  # thread, turns before it
 
@@ -262,66 +260,6 @@ def test_adaptive_sees_a_thread_holding_the_gil_as_contention():
 
 
 # ------------------------------------------------ a waiting thread drives
-
-class _StaleSignal:
-    """An ``arm`` that refuses once after every event a turn took, as UCX's
-    does while the wake-up signal of a message already taken off its
-    shared-memory queue is unread (``always``: it refuses every time, as
-    while a rendezvous moves fragment by fragment)."""
-
-    def __init__(self, always: bool = False) -> None:
-        self.lp: _Loop | None = None
-        self.always = always
-        self.seen = 0
-        self.refused = 0
-
-    def __call__(self) -> bool:
-        assert self.lp is not None
-        if self.always or self.lp.events > self.seen:
-            self.seen = self.lp.events
-            self.refused += 1
-            return False
-        return True
-
-
-@pytest.mark.parametrize("mode", ["blocking", "adaptive"])
-def test_a_refused_arm_is_tried_again_after_a_turn_and_the_loop_sleeps(mode):
-    # UCX refused to arm on nearly every call, for a signal whose message a
-    # turn had already taken: the loop yielded instead of sleeping and stayed
-    # runnable beside a busy process (benchmarks/RESULTS.md, Run Z).  Now a
-    # turn and a second try come first; only a second refusal yields.
-    arm = _StaleSignal()
-    lp = _Loop(progress.strategy(mode), arm=arm)
-    arm.lp = lp
-    lp.loop.start()
-    try:
-        _wait_for(lambda: lp.loop.sleeps >= 1, "the first sleep")
-        for i in range(1, 6):
-            slept = lp.loop.sleeps
-            lp.seen.clear()
-            lp.fire()
-            assert lp.seen.wait(10), f"event {i} was not seen"
-            _wait_for(lambda: arm.refused >= i and lp.loop.sleeps > slept, f"sleep after event {i}")
-        info = lp.loop.info()
-        assert lp.events == 5 and info["arm_retries"] >= 5, info
-        assert info["arm_busy"] == 0, info  # no refusal was left to a yield
-    finally:
-        lp.close()
-
-
-def test_an_arm_refused_every_time_still_yields_and_events_are_seen():
-    arm = _StaleSignal(always=True)
-    lp = _Loop(Blocking(), arm=arm)
-    arm.lp = lp
-    lp.loop.start()
-    try:
-        _wait_for(lambda: lp.loop.arm_busy >= 3, "yields after refused arms")
-        lp.fire()
-        assert lp.seen.wait(10)
-        assert lp.loop.sleeps == 0 and lp.loop.arm_retries >= lp.loop.arm_busy >= 3, lp.loop.info()
-    finally:
-        lp.close()
-
 
 def _started(strategy: progress.Strategy, expect: bool) -> _Loop:
     lp = _Loop(strategy)

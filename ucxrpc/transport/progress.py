@@ -285,7 +285,6 @@ class ProgressThread:
         self.turns = 0
         self.sleeps = 0
         self.arm_busy = 0
-        self.arm_retries = 0
         self.drives = 0
         self.driven_turns = 0
 
@@ -348,8 +347,7 @@ class ProgressThread:
 
     def info(self) -> dict[str, Any]:
         return {**self.strategy.info(), "turns": self.turns, "sleeps": self.sleeps,
-                "arm_busy": self.arm_busy, "arm_retries": self.arm_retries,
-                "drives": self.drives,
+                "arm_busy": self.arm_busy, "drives": self.drives,
                 "driven_turns": self.driven_turns}
 
     def drive(self, done: Callable[[], bool]) -> bool:
@@ -524,26 +522,7 @@ class ProgressThread:
         try:
             if self._pending() or self._stopping:
                 return True
-            armed = self._arm()
-            if not armed and self._baton.acquire(blocking=False):
-                # UCX refuses to arm while events are unread, and mostly
-                # they are stale: the wake-up signal of a message a turn
-                # already took off the shared-memory queue.  A turn and a
-                # second try then let the thread sleep; yielding instead
-                # (as before) left it runnable beside a busy process on
-                # nearly every call, and beside one busy process a no-op
-                # call's p50 went from 142 and 116 µs with this to 197 and
-                # 198 without (benchmarks/RESULTS.md, Run Z).  A turn that
-                # finds work is an event; the loop turns on.
-                self.arm_retries += 1
-                try:
-                    handled = self._one_turn()
-                finally:
-                    self._baton.release()
-                if handled:
-                    return True
-                armed = self._arm()
-            if armed:
+            if self._arm():
                 self.sleeps += 1
                 self._epoll.poll(timeout)
             else:
