@@ -13,10 +13,10 @@ through ucxx.
 Two rules keep it safe beside ucxx:
 
 * **The GIL.**  Every call that takes the worker's lock (send, probe,
-  receive, free) releases the GIL (``CDLL``): a thread inside ucxx's
-  progress holds that lock and may call back into Python (an endpoint's
-  close callback), so holding the GIL while waiting for the lock could
-  deadlock.  ``ucp_request_check_status`` only reads the request and keeps
+  receive, posting a receive, free) releases the GIL (``CDLL``): a thread
+  inside ucxx's progress holds that lock and may call back into Python (an
+  endpoint's close callback), so holding the GIL while waiting for the lock
+  could deadlock.  ``ucp_request_check_status`` only reads the request and keeps
   the GIL (``PyDLL``), saving a GIL hand-off per look.
 * **Ownership.**  A request left in flight belongs to whoever holds its
   :class:`UcpRequest`: only that thread looks at it, and it frees it the
