@@ -18,7 +18,7 @@ from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
 from tests.workers import run_workers
 from ucxrpc.errors import FrameError
-from ucxrpc.transport import cma
+from ucxrpc.transport import cma, grants
 from ucxrpc.transport.frame import REMOTE, Kind, Limits, decode, encode
 from ucxrpc.transport.pool import HUGE, PAGE, HostPool
 
@@ -30,7 +30,7 @@ if cma.offer() is None:
 # A process holding known bytes and its own offer; it prints both and waits.
 _HOLDER = """
 import ctypes, sys
-from ucxrpc.transport import cma
+from ucxrpc.transport import cma, grants
 data = ctypes.create_string_buffer(bytes(range(256)) * 36865, 256 * 36865)
 print(ctypes.addressof(data), cma.offer(), flush=True)
 sys.stdin.read()
@@ -169,7 +169,8 @@ def _counts():
 
     info = rpc._get_debug_info()
     return {k: info[k] for k in ("bytes_read_by_address", "buffers_read_by_peers",
-                                 "buffers_held_for_peers")}
+                                 "buffers_held_for_peers", "buffers_written_into_peers",
+                                 "grants_used")}
 
 
 def _exchange(rank, world_size, init_method, transports):
@@ -211,9 +212,13 @@ def test_large_buffers_go_by_address_within_a_host(transports):
         assert out[name] == (True, True), name
     if transports is None and _siblings_may_read():
         assert out["pipe"] == {"in": True, "out": True}
-        # Three buffers of cma.MIN_BYTES or more each way (the view's whole storage).
-        assert out["mine"]["buffers_read_by_peers"] == 3
-        assert out["theirs"]["buffers_read_by_peers"] == 3
+        # Three buffers of cma.MIN_BYTES or more each way (the view's whole
+        # storage): the first read by address, which made the receiver lend
+        # memory of its size class (16 MiB), which the second (12 MiB) was
+        # then written into; the third, of another class, read again.
+        for mine, theirs in ((out["mine"], out["theirs"]), (out["theirs"], out["mine"])):
+            assert mine["buffers_read_by_peers"] == 2
+            assert mine["buffers_written_into_peers"] == theirs["grants_used"] == 1
         assert out["mine"]["bytes_read_by_address"] == out["theirs"]["bytes_read_by_address"] > 0
         # Every read was acknowledged by the time the next call came back.
         assert out["mine"]["buffers_held_for_peers"] == 0
@@ -222,7 +227,9 @@ def test_large_buffers_go_by_address_within_a_host(transports):
         assert out["pipe"] == {"in": False, "out": False}
         assert out["mine"] == out["theirs"] == {"bytes_read_by_address": 0,
                                                 "buffers_read_by_peers": 0,
-                                                "buffers_held_for_peers": 0}
+                                                "buffers_held_for_peers": 0,
+                                                "buffers_written_into_peers": 0,
+                                                "grants_used": 0}
 
 
 def _echo_above_busy_min(rank, world_size, init_method, modes):
@@ -311,7 +318,9 @@ def _acknowledged_alone(rank, world_size, init_method):
     if rank == 0:
         rpc.rpc_sync("worker1", torch.add, (1, 1))  # after the peer's CMA_OK
         before = rpc.rpc_sync("worker1", _sent_alone)
-        big = torch.ones(cma.MIN_BYTES + 7, dtype=torch.uint8)
+        # Larger than any grant (grants.py): the peer then sends no GRANT
+        # frame, which would carry the word as every frame does.
+        big = torch.ones(grants.MAX_BYTES + 7, dtype=torch.uint8)
         fut = rpc.rpc_async("worker1", _hold_until_released, (big,))
         deadline = time.monotonic() + 30
         while _counts()["buffers_held_for_peers"] and time.monotonic() < deadline:
@@ -335,4 +344,4 @@ def test_a_read_whose_reply_is_late_is_acknowledged_alone():
     assert out["mine"]["buffers_read_by_peers"] == 1
     assert out["held"] == 0 and out["running"]
     assert out["alone"] == 1
-    assert out["result"] == cma.MIN_BYTES + 7
+    assert out["result"] == grants.MAX_BYTES + 7

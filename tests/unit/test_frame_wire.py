@@ -230,7 +230,7 @@ def test_staged_and_packed_descriptors_round_trip(extra):
 
 
 @pytest.mark.parametrize("ways, sizes, message", [
-    ([(16, 0, 0)], [10], "buffer 0 has unknown flags 0x10"),
+    ([(32, 0, 0)], [10], "buffer 0 has unknown flags 0x20"),
     ([(REMOTE | STAGED, 64, 0)], [10], "buffer 0 has unknown flags 0x9"),
     ([(STAGED, 4, 0)], [10], "staged in chunks of 4 KiB; the minimum is 64 KiB"),
     ([(PACK, 0, 0), (0, 0, 0)], [10, 10], "buffer 1: packs must come after every other buffer"),

@@ -17,9 +17,10 @@ loop only when a send is left in flight.
 
 Parts of their own: the handshake (:mod:`.handshake`), sending and
 batching (:mod:`.send`, :mod:`.batch`), receiving (:mod:`.receive`),
-reading by address (:mod:`.by_address`, :mod:`.cma`),
-liveness, lifelines and the shared-memory queue check (:mod:`.liveness`),
-pipes (:mod:`.pipe`) and the loop (:mod:`.progress`).  This module is the
+reading by address and writing into lent memory (:mod:`.by_address`,
+:mod:`.cma`, :mod:`.grants`), liveness, lifelines and the shared-memory
+queue check (:mod:`.liveness`), pipes (:mod:`.pipe`) and the loop
+(:mod:`.progress`).  This module is the
 context that holds them together: the pipes (adding, opening, breaking,
 closing) and the loop's turn.
 """
@@ -37,6 +38,7 @@ import torch
 from ..errors import AuthenticationError, BrokenError, ClosedError
 from . import canary, cma, cudactx, progress, staging
 from .by_address import ByAddress
+from .grants import Grants
 from .frame import Kind, Limits, check_limits
 from .handshake import Handshake
 from .liveness import Liveness
@@ -144,15 +146,17 @@ class Transport:
                                     sender=self._sender, endpoint=self._endpoint,
                                     watch=self._watch, fail=self._break,
                                     accepted=self._by_address.accepted)
+        alloc_read = (self.pool.alloc if allocator is None
+                      else lambda n, _phase: self._alloc(n, -1))
+        self._grants = Grants(alloc=alloc_read, send=self._send_or_queue)
         self._rx = Receiver(worker=self._worker, limits=limits, pipes=self._pipes,
-                            watch=self._watch, alloc=self._alloc,
-                            alloc_read=(self.pool.alloc if allocator is None
-                                        else lambda n, _phase: self._alloc(n, -1)),
+                            watch=self._watch, alloc=self._alloc, alloc_read=alloc_read,
                             host_as_device=self._host_as_device, cuda_direct=self.cuda_direct,
                             on_message=on_message, on_frame_error=on_frame_error,
                             on_handshake=self._handshake.on_frame, adopt=self._adopt,
                             on_read=self._by_address.read_done,
-                            on_ack=self._by_address.on_ack, on_cma=self._by_address.on_frame)
+                            on_ack=self._by_address.on_ack, on_cma=self._by_address.on_frame,
+                            grants=self._grants)
         self._closing = False
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
                                   host_timeout=host_timeout, pipes=self._pipes,
@@ -345,8 +349,11 @@ class Transport:
         thread here would take a core that copy runs on: 16 MiB one-way on a
         quiet host, p50 2.0-4.0 ms polling, 1.7-2.5 ms not).  A read in one
         call leaves the peer's other core free, and its reply (which says
-        the read is done) is then taken at once."""
-        return not self._sender.holding_split and (spin_while is None or spin_while())
+        the read is done) is then taken at once.  Nor while a peer may
+        write into our memory in two halves (grants.py), for the same
+        reason."""
+        return (not self._sender.holding_split and not self._grants.split_write_due()
+                and (spin_while is None or spin_while()))
 
     def _contended(self) -> bool:
         """Whether the loop may not poll now (a contended core, or the
@@ -479,6 +486,7 @@ class Transport:
             pipe.outbox.clear()
             pipe.outbox_bytes = 0
             pipe.cma_held.clear()  # its process is gone or will never read them
+            self._grants.retire(pipe)
             self._sender.holding.discard(pipe)
             self._sender.holding_split.discard(pipe)
             pipe.cma_in = pipe.cma_out = False
@@ -519,6 +527,7 @@ class Transport:
                 "acknowledgements_held": sum(p.ack_sent < p.read_through
                                              for p in list(self._pipes.values())),
                 "acknowledgements_sent_alone": self._by_address.sent_alone,
+                **self._grants.stats(),
                 # Peers whose last frame said their loop may not poll.
                 "peers_busy": sum(p.peer_busy for p in list(self._pipes.values())),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),

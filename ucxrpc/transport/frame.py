@@ -29,6 +29,8 @@ straight into its final memory, or inline when ``offset`` is not NOT_INLINE):
 * REMOTE: a host buffer the receiver reads out of the sender's memory at
   address ``offset`` (:mod:`.cma`); nothing is sent for it.  Only a pipe
   whose receiver sent CMA_OK carries them.
+* WRITTEN: a host buffer its sender already wrote into the receiver's
+  memory, into the grant ``arg`` (:mod:`.grants`); nothing is sent for it.
 
 Every frame's ``ack`` says the sender has read (or given up on) the REMOTE
 buffers of all the receiver's frames up to that sequence number (0: none
@@ -64,15 +66,17 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"UX"
-VERSION = 5  # 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE; 4: ack; 5: state
+# 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE; 4: ack; 5: state;
+# 6: WRITTEN buffers and GRANT
+VERSION = 6
 PREFIX = struct.Struct("<2sBBHHIQQ")
 DESC = struct.Struct("<QQhBxI")
 MAC_LEN = 16
 NOT_INLINE = 0xFFFF_FFFF_FFFF_FFFF
 ALIGN = 64
-STAGED, PACK, PACKED, REMOTE = 1, 2, 4, 8
+STAGED, PACK, PACKED, REMOTE, WRITTEN = 1, 2, 4, 8, 16
 BUSY = 1  # the prefix's state: the sender's loop may not poll
-_FLAG_SETS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE)
+_FLAG_SETS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE, WRITTEN)
 MIN_CHUNK_KIB = 64  # bounds the receives one staged buffer can ask for
 
 
@@ -94,6 +98,9 @@ class Kind(enum.IntEnum):
     # alone (the prefix's, as every frame's).
     CMA_OK = 7
     CMA_DONE = 8
+    # Memory the receiver lends its peer to write large buffers into
+    # (grants.py), authenticated like MESSAGE; the payload lists it.
+    GRANT = 9
 
 
 _KINDS = {int(k): k for k in Kind}  # a dict lookup is 10x cheaper than Kind(n)
@@ -200,8 +207,8 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     copied inline while the inline total stays under ``limits.inline_total``
     and the frame within both sides' ``max_frame_bytes``.
     ``ways``, when given, holds (flags, arg, offset) per buffer; a buffer
-    with flags set is never inlined, and PACKED and REMOTE ones are not sent
-    at all (a REMOTE one's address rides in its offset).
+    with flags set is never inlined, and PACKED, REMOTE and WRITTEN ones are
+    not sent at all (a REMOTE one's address rides in its offset).
     ``seal=False`` leaves the MAC zero: a message inside a batch, whose
     frame's MAC covers it whole.  ``ack`` and ``busy`` (the state's BUSY):
     see the module's docstring.
@@ -222,7 +229,7 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
         if ways is not None and ways[i][0]:
             if ways[i][0] == PACKED:
                 offs.append(ways[i][2])
-            elif ways[i][0] == REMOTE:
+            elif ways[i][0] == REMOTE or ways[i][0] == WRITTEN:
                 total += n
                 offs.append(ways[i][2])
             else:
@@ -364,11 +371,14 @@ def _with_ways(frame: Frame) -> Frame:
         if d.flags & STAGED and d.arg < MIN_CHUNK_KIB:
             raise FrameError(f"buffer {i} is staged in chunks of {d.arg} KiB; the minimum is "
                              f"{MIN_CHUNK_KIB} KiB")
-        if d.flags & (STAGED | PACK) or d.flags == REMOTE:
+        if d.flags & (STAGED | PACK) or d.flags == REMOTE or d.flags == WRITTEN:
             total += d.nbytes
             if d.flags == REMOTE and d.device != -1:
                 raise FrameError(f"buffer {i} is to be read by address from device "
                                  f"{d.device}; only host memory can be")
+            if d.flags == WRITTEN and d.device != -1:
+                raise FrameError(f"buffer {i} was written into host memory here, but its "
+                                 f"descriptor names device {d.device}")
         elif d.flags == PACKED:
             if not first_pack <= d.arg < len(descs):
                 raise FrameError(f"buffer {i} claims to sit in buffer {d.arg}, which is not a pack")

@@ -101,6 +101,10 @@ class Pipe:
         self.cma_out = False
         self.cma_held: dict[int, list[torch.Tensor]] = {}
         self.cma_split_seq = 0
+        # Grants (grants.py): our memory lent to the peer, by grant id, and
+        # the peer's lent to us, (id, address) by size class.
+        self.lent: dict[int, torch.Tensor] = {}
+        self.granted: dict[int, list[tuple[int, int]]] = {}
         # The peer's frames whose REMOTE buffers we are done with, up to this
         # sequence number (set after the reads, on the loop), and how far the
         # last frame we sent acknowledged them (frame.py: ``ack``).

@@ -6,7 +6,9 @@ their size, after their claimed size and sender were judged worth it
 is and on which device, and a receive is posted for each straight into its
 final memory (staged device buffers through pinned host chunks,
 :mod:`.staging`), or, where it came by address, read out of the sender's
-memory at once (:mod:`.cma`; acknowledged through ``on_read``).  Distinct
+memory at once (:mod:`.cma`; acknowledged through ``on_read``), or, where
+its sender wrote it into memory we lent it, taken from there
+(:mod:`.grants`).  Distinct
 tags per buffer let concurrent large messages on one pipe proceed side by
 side.  A BATCH frame (:mod:`.batch`) is taken apart into the messages it
 holds.
@@ -26,8 +28,9 @@ import torch
 
 from ..errors import AuthenticationError, BrokenError, FrameError
 from . import batch, cma, staging
-from .frame import (PACKED, PREFIX, REMOTE, STAGED, BufferDesc, Frame, Kind, Limits, decode,
-                    peek_kind, peek_seq)
+from .frame import (PACKED, PREFIX, REMOTE, STAGED, WRITTEN, BufferDesc, Frame, Kind, Limits,
+                    decode, peek_kind, peek_seq)
+from .grants import Grants
 from .pipe import Incoming, Piece, Pipe
 from .pool import PAGE
 from .tags import HANDSHAKE, HINT_MASK, data_tag, kind_of, sender_of
@@ -80,6 +83,8 @@ class Receiver:
         on_ack: ``(pipe, ack)`` for a frame acknowledging more of ours
             than any before it (``pipe.acked``).
         on_cma: ``(pipe, frame)`` for a CMA_OK or CMA_DONE frame.
+        grants: what this worker lends peers to write into, and what they
+            lent it (GRANT frames).
     """
 
     def __init__(self, *, worker: Worker, limits: Limits, pipes: dict[int, Pipe],
@@ -89,7 +94,7 @@ class Receiver:
                  on_handshake: Callable[[Pipe, Frame], None],
                  adopt: Callable[[int, Pipe | None], Pipe | None],
                  on_read: Callable[[Pipe], None], on_ack: Callable[[Pipe, int], None],
-                 on_cma: Callable[[Pipe, Frame], None]) -> None:
+                 on_cma: Callable[[Pipe, Frame], None], grants: Grants) -> None:
         self._worker = worker
         self.limits = limits
         self._pipes = pipes
@@ -105,6 +110,7 @@ class Receiver:
         self._on_read = on_read
         self._on_ack = on_ack
         self._on_cma = on_cma
+        self._grants = grants
         self.read_bytes = 0
         #: Frames being received: (request, buffer, tag, length, why dropped).
         self.frames: list[tuple[Request, np.ndarray, int, int, str | None]] = []
@@ -224,6 +230,8 @@ class Receiver:
         if frame.kind is not Kind.MESSAGE:
             if frame.kind is Kind.CMA_OK or frame.kind is Kind.CMA_DONE:
                 self._on_cma(pipe, frame)
+            elif frame.kind is Kind.GRANT:
+                self._grants.on_frame(pipe, frame)
             return  # PING and PONG: once liveness checks, now unused
         if self._too_big(pipe, frame, hint):
             self._drain(pipe, frame)
@@ -231,6 +239,7 @@ class Receiver:
         bufs: list[Any] = []
         msg = Incoming(pipe, frame, bufs, hint)
         read = False
+        large: list[tuple[int, int]] = []  # (bytes, phase) of what came by address
         for i, d in enumerate(frame.buffers):
             if d.inline:
                 bufs.append(_inline(buf, d))
@@ -239,10 +248,18 @@ class Receiver:
             elif d.flags == REMOTE:
                 bufs.append(self._read(msg, i, d))
                 read = True
+                large.append((d.nbytes, d.inline_offset % PAGE))
+            elif d.flags == WRITTEN:
+                bufs.append(self._written(msg, i, d))
+                large.append((d.nbytes, bufs[-1].data_ptr() % PAGE))
             else:
                 bufs.append(self._post(msg, i, d))
         if read:  # before delivering: a reply sent meanwhile carries the word
             pipe.read_through = frame.seq
+        if large and msg.error is None:
+            # Before delivering too: the grant is to be there before the
+            # peer's next buffer, which may follow the reply at once.
+            self._grants.lend(pipe, large)
         if msg.waiting == 0:
             self._deliver(msg)
         if read:
@@ -301,6 +318,17 @@ class Receiver:
         self.read_bytes += d.nbytes
         return target
 
+    def _written(self, msg: Incoming, i: int, d: BufferDesc) -> torch.Tensor:
+        """Buffer ``i`` of ``msg``, which its sender wrote into our memory;
+        a failure fails the message, naming the buffer and why."""
+        try:
+            target = self._grants.take(msg.pipe, i, d)
+        except FrameError as exc:
+            if msg.error is None:
+                msg.error = exc
+            return torch.empty(0, dtype=torch.uint8)
+        return target if msg.error is None else torch.empty(0, dtype=torch.uint8)
+
     def _too_big(self, pipe: Pipe, frame: Frame, hint: int) -> bool:
         """Refuse a message over max_message_bytes, telling the agent (which
         answers or fails the call ``hint`` names)."""
@@ -337,6 +365,12 @@ class Receiver:
             pipe.read_through = frame.seq
             self._on_read(pipe)
         for i, d in enumerate(frame.buffers):
+            if d.flags == WRITTEN:  # used all the same: the grant goes back to the pool
+                try:
+                    self._grants.take(pipe, i, d)
+                except FrameError:
+                    pass
+                continue
             for _ in range(staging.receives(d)):
                 sink = np.empty(1, dtype=np.uint8)
                 req = self._worker.tag_recv(sink, data_tag(pipe.peer_id, frame.seq, i))

@@ -4,7 +4,8 @@ A message is one frame (small buffers inline) and one tag message per
 separate buffer (:mod:`.frame`); CUDA buffers go GPU-direct, staged through
 host chunks, or packed (:mod:`.staging`); large host buffers to a peer that
 reads us by address go as their address alone (:mod:`.cma`), held until
-the peer says it read them.  Every frame says how far this side read the
+the peer says it read them, or, where the peer lent us memory for them
+(:mod:`.grants`), are written into it before their frame goes.  Every frame says how far this side read the
 peer's (``ack``, :mod:`.frame`).  A small message sent while the
 pipe's previous frame is still in flight waits in the pipe's outbox and
 leaves with the others as one BATCH frame (:mod:`.batch`).
@@ -17,19 +18,22 @@ completed, which sends what waited behind it.  All methods but
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any, Callable
 
 import torch
 
 from ..errors import FrameError
-from . import batch, cma, staging
-from .frame import REMOTE, Kind, Limits, encode
+from . import batch, cma, grants, staging
+from .frame import REMOTE, WRITTEN, Kind, Limits, encode
 from .pipe import OutState, Pipe
 from .tags import FRAME, data_tag, kind_base
 from .ucx import Request
 
 __all__ = ["Sender"]
+
+logger = logging.getLogger(__name__)
 
 
 def _host_views(buffers: list[torch.Tensor]) -> list[tuple[int, memoryview, int]]:
@@ -70,6 +74,7 @@ class Sender:
         self.batches = 0
         self.batched_messages = 0
         self.read_buffers = 0
+        self.written_buffers = 0
         #: Pipes whose peer has not yet read all it was sent by address, and
         #: those among them where it reads some in two halves (the transport
         #: removes a pipe under its lock when that ends).
@@ -92,6 +97,8 @@ class Sender:
         out = None
         busy = self._contended()
         remote = self._by_address(pipe, kind, buffers, busy) if pipe.cma_out else None
+        if remote is not None and pipe.granted:
+            remote = self._write(pipe, buffers, remote)
         if remote is None and buffers and (self._host_as_device or any(
                 b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
             out = staging.plan(buffers, devices, staged=not pipe.direct,
@@ -111,8 +118,9 @@ class Sender:
         pipe.out_seq += 1
         seq = pipe.out_seq
         assert pipe.ep is not None
-        if remote is not None:  # before the frame: its acknowledgement may come at once
-            held = pipe.cma_held[seq] = [b for b, way in zip(buffers, remote) if way[0]]
+        held = [b for b, way in zip(buffers, remote) if way[0] == REMOTE] if remote else None
+        if held:  # before the frame: its acknowledgement may come at once
+            pipe.cma_held[seq] = held
             self.read_buffers += len(held)
             self.holding.add(pipe)
             if any(b.numel() >= cma.SPLIT_BYTES for b in held):
@@ -166,6 +174,7 @@ class Sender:
         return {"staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
                 "batches": self.batches, "batched_messages": self.batched_messages,
                 "buffers_read_by_peers": self.read_buffers,
+                "buffers_written_into_peers": self.written_buffers,
                 # Not yet acknowledged: what peers still may read.
                 "buffers_held_for_peers": sum(len(b) for pipe in list(self.holding)
                                               for b in list(pipe.cma_held.values()))}
@@ -192,6 +201,32 @@ class Sender:
             return None
         return [(REMOTE, 0, b.data_ptr()) if n >= least else (0, 0, 0)
                 for b, n in zip(buffers, sizes)]
+
+    def _write(self, pipe: Pipe, buffers: list[torch.Tensor],
+               ways: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """``ways`` with each buffer to be read by address for which the peer
+        lent us a grant written into it now (WRITTEN); the rest as they
+        were."""
+        out = list(ways)
+        for i, (flags, _, address) in enumerate(ways):
+            n = buffers[i].numel()
+            if flags != REMOTE or n < grants.MIN_BYTES:
+                continue
+            grant = grants.pick(pipe, n)
+            if grant is None:
+                continue
+            gid, there = grant
+            try:
+                cma.write(pipe.cma_pid, there, address, n)
+            except OSError as exc:
+                # The peer is gone (its pipe breaks by the lifeline) or its
+                # grant is not mapped: it reads this one by address instead.
+                logger.debug("writing %d bytes into a grant of %s failed: %s", n, pipe.name,
+                             exc.strerror or exc)
+                continue
+            out[i] = (WRITTEN, gid, 0)
+            self.written_buffers += 1
+        return out
 
     def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
         """Whether a message may wait in an outbox: small, in host memory

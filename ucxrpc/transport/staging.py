@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .. import _kernels
-from .frame import PACK, PACKED, REMOTE, STAGED, BufferDesc
+from .frame import PACK, PACKED, REMOTE, STAGED, WRITTEN, BufferDesc
 
 __all__ = ["CHUNK_BYTES", "PACK_MAX_BYTES", "PACK_MIN_COUNT", "Outgoing", "Landing",
            "debug_host_as_device", "finish", "landings", "plan"]
@@ -79,8 +79,9 @@ def chunk_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
 
 def receives(d: BufferDesc) -> int:
     """How many data-tag messages buffer ``d`` arrives in: none inline,
-    inside a pack or read by address, one per chunk when staged, else one."""
-    if d.inline or d.flags == PACKED or d.flags == REMOTE:
+    inside a pack, read by address or written by the sender, one per chunk
+    when staged, else one."""
+    if d.inline or d.flags == PACKED or d.flags == REMOTE or d.flags == WRITTEN:
         return 0
     if d.flags & STAGED:
         return max(1, -(-d.nbytes // (d.arg << 10)))  # an empty buffer is one chunk too

@@ -1,0 +1,181 @@
+"""Grants (transport/grants.py): memory lent to a peer to write large
+buffers into, without processes (tests/transport/test_grants.py runs them
+between two workers)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from ucxrpc.errors import BrokenError, FrameError
+from ucxrpc.transport import grants
+from ucxrpc.transport.frame import WRITTEN, BufferDesc, Frame, Kind, Limits, decode, encode
+from ucxrpc.transport.grants import Grants
+from ucxrpc.transport.pipe import Pipe
+
+MIB = 1 << 20
+
+
+class _Sent(list):
+    """What Grants sent, as (pipe name, kind, payload); fails while ``broken``."""
+
+    broken = False
+
+    def __call__(self, pipe, payload, buffers, kind) -> None:
+        if self.broken:
+            raise BrokenError(f"pipe to {pipe.name} broken")
+        self.append((pipe.name, kind, bytes(payload)))
+
+
+def _alloc(nbytes: int, phase: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _pipe(*, cma_out: bool = True, cma_in: bool = True) -> Pipe:
+    pipe = Pipe(1, "worker1", b"")
+    pipe.cma_out, pipe.cma_in = cma_out, cma_in
+    return pipe
+
+
+def _entries(payload: bytes) -> list[tuple[int, int, int]]:
+    return [struct.unpack_from("<IQQ", payload, k) for k in range(0, len(payload), 20)]
+
+
+def _grant_frame(payload: bytes) -> Frame:
+    return Frame(Kind.GRANT, 1, memoryview(payload), (), np.zeros(0, dtype=np.uint8))
+
+
+def _written(gid: int, nbytes: int) -> BufferDesc:
+    return BufferDesc(nbytes, 0, -1, WRITTEN, gid)
+
+
+def test_size_classes_are_powers_of_two():
+    assert [grants.size_class(n) for n in (2 * MIB, 2 * MIB + 1, 3 * MIB, 16 * MIB)] == \
+        [2 * MIB, 4 * MIB, 4 * MIB, 16 * MIB]
+
+
+def test_a_peer_is_lent_one_grant_per_class_from_huge_pages_to_the_largest():
+    sent = _Sent()
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
+    ours.lend(pipe, [(3 * MIB, 64), (4 * MIB, 0), (MIB, 0), (grants.MAX_BYTES + 1, 0)])
+    # 3 and 4 MiB share a class; 1 MiB is below huge pages, MAX_BYTES + 1 above the largest.
+    assert [(name, kind) for name, kind, _ in sent] == [("worker1", Kind.GRANT)]
+    (gid, nbytes, address), = _entries(sent[0][2])
+    assert nbytes == 4 * MIB and address == pipe.lent[gid].data_ptr()
+    assert ours.lent_bytes == 4 * MIB and ours.lent == 1
+    ours.lend(pipe, [(4 * MIB, 0)])  # still lent, unused: nothing more
+    assert len(sent) == 1
+
+
+def test_nothing_is_lent_to_a_peer_that_never_showed_it_reaches_our_memory():
+    sent = _Sent()
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe(cma_out=False)
+    ours.lend(pipe, [(4 * MIB, 0)])
+    assert sent == [] and pipe.lent == {} and ours.lent_bytes == 0
+
+
+def test_a_worker_lends_at_most_total_bytes(monkeypatch):
+    monkeypatch.setattr(grants, "TOTAL_BYTES", 6 * MIB)
+    sent = _Sent()
+    ours = Grants(alloc=_alloc, send=sent)
+    first, second = _pipe(), _pipe()
+    ours.lend(first, [(4 * MIB, 0)])
+    ours.lend(second, [(4 * MIB, 0), (2 * MIB, 0)])
+    assert ours.lent_bytes == 6 * MIB
+    assert [len(_entries(p)) for _, _, p in sent] == [1, 1]
+    assert [t.numel() for t in second.lent.values()] == [2 * MIB]
+
+
+def test_a_grant_that_cannot_be_had_is_not_lent_and_not_counted():
+    def refuse(nbytes, phase):
+        raise MemoryError(f"no {nbytes} bytes")
+
+    sent = _Sent()
+    ours, pipe = Grants(alloc=refuse, send=sent), _pipe()
+    ours.lend(pipe, [(4 * MIB, 0)])
+    assert sent == [] and pipe.lent == {} and ours.lent_bytes == 0
+
+
+def test_a_grant_lent_on_a_broken_pipe_stays_out_of_use():
+    sent = _Sent()
+    sent.broken = True
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
+    ours.lend(pipe, [(4 * MIB, 0)])
+    assert ours.lent == 0 and len(pipe.lent) == 1  # not sent, but possibly written: kept
+    ours.retire(pipe)
+    assert pipe.lent == {} and ours.lent_bytes == 0
+    assert ours.stats()["grant_bytes_retired"] == 4 * MIB
+
+
+def test_a_written_buffer_is_the_lent_memory_once():
+    sent = _Sent()
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
+    ours.lend(pipe, [(4 * MIB, 0)])
+    (gid, _, address), = _entries(sent[0][2])
+    got = ours.take(pipe, 0, _written(gid, 3 * MIB + 5))
+    assert got.numel() == 3 * MIB + 5 and got.data_ptr() == address
+    assert ours.lent_bytes == 0 and ours.used == 1 and ours.used_bytes == 3 * MIB + 5
+    with pytest.raises(FrameError, match=f"worker1 says it wrote buffer 2 into grant {gid}, "
+                                         "which this worker did not lend it or saw used"):
+        ours.take(pipe, 2, _written(gid, MIB))
+
+
+def test_a_buffer_larger_than_its_grant_is_refused_naming_both_sizes():
+    sent = _Sent()
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
+    ours.lend(pipe, [(2 * MIB, 0)])
+    (gid, _, _), = _entries(sent[0][2])
+    with pytest.raises(FrameError, match=f"wrote {2 * MIB + 1} bytes \\(buffer 0\\) into a "
+                                         f"{2 * MIB}-byte grant"):
+        ours.take(pipe, 0, _written(gid, 2 * MIB + 1))
+
+
+def test_grants_received_are_kept_by_class_and_picked_once():
+    ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
+    payload = struct.pack("<IQQ", 7, 4 * MIB, 0x1000) + struct.pack("<IQQ", 8, 16 * MIB, 0x9000)
+    ours.on_frame(pipe, _grant_frame(payload))
+    assert pipe.granted == {4 * MIB: [(7, 0x1000)], 16 * MIB: [(8, 0x9000)]}
+    assert grants.pick(pipe, 3 * MIB) == (7, 0x1000)
+    assert grants.pick(pipe, 3 * MIB) is None
+    assert grants.pick(pipe, 9 * MIB) == (8, 0x9000)
+    ours.retire(pipe)
+    assert pipe.granted == {}
+
+
+def test_grants_from_a_peer_we_cannot_reach_are_left_unused():
+    ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe(cma_in=False)
+    ours.on_frame(pipe, _grant_frame(struct.pack("<IQQ", 1, 4 * MIB, 0x1000)))
+    assert pipe.granted == {}
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"", "0-byte payload"),
+    (b"x" * 21, "21-byte payload"),
+    (b"x" * 20 * 33, "660-byte payload"),
+    (struct.pack("<IQQ", 1, 3 * MIB, 0x1000), "lent a 3145728-byte grant"),
+    (struct.pack("<IQQ", 1, MIB, 0x1000), "lent a 1048576-byte grant"),
+    (struct.pack("<IQQ", 1, 4 * MIB, 0), "at 0x0"),
+])
+def test_a_malformed_grant_frame_is_refused_naming_what_is_wrong(payload, match):
+    ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
+    with pytest.raises(FrameError, match=match):
+        ours.on_frame(pipe, _grant_frame(payload))
+    assert pipe.granted == {}
+
+
+def test_written_descriptors_count_toward_the_message_and_name_host_memory_only():
+    limits = Limits()
+    frame, separate = encode(Kind.MESSAGE, 1, b"p", [(5 * MIB, None, -1)], b"k" * 32, limits,
+                             ways=[(WRITTEN, 3, 0)])
+    assert separate == []
+    got = decode(frame, b"k" * 32, limits)
+    assert got.buffers[0].flags == WRITTEN and got.buffers[0].arg == 3
+    assert got.total >= 5 * MIB
+    bad, _ = encode(Kind.MESSAGE, 1, b"p", [(5 * MIB, None, 0)], b"k" * 32, limits,
+                    ways=[(WRITTEN, 3, 0)])
+    with pytest.raises(FrameError, match="written into host memory here, but its descriptor "
+                                         "names device 0"):
+        decode(bad, b"k" * 32, limits)
