@@ -179,3 +179,15 @@ def test_written_descriptors_count_toward_the_message_and_name_host_memory_only(
     with pytest.raises(FrameError, match="written into host memory here, but its descriptor "
                                          "names device 0"):
         decode(bad, b"k" * 32, limits)
+
+
+def test_lending_for_a_split_write_keeps_the_loop_from_polling_for_a_while(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(grants.time, "monotonic", lambda: now[0])
+    ours = Grants(alloc=_alloc, send=_Sent())
+    ours.lend(_pipe(), [(4 * MIB, 0)])  # written in one call: nothing to keep free
+    assert not ours.split_write_due()
+    ours.lend(_pipe(), [(grants.SPLIT_BYTES, 0)])
+    assert ours.split_write_due()
+    now[0] += grants.SPLIT_QUIET_S
+    assert not ours.split_write_due()

@@ -20,9 +20,8 @@ batching (:mod:`.send`, :mod:`.batch`), receiving (:mod:`.receive`),
 reading by address and writing into lent memory (:mod:`.by_address`,
 :mod:`.cma`, :mod:`.grants`), liveness, lifelines and the shared-memory
 queue check (:mod:`.liveness`), pipes (:mod:`.pipe`) and the loop
-(:mod:`.progress`).  This module is the
-context that holds them together: the pipes (adding, opening, breaking,
-closing) and the loop's turn.
+(:mod:`.progress`).  This module is the context that holds them together:
+the pipes (adding, opening, breaking, closing) and the loop's turn.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ import torch
 from ..errors import AuthenticationError, BrokenError, ClosedError
 from . import canary, cma, cudactx, progress, staging
 from .by_address import ByAddress
-from .grants import Grants
 from .frame import Kind, Limits, check_limits
+from .grants import Grants
 from .handshake import Handshake
 from .liveness import Liveness
 from .pipe import OutState, Pipe, cuda_path

@@ -8,10 +8,9 @@ final memory (staged device buffers through pinned host chunks,
 :mod:`.staging`), or, where it came by address, read out of the sender's
 memory at once (:mod:`.cma`; acknowledged through ``on_read``), or, where
 its sender wrote it into memory we lent it, taken from there
-(:mod:`.grants`).  Distinct
-tags per buffer let concurrent large messages on one pipe proceed side by
-side.  A BATCH frame (:mod:`.batch`) is taken apart into the messages it
-holds.
+(:mod:`.grants`).  Distinct tags per buffer let concurrent large messages
+on one pipe proceed side by side.  A BATCH frame (:mod:`.batch`) is taken
+apart into the messages it holds.
 
 Handshake frames are handed to the transport (``on_handshake``), which
 owns the pipes' state; everything else on the way to ``on_message`` is
@@ -239,7 +238,8 @@ class Receiver:
         bufs: list[Any] = []
         msg = Incoming(pipe, frame, bufs, hint)
         read = False
-        large: list[tuple[int, int]] = []  # (bytes, phase) of what came by address
+        # (bytes, phase) of what came by address or was written into our memory
+        large: list[tuple[int, int]] = []
         for i, d in enumerate(frame.buffers):
             if d.inline:
                 bufs.append(_inline(buf, d))

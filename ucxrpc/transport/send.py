@@ -5,10 +5,11 @@ separate buffer (:mod:`.frame`); CUDA buffers go GPU-direct, staged through
 host chunks, or packed (:mod:`.staging`); large host buffers to a peer that
 reads us by address go as their address alone (:mod:`.cma`), held until
 the peer says it read them, or, where the peer lent us memory for them
-(:mod:`.grants`), are written into it before their frame goes.  Every frame says how far this side read the
-peer's (``ack``, :mod:`.frame`).  A small message sent while the
-pipe's previous frame is still in flight waits in the pipe's outbox and
-leaves with the others as one BATCH frame (:mod:`.batch`).
+(:mod:`.grants`), are written into it before their frame goes.  Every
+frame says how far this side read the peer's (``ack``, :mod:`.frame`).  A
+small message sent while the pipe's previous frame is still in flight
+waits in the pipe's outbox and leaves with the others as one BATCH frame
+(:mod:`.batch`).
 
 Every request left in flight goes to ``inflight`` for the progress loop to
 watch; the loop tells :meth:`Sender.frame_left` when a pipe's last frame
