@@ -191,3 +191,10 @@ def test_lending_for_a_split_write_keeps_the_loop_from_polling_for_a_while(monke
     assert ours.split_write_due()
     now[0] += grants.SPLIT_QUIET_S
     assert not ours.split_write_due()
+
+
+def test_a_peer_that_lends_more_than_it_should_is_not_kept_beyond_a_few_per_class():
+    ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
+    for gid in range(10):
+        ours.on_frame(pipe, _grant_frame(struct.pack("<IQQ", gid, 4 * MIB, 0x1000 + gid)))
+    assert len(pipe.granted[4 * MIB]) == grants._KEPT_PER_CLASS

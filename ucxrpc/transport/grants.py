@@ -48,8 +48,8 @@ from typing import Callable
 import torch
 
 from ..errors import FrameError
-from .frame import BufferDesc, Frame, Kind
 from .cma import SPLIT_BYTES
+from .frame import BufferDesc, Frame, Kind
 from .pipe import Pipe
 from .pool import HUGE
 
@@ -57,10 +57,13 @@ __all__ = ["MAX_BYTES", "MIN_BYTES", "TOTAL_BYTES", "Grants", "pick", "size_clas
 
 logger = logging.getLogger(__name__)
 
+#: Smallest grant: receive buffers get huge pages from here; below, both
+#: sides' pages are small and writing gains nothing over reading.
 MIN_BYTES = HUGE
 #: Largest grant: one lent and never used holds its memory while the pipe
 #: lives, so classes above this are read by address as before.
 MAX_BYTES = 64 << 20
+#: Most memory one worker lends at a time, to all its peers.
 TOTAL_BYTES = 256 << 20
 #: How long after lending memory for a buffer that its writer copies in two
 #: halves (on two threads, :data:`.cma.SPLIT_BYTES`) this side's loop does not
@@ -71,6 +74,9 @@ TOTAL_BYTES = 256 << 20
 SPLIT_QUIET_S = 0.01
 _ENTRY = struct.Struct("<IQQ")  # grant id, bytes, address
 _MAX_ENTRIES = 32
+# Grants of one class kept from a peer (it lends one at a time): a peer
+# that lends more cannot make us hold an unbounded list.
+_KEPT_PER_CLASS = 4
 
 #: ``(pipe, payload, buffers, kind)``: the transport's send of a frame.
 Send = Callable[[Pipe, bytes, list[torch.Tensor], Kind], None]
@@ -166,11 +172,10 @@ class Grants:
         """
         with pipe.lock:
             buf = pipe.lent.pop(d.arg, None)
-        if buf is not None:
-            self._give_back(buf.numel())
         if buf is None:
             raise FrameError(f"{pipe.name} says it wrote buffer {i} into grant {d.arg}, which "
                              "this worker did not lend it or saw used already")
+        self._give_back(buf.numel())
         if d.nbytes > buf.numel():
             raise FrameError(f"{pipe.name} says it wrote {d.nbytes} bytes (buffer {i}) into a "
                              f"{buf.numel()}-byte grant")
@@ -200,7 +205,9 @@ class Grants:
             return
         with pipe.lock:
             for gid, nbytes, address in entries:
-                pipe.granted.setdefault(nbytes, []).append((gid, address))
+                free = pipe.granted.setdefault(nbytes, [])
+                if len(free) < _KEPT_PER_CLASS:
+                    free.append((gid, address))
 
     def retire(self, pipe: Pipe) -> None:
         """``pipe`` broke (under its lock): what it lent stays out of use
