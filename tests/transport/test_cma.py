@@ -30,7 +30,7 @@ if cma.offer() is None:
 # A process holding known bytes and its own offer; it prints both and waits.
 _HOLDER = """
 import ctypes, sys
-from ucxrpc.transport import cma, grants
+from ucxrpc.transport import cma
 data = ctypes.create_string_buffer(bytes(range(256)) * 36865, 256 * 36865)
 print(ctypes.addressof(data), cma.offer(), flush=True)
 sys.stdin.read()
@@ -164,26 +164,37 @@ def test_a_pool_buffer_comes_from_the_allocator_where_no_mapping_can_be_made(mon
     assert t[-1] == 7
 
 
-def _counts():
+_COUNTS = ("bytes_read_by_address", "buffers_read_by_peers", "buffers_held_for_peers",
+           "buffers_written_into_peers", "grants_used")
+
+
+def debug_counts(keys: tuple[str, ...] = _COUNTS) -> dict[str, int]:
+    """These counters of this worker's ``_get_debug_info()``."""
     import ucxrpc as rpc
 
     info = rpc._get_debug_info()
-    return {k: info[k] for k in ("bytes_read_by_address", "buffers_read_by_peers",
-                                 "buffers_held_for_peers", "buffers_written_into_peers",
-                                 "grants_used")}
+    return {k: info[k] for k in keys}
+
+
+def start_worker(rank, world_size, init_method, **options):
+    """``init_rpc`` as ``worker{rank}`` (``rpc_timeout`` 30 unless given);
+    rank 0 then makes one call, whose reply follows the peer's CMA_OK:
+    reading by address is on from the next message (the first one cannot
+    wait for it)."""
+    import ucxrpc as rpc
+
+    options.setdefault("rpc_timeout", 30)
+    opts = rpc.UcxRpcBackendOptions(init_method=init_method, **options)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    if rank == 0:
+        rpc.rpc_sync("worker1", torch.add, (1, 1))
+    return rpc
 
 
 def _exchange(rank, world_size, init_method, transports):
-    import ucxrpc as rpc
-
-    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
-                                    transports=transports)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    rpc = start_worker(rank, world_size, init_method, transports=transports)
     out = {}
     if rank == 0:
-        # The first reply follows the peer's CMA_OK: reading by address is on
-        # from the next message (the first one cannot wait for it).
-        rpc.rpc_sync("worker1", torch.add, (1, 1))
         g = torch.Generator().manual_seed(3)
         payloads = {
             # by address both ways, with small buffers beside it
@@ -199,8 +210,8 @@ def _exchange(rank, world_size, init_method, transports):
             remote_digest, back = rpc.rpc_sync("worker1", digest_and_echo, (obj,))
             out[name] = (remote_digest == _digest(obj), _digest(back) == _digest(obj))
         out["pipe"] = rpc.get_pipe_info("worker1")[0]["by_address"]
-        out["mine"] = _counts()
-        out["theirs"] = rpc.rpc_sync("worker1", _counts)
+        out["mine"] = debug_counts()
+        out["theirs"] = rpc.rpc_sync("worker1", debug_counts)
     rpc.shutdown()
     return out
 
@@ -233,16 +244,11 @@ def test_large_buffers_go_by_address_within_a_host(transports):
 
 
 def _echo_above_busy_min(rank, world_size, init_method, modes):
-    import ucxrpc as rpc
-
     # Each rank's progress mode: a blocking loop never polls, so its frames
     # say so, and buffers to or from it go by address from BUSY_MIN_BYTES.
-    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30,
-                                    progress=modes[rank])
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    rpc = start_worker(rank, world_size, init_method, progress=modes[rank])
     out = {}
     if rank == 0:
-        rpc.rpc_sync("worker1", torch.add, (1, 1))  # after the peer's CMA_OK
         g = torch.Generator().manual_seed(5)
         one = torch.randint(0, 255, (cma.BUSY_MIN_BYTES + 5,), dtype=torch.uint8, generator=g)
         out["echo"] = [_digest(rpc.rpc_sync("worker1", digest_and_echo, (one,))[1]) == _digest(one)
@@ -254,8 +260,8 @@ def _echo_above_busy_min(rank, world_size, init_method, modes):
             time.sleep(0.01)
         out["held_here"] = rpc._get_debug_info()["acknowledgements_held"]
         out["state"] = rpc._get_debug_info()["peers_busy"]
-        out["mine"] = _counts()
-        out["theirs"] = rpc.rpc_sync("worker1", _counts)
+        out["mine"] = debug_counts()
+        out["theirs"] = rpc.rpc_sync("worker1", debug_counts)
     rpc.shutdown()
     return out
 
@@ -310,27 +316,23 @@ def _sent_alone():
 
 
 def _acknowledged_alone(rank, world_size, init_method):
-    import ucxrpc as rpc
-
-    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=60)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    rpc = start_worker(rank, world_size, init_method, rpc_timeout=60)
     out = {}
     if rank == 0:
-        rpc.rpc_sync("worker1", torch.add, (1, 1))  # after the peer's CMA_OK
         before = rpc.rpc_sync("worker1", _sent_alone)
         # Larger than any grant (grants.py): the peer then sends no GRANT
         # frame, which would carry the word as every frame does.
         big = torch.ones(grants.MAX_BYTES + 7, dtype=torch.uint8)
         fut = rpc.rpc_async("worker1", _hold_until_released, (big,))
         deadline = time.monotonic() + 30
-        while _counts()["buffers_held_for_peers"] and time.monotonic() < deadline:
+        while debug_counts()["buffers_held_for_peers"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        out["held"] = _counts()["buffers_held_for_peers"]
+        out["held"] = debug_counts()["buffers_held_for_peers"]
         out["running"] = not fut.done()
         out["alone"] = rpc.rpc_sync("worker1", _sent_alone) - before
         rpc.rpc_sync("worker1", _let_go)
         out["result"] = fut.wait()
-        out["mine"] = _counts()
+        out["mine"] = debug_counts()
     rpc.shutdown()
     return out
 

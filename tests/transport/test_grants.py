@@ -8,7 +8,7 @@ import torch
 
 from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
-from tests.transport.test_cma import needs_sibling_reads
+from tests.transport.test_cma import debug_counts, needs_sibling_reads, start_worker
 from tests.workers import run_workers
 from ucxrpc.transport import cma, grants
 
@@ -21,23 +21,15 @@ if cma.offer() is None:
 _SIZE = (4 << 20) + 3
 
 
-def _counts():
-    import ucxrpc as rpc
-
-    info = rpc._get_debug_info()
-    return {k: info[k] for k in ("buffers_read_by_peers", "buffers_written_into_peers",
-                                 "grants_lent", "grants_used", "bytes_written_by_peers",
-                                 "grant_bytes_lent", "buffers_held_for_peers")}
+_COUNTS = ("buffers_read_by_peers", "buffers_written_into_peers", "grants_lent",
+           "grants_used", "bytes_written_by_peers", "grant_bytes_lent",
+           "buffers_held_for_peers")
 
 
 def _echoes(rank, world_size, init_method):
-    import ucxrpc as rpc
-
-    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    rpc = start_worker(rank, world_size, init_method)
     out = {}
     if rank == 0:
-        rpc.rpc_sync("worker1", torch.add, (1, 1))  # after the peer's CMA_OK
         g = torch.Generator().manual_seed(11)
         sent = [torch.randint(0, 255, (_SIZE,), dtype=torch.uint8, generator=g)
                 for _ in range(5)]
@@ -53,8 +45,8 @@ def _echoes(rank, world_size, init_method):
         for _ in range(2):
             there, back = rpc.rpc_sync("worker1", digest_and_echo, (view,))
             out["echo"].append((there == _digest(view), _digest(back) == _digest(view)))
-        out["mine"] = _counts()
-        out["theirs"] = rpc.rpc_sync("worker1", _counts)
+        out["mine"] = debug_counts(_COUNTS)
+        out["theirs"] = rpc.rpc_sync("worker1", debug_counts, (_COUNTS,))
     rpc.shutdown()
     return out
 
@@ -76,14 +68,11 @@ def test_large_buffers_are_written_into_memory_the_receiver_lent():
 
 
 def _forged(rank, world_size, init_method):
-    import ucxrpc as rpc
     from ucxrpc import api
 
-    opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=30)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    rpc = start_worker(rank, world_size, init_method)
     out = {}
     if rank == 0:
-        rpc.rpc_sync("worker1", torch.add, (1, 1))
         t = torch.arange(_SIZE, dtype=torch.uint8)
         rpc.rpc_sync("worker1", digest_and_echo, (t,))  # read; the peer lends a grant
         pipe = api._agent.transport._pipes[1]
@@ -100,7 +89,7 @@ def _forged(rank, world_size, init_method):
         out["after"] = rpc.rpc_sync("worker1", torch.add, (2, 3))
         there, back = rpc.rpc_sync("worker1", digest_and_echo, (t,))
         out["large_after"] = (there == _digest(t), _digest(back) == _digest(t))
-        out["theirs"] = rpc.rpc_sync("worker1", _counts)
+        out["theirs"] = rpc.rpc_sync("worker1", debug_counts, (_COUNTS,))
     rpc.shutdown()
     return out
 

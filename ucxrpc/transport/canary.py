@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .ucp import FULL_MASK
 from .ucx import Endpoint, Request, Worker
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class QueueCheck:
         assert self._canary is not None
         self._canary.progress()
         self._rx = [r for r in self._rx if not r.done]
-        probe = self._worker.probe(self._tag, (1 << 64) - 1)
+        probe = self._worker.probe(self._tag, FULL_MASK)
         if probe is not None:
             self._rx.append(self._worker.recv_probed(np.empty(1, dtype=np.uint8), probe))
             self.state = CheckState.IDLE

@@ -116,7 +116,9 @@ class Grants:
         self.used = 0        # buffers peers wrote into them
         self.used_bytes = 0
         self._retired: list[torch.Tensor] = []
-        self._split_lent = 0.0  # when a grant for a split write was last lent
+        # Until when a peer may write into our memory in two halves; 0: not
+        # since it was last looked at (the loop asks every idle turn).
+        self._split_until = 0.0
 
     def lend(self, pipe: Pipe, sizes: list[tuple[int, int]]) -> None:
         """The peer sent us buffers of these ``(nbytes, phase)`` (phase:
@@ -145,7 +147,7 @@ class Grants:
                 gid = next(self._ids)
                 pipe.lent[gid] = buf
                 if cls >= SPLIT_BYTES:
-                    self._split_lent = time.monotonic()
+                    self._split_until = time.monotonic() + SPLIT_QUIET_S
                 entries.append(_ENTRY.pack(gid, cls, buf.data_ptr()))
         if not entries:
             return
@@ -160,7 +162,12 @@ class Grants:
         """Whether a peer may be writing into our memory in two halves now
         (we lent it memory for such a write within :data:`SPLIT_QUIET_S`):
         polling would then slow its copy down."""
-        return time.monotonic() - self._split_lent < SPLIT_QUIET_S
+        if not self._split_until:
+            return False
+        if time.monotonic() < self._split_until:
+            return True
+        self._split_until = 0.0
+        return False
 
     def take(self, pipe: Pipe, i: int, d: BufferDesc) -> torch.Tensor:
         """Buffer ``i`` of a message from ``pipe``, which its sender wrote

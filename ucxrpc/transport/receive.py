@@ -238,8 +238,9 @@ class Receiver:
         bufs: list[Any] = []
         msg = Incoming(pipe, frame, bufs, hint)
         read = False
-        # (bytes, phase) of what came by address or was written into our memory
-        large: list[tuple[int, int]] = []
+        # (bytes, phase) of what came by address or was written into our
+        # memory; made only for such a message (most have none).
+        large: list[tuple[int, int]] | None = None
         for i, d in enumerate(frame.buffers):
             if d.inline:
                 bufs.append(_inline(buf, d))
@@ -248,15 +249,17 @@ class Receiver:
             elif d.flags == REMOTE:
                 bufs.append(self._read(msg, i, d))
                 read = True
+                large = large if large is not None else []
                 large.append((d.nbytes, d.inline_offset % PAGE))
             elif d.flags == WRITTEN:
                 bufs.append(self._written(msg, i, d))
+                large = large if large is not None else []
                 large.append((d.nbytes, bufs[-1].data_ptr() % PAGE))
             else:
                 bufs.append(self._post(msg, i, d))
         if read:  # before delivering: a reply sent meanwhile carries the word
             pipe.read_through = frame.seq
-        if large and msg.error is None:
+        if large is not None and msg.error is None:
             # Before delivering too: the grant is to be there before the
             # peer's next buffer, which may follow the reply at once.
             self._grants.lend(pipe, large)

@@ -37,14 +37,15 @@ import numpy as np
 
 from ..errors import BrokenError
 
-__all__ = ["Ucp", "UcpRequest", "DONE", "host_address", "library", "loaded_library"]
+__all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "host_address", "library", "loaded_library"]
 
 _INPROGRESS = 1
 _ERR_LAST = -100  # UCS_ERR_LAST: status pointers at or above (2**64 - 100) are errors
 _ERR_FLOOR = (1 << 64) + _ERR_LAST
 _OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 _MEMORY_TYPE_HOST = 0
-_FULL_MASK = (1 << 64) - 1
+#: A tag mask that matches every bit: the one message with exactly that tag.
+FULL_MASK = (1 << 64) - 1
 
 
 class _RequestParam(ctypes.Structure):
@@ -253,7 +254,7 @@ class Ucp:
         """Post a receive of the message with exactly ``tag`` into host
         array ``buf`` (a longer message fails the request: truncated)."""
         return self._outcome(self._tag_recv(worker, host_address(buf), buf.nbytes, tag,
-                                            _FULL_MASK, self._param_address), buf)
+                                            FULL_MASK, self._param_address), buf)
 
 
 _ucp: Ucp | None = None
