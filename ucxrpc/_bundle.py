@@ -71,6 +71,7 @@ _LEN = struct.Struct("<I")
 _SERIAL_MAX = 32768
 _MAX_TABLE = 64 << 20
 _UINT8 = torch.uint8
+_INT_ONLY = frozenset({int})
 
 #: ``storage_uses(storage._cdata)``: how many references hold a storage;
 #: 2 when one tensor alone uses it (the caller's ``storage`` object is the
@@ -372,12 +373,17 @@ def unpack(payload: bytes | memoryview,
         raise SerializationError(f"bundle table names {ngroups} groups but the message has "
                                  f"{len(buffers)} buffers")
     first = len(buffers) - ngroups
-    sizes: list[list[int]] = [[] for _ in range(ngroups)]
-    for g, n in zip(slot_group, numels):
-        if g >= ngroups or not isinstance(n, int) or n < 0:
-            raise SerializationError(f"bundle slot names group {g} of {ngroups} or has "
-                                     f"{n!r} elements")
-        sizes[g].append(n)
+    sizes: list[list[int]]
+    if (ngroups == 1 and type(numels) is list and slot_group.count(0) == len(numels)
+            and _INT_ONLY.issuperset(map(type, numels)) and min(numels, default=0) >= 0):
+        sizes = [numels]  # one group (the common case), checked in C: ~0.1 us a slot less
+    else:
+        sizes = [[] for _ in range(ngroups)]
+        for g, n in zip(slot_group, numels):
+            if g >= ngroups or not isinstance(n, int) or n < 0:
+                raise SerializationError(f"bundle slot names group {g} of {ngroups} or has "
+                                         f"{n!r} elements")
+            sizes[g].append(n)
     parts: list[Sequence[torch.Tensor]] = []
     with _UNTRACKED():
         for g, code in enumerate(codes):

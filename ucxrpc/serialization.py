@@ -154,6 +154,12 @@ def _all_bundle(tensors: Sequence[torch.Tensor], storages: list[torch.UntypedSto
     # storage object read here, as in _owns_bytes.
     if storage_bytes == sizes:
         owned = all(map((2).__eq__, map(_storage_uses, map(_cdata, storages))))
+    elif (storage_bytes.count(first := storage_bytes[0]) == len(storage_bytes)
+          and compacted(first, max(sizes))):
+        # Views of storages of one size (mostly one storage: a received
+        # bundle sent on), all compact copies: compacted() only grows true
+        # as the view shrinks.  A call per tensor cost ~0.25 us.
+        owned = True
     else:
         owned = all(map(_owns_bytes, storages, storage_bytes, sizes))
     return owned and all(map(_is_contiguous, tensors))

@@ -196,6 +196,21 @@ def test_an_echo_bundles_again():
     assert all(torch.equal(out[k], msg[k]) for k in msg)
 
 
+def test_views_of_storages_of_one_size_bundle_only_where_each_would_be_compacted():
+    bases = [torch.arange(4096.0) for _ in range(2)]  # 16 KiB each, kept alive
+    small = [bases[i % 2][i * 64:(i + 1) * 64] for i in range(_RUN)]  # compact copies
+    back, p = _roundtrip(small)
+    assert _runs_in(p) == 1
+    assert all(torch.equal(a, b) for a, b in zip(back, small))
+    # One view over half its storage travels with the storage, so the run
+    # cannot bundle: it travels as itself and its views arrive shared.
+    mixed = [bases[0][:2100]] + [bases[1][i * 64:(i + 1) * 64] for i in range(_RUN)]
+    back, p = _roundtrip(mixed)
+    assert _runs_in(p) == 0
+    assert all(torch.equal(a, b) for a, b in zip(back, mixed))
+    assert back[0].untyped_storage().nbytes() == bases[0].untyped_storage().nbytes()
+
+
 def test_off_each_tensor_is_its_own_buffer():
     msg = [torch.ones(2), torch.zeros(3, dtype=torch.int64)]
     p = Serializer(bundle=False).dumps(msg)
@@ -408,6 +423,8 @@ _F32 = 0  # float32 is first in the wire table of dtype codes
      "names group 1 of 1"),
     (_bundled_payload(([_F32], b"\x00", [-2], {})), [torch.zeros(8, dtype=torch.uint8)],
      "has -2 elements"),
+    (_bundled_payload(([_F32], b"\x00", [2.0], {})), [torch.zeros(8, dtype=torch.uint8)],
+     "has 2.0 elements"),
     (_bundled_payload(([_F32], b"\x00", [2], {0: (3,)})), [torch.zeros(8, dtype=torch.uint8)],
      "cannot have shape"),
     (_bundled_payload(([_F32], b"\x00", [2], {1: (2,)})), [torch.zeros(8, dtype=torch.uint8)],
@@ -417,7 +434,7 @@ _F32 = 0  # float32 is first in the wire table of dtype codes
     (_bundled_payload(([_F32], b"\x00", [2], {})), [torch.zeros(8)],
      "is not a 1-D host uint8 tensor"),
 ], ids=["short", "table-size", "garbage", "no-buffer", "dtype", "size", "group", "numel",
-        "shape", "shape-slot", "shape-key", "buffer-kind"])
+        "numel-type", "shape", "shape-slot", "shape-key", "buffer-kind"])
 def test_a_forged_table_is_refused_by_name(payload, buffers, message):
     with pytest.raises(SerializationError, match=message):
         SER.loads(payload, buffers)
