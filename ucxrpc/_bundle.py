@@ -4,8 +4,8 @@ Every out-of-band buffer costs the transport a descriptor, a copy or a tag
 message and a tensor object on each side, a few microseconds of Python each:
 a dict of 100 tensors of 4 KiB spent more time on that than on its bytes.
 So :func:`ucxrpc.serialization.Serializer.dumps` gathers the small CPU
-tensors of a message into a :class:`Packer`: one ``torch.cat`` per dtype
-after the dump, and each such tensor pickles as ``_bundled_slot(slot)``
+tensors of a message into a :class:`Packer`: one buffer per dtype after
+the dump, and each such tensor pickles as ``_bundled_slot(slot)``
 (``_rebuild_bundled(slot, flags)`` when it requires grad or is a Parameter).
 The receiver cuts every buffer with one ``split`` (:func:`unpack`), before
 the pickle stream is read, so each rebuild call is a dict look-up.  (A
@@ -17,10 +17,16 @@ Bundled: a non-empty contiguous CPU tensor of at most
 tensor using it (a storage shared by several tensors keeps the per-storage
 path, which makes it arrive shared) or a view that torch's rule sends as a
 compact copy, while the message's bundle stays under :data:`MAX_TOTAL_BYTES`
-(the bytes the transport would have copied into the frame anyway).  The
-bytes are copied at ``dumps``: a bundled tensor changed after ``dumps``
-travels as it was then, and a lazily negated, conjugated or zero tensor as
-a plain tensor of its values.  Received, a bundled tensor is a view of its
+(the bytes the transport would have copied into the frame anyway).  A
+buffer is one ``torch.cat`` of its tensors, made at ``dumps``, except the
+one buffer of a bundle of one dtype over :data:`MAX_TENSOR_BYTES` (the
+transport's default inline threshold): that goes as a
+:class:`~ucxrpc.transport.gather.Gather` of its tensors, which UCX copies
+from where they are, once, when the message is sent (:func:`_unjoined`).
+So a bundled tensor changed after ``dumps`` may travel as it was then or
+as it is at the send, as a large tensor (sent zero-copy) does; and a
+lazily negated, conjugated or zero tensor travels as a plain tensor of its
+values.  Received, a bundled tensor is a view of its
 bundle buffer, as an inlined one was a view of the frame, unless that view
 would travel on with the whole bundle (torch's compaction rule): then it
 is a copy of its own, as torch's receiver gives every tensor its storage.
@@ -53,8 +59,9 @@ from typing import Any, Callable
 
 import torch
 
-from ._tensor_codec import _CODE_SPECS, compacted
+from ._tensor_codec import _CODE_SPECS, _COMPLEX_CODES, compacted
 from .errors import SerializationError
+from .transport.gather import Buffer, Gather
 
 __all__ = ["MARK", "MAX_TENSOR_BYTES", "MAX_TOTAL_BYTES", "RUN_MIN", "Packer", "Run",
            "storage_uses", "unpack", "with_runs"]
@@ -71,6 +78,9 @@ _LEN = struct.Struct("<I")
 _SERIAL_MAX = 32768
 _MAX_TABLE = 64 << 20
 _UINT8 = torch.uint8
+_is_neg = torch.Tensor.is_neg
+_is_conj = torch.Tensor.is_conj
+_data_ptr = torch.Tensor.data_ptr
 _INT_ONLY = frozenset({int})
 
 #: ``storage_uses(storage._cdata)``: how many references hold a storage;
@@ -280,7 +290,7 @@ class Packer:
             self.shapes[start + k] = shape
         return start
 
-    def finish(self, stream: bytes) -> tuple[bytes, list[torch.Tensor]]:
+    def finish(self, stream: bytes) -> tuple[bytes, list[Buffer]]:
         """The payload (table, then ``stream``) and the group buffers."""
         codes, tensors = self.codes, self.tensors
         first = codes[0]
@@ -302,9 +312,33 @@ class Packer:
         with _UNTRACKED():
             if self.shapes:
                 groups = [[m.view(-1) for m in members] for members in groups]
-            buffers = [_gather(members, large) for members in groups]
+            buffers: list[Buffer]
+            if len(order) == 1:
+                buffers = [_unjoined(groups[0], self.sizes, order[0], large)
+                           or _gather(groups[0], large)]
+            else:
+                buffers = [_gather(members, large) for members in groups]
         table = pickle.dumps((order, slot_group, numels, self.shapes), protocol=5)
         return MARK + _LEN.pack(len(table)) + table + stream, buffers
+
+
+def _unjoined(members: list[torch.Tensor], sizes: list[int], code: int,
+              large: bool) -> Gather | None:
+    """``members`` (1-D, of dtype ``code``, ``sizes`` bytes each) as a
+    :class:`~.transport.gather.Gather`, sent from where they are, or None
+    where they are to be joined now: a bundle the transport would copy into
+    its frame anyway (:data:`MAX_TENSOR_BYTES`, its default inline
+    threshold, or less), or one whose bytes are not its values (lazily
+    negated or conjugated, or a zero tensor without bytes).  Only for
+    bundles of one dtype, the common case: with several, the table's
+    bundles and their buffers stay in one simple order."""
+    if large or sum(sizes) <= MAX_TENSOR_BYTES or any(map(_is_neg, members)) or (
+            code in _COMPLEX_CODES and any(map(_is_conj, members))):
+        return None
+    addresses = list(map(_data_ptr, members))
+    if 0 in addresses:
+        return None
+    return Gather(members, addresses, sizes)
 
 
 def _gather(members: list[torch.Tensor], large: bool) -> torch.Tensor:
@@ -392,6 +426,8 @@ def unpack(payload: bytes | memoryview,
                 raise SerializationError(f"unknown tensor dtype code {code!r} in bundle {g}")
             dtype, itemsize = spec[0], spec[1]
             buf = buffers[first + g]
+            if type(buf) is Gather:  # dumps' own output, not received: see _unjoined
+                buf = buf.joined()
             if not (isinstance(buf, torch.Tensor) and buf.dtype is _UINT8 and buf.dim() == 1
                     and not buf.is_cuda):
                 raise SerializationError(f"bundle {g} (buffer {first + g}) is not a 1-D host "

@@ -74,6 +74,7 @@ from ._tensor_codec import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER,
                             _rebuild_capture, _rebuild_inband, _rebuild_sparse_coo,
                             _rebuild_tensor, _rebuild_vector, compacted)
 from .errors import SerializationError
+from .transport.gather import Buffer, Gather
 
 
 __all__ = ["BufferSpec", "GradCapture", "Pickled", "Serializer", "dumps", "loads"]
@@ -192,19 +193,22 @@ class Pickled:
 
     Attributes:
         payload: the pickle stream (protocol 5).
-        buffers: 1-D contiguous ``torch.uint8`` tensors (CPU or CUDA), in the
+        buffers: 1-D contiguous ``torch.uint8`` tensors (CPU or CUDA), or a
+            bundle's :class:`~ucxrpc.transport.gather.Gather` of host
+            tensors (the transport sends its parts as one buffer), in the
             order ``loads`` expects them back.
         cuda: whether any buffer is CUDA memory (device maps apply).
     """
 
     payload: bytes
-    buffers: list[torch.Tensor]
+    buffers: list[Buffer]
     cuda: bool = False  # whether any buffer is CUDA memory
 
     @property
     def specs(self) -> list[BufferSpec]:
         """What the receiver must allocate: one spec per buffer, in order."""
-        return [BufferSpec(b.numel(), _device_name(b)) for b in self.buffers]
+        return [BufferSpec(b.numel(), "cpu" if isinstance(b, Gather) else _device_name(b))
+                for b in self.buffers]
 
 
 # ---------------------------------------------------------------------------
@@ -257,7 +261,7 @@ _UNTRACKED: Callable[[], Any] = getattr(torch._C, "_AutoDispatchBelowADInplaceOr
 _UNTRACKED_MIN = 4
 
 
-def _as_bytes(buffers: list[Any]) -> list[torch.Tensor]:
+def _as_bytes(buffers: list[Any]) -> list[Buffer]:
     """The uint8 tensors for what a dump put in ``buffers``, all made at once.
 
     Each is a tensor (a 1-D stride-1 one, or already bytes: a numpy array's)
@@ -318,15 +322,14 @@ class _MessagePickler(pickle.Pickler):
         # large streams, so keeping the chunks avoids a BytesIO copy.
         self._chunks.append(data)
 
-    def run(self, obj: object) -> tuple[bytes, list[torch.Tensor], bool]:
+    def run(self, obj: object) -> tuple[bytes, list[Buffer], bool]:
         """Pickle ``obj``; returns the payload, the buffers and whether any is
         CUDA memory, then resets."""
         try:
             self.dump(obj)
-            chunks, buffers, cuda = self._chunks, self.buffers, self.cuda
+            chunks, cuda = self._chunks, self.cuda
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            if buffers:
-                buffers = _as_bytes(buffers)
+            buffers: list[Buffer] = _as_bytes(self.buffers) if self.buffers else []
             if self._pack is not None:
                 payload, bundles = self._pack.finish(payload)
                 buffers = buffers + bundles if buffers else bundles

@@ -11,7 +11,9 @@ import torch
 
 from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
+from tests.transport._workers import debug_counts, needs_sibling_reads, start_worker
 from tests.workers import run_workers
+from ucxrpc.transport import cma
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,3 +57,57 @@ def _echo(rank, world_size, init_method):
 def test_bundled_message_arrives_intact_both_ways(env):
     res = run_workers(_echo, 2, timeout=90, env=env)
     assert res[0] == {"sent": True, "back": True, "again": True}, res[0]
+
+
+# A bundle of one dtype over the transport's inline threshold is sent from
+# the tensors where they are, as one UCX message of their parts
+# (transport/gather.py); anywhere it must be one block of memory it is
+# joined first.  Each way must deliver the same bytes.
+_COUNTS = ("buffers_sent_as_parts", "buffers_read_by_peers")
+
+
+def _one_dtype(g, n, numel):
+    return {f"t{i}": torch.randn(numel if i % 3 else (4, numel // 4), generator=g)
+            for i in range(n)}
+
+
+def _gathered(rank, world_size, init_method, how):
+    if how == "by-address":  # from the size of the small bundle, so joined first
+        cma.MIN_BYTES = cma.BUSY_MIN_BYTES = 64 << 10
+    rpc = start_worker(rank, world_size, init_method,
+                       transports=["tcp"] if how == "tcp" else None)
+    out = {}
+    if rank == 0:
+        g = torch.Generator().manual_seed(5)
+        # 400 KiB, and 3 MiB: over TCP a rendezvous, by address otherwise
+        for msg in (_one_dtype(g, 100, 1024), _one_dtype(g, 48, 16384)):
+            remote, back = rpc.rpc_sync("worker1", digest_and_echo, (msg,))
+            _, mine = rpc.rpc_sync("worker0", digest_and_echo, (msg,))  # to oneself
+            out.setdefault("intact", []).append(
+                (remote == _digest(msg), _digest(back) == _digest(msg),
+                 _digest(mine) == _digest(msg), back["t0"].shape == msg["t0"].shape))
+        out["mine"] = debug_counts(_COUNTS)
+        out["theirs"] = rpc.rpc_sync("worker1", debug_counts, (_COUNTS,))
+    rpc.shutdown()
+    return out
+
+
+_READS = [needs_sibling_reads, pytest.mark.skipif(
+    cma.offer() is None, reason="process_vm_readv or /proc is not available here")]
+
+
+@pytest.mark.parametrize("how", ["default", "tcp", "host-as-device",
+                                 pytest.param("by-address", marks=_READS)])
+def test_a_large_bundle_of_one_dtype_arrives_intact_however_it_goes(how):
+    env = {"UCXRPC_DEBUG_HOST_AS_DEVICE": "1"} if how == "host-as-device" else None
+    res = run_workers(_gathered, 2, timeout=90, env=env, args=(how,))[0]
+    assert res["intact"] == [(True, True, True, True)] * 2, res
+    parts = res["mine"]["buffers_sent_as_parts"] + res["theirs"]["buffers_sent_as_parts"]
+    read = res["mine"]["buffers_read_by_peers"] + res["theirs"]["buffers_read_by_peers"]
+    if how == "tcp":
+        assert parts == 4 and read == 0  # each call and its reply, both sizes
+    elif how == "default":
+        assert parts >= 2  # the small one's call and reply (the large one by address, if it may)
+    else:
+        assert parts == 0
+        assert (read >= 2) == (how == "by-address")

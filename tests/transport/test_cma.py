@@ -16,6 +16,8 @@ import torch
 
 from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
+from tests.transport._workers import (debug_counts, needs_sibling_reads, siblings_may_read,
+                                     start_worker)
 from tests.workers import run_workers
 from ucxrpc.errors import FrameError
 from ucxrpc.transport import cma, grants
@@ -35,21 +37,6 @@ data = ctypes.create_string_buffer(bytes(range(256)) * 36865, 256 * 36865)
 print(ctypes.addressof(data), cma.offer(), flush=True)
 sys.stdin.read()
 """
-
-
-def _siblings_may_read() -> bool:
-    """Whether this kernel lets a process read a sibling's memory: Yama's
-    ptrace_scope 1 or more allows only descendants (and the pipe then stays
-    on UCX, which the test checks instead)."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return f.read().strip() == "0"
-    except OSError:
-        return True  # no Yama
-
-
-needs_sibling_reads = pytest.mark.skipif(
-    not _siblings_may_read(), reason="this kernel does not let sibling processes read each other")
 
 
 @pytest.fixture
@@ -164,33 +151,6 @@ def test_a_pool_buffer_comes_from_the_allocator_where_no_mapping_can_be_made(mon
     assert t[-1] == 7
 
 
-_COUNTS = ("bytes_read_by_address", "buffers_read_by_peers", "buffers_held_for_peers",
-           "buffers_written_into_peers", "grants_used")
-
-
-def debug_counts(keys: tuple[str, ...] = _COUNTS) -> dict[str, int]:
-    """These counters of this worker's ``_get_debug_info()``."""
-    import ucxrpc as rpc
-
-    info = rpc._get_debug_info()
-    return {k: info[k] for k in keys}
-
-
-def start_worker(rank, world_size, init_method, **options):
-    """``init_rpc`` as ``worker{rank}`` (``rpc_timeout`` 30 unless given);
-    rank 0 then makes one call, whose reply follows the peer's CMA_OK:
-    reading by address is on from the next message (the first one cannot
-    wait for it)."""
-    import ucxrpc as rpc
-
-    options.setdefault("rpc_timeout", 30)
-    opts = rpc.UcxRpcBackendOptions(init_method=init_method, **options)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
-    if rank == 0:
-        rpc.rpc_sync("worker1", torch.add, (1, 1))
-    return rpc
-
-
 def _exchange(rank, world_size, init_method, transports):
     rpc = start_worker(rank, world_size, init_method, transports=transports)
     out = {}
@@ -221,7 +181,7 @@ def test_large_buffers_go_by_address_within_a_host(transports):
     out = run_workers(_exchange, 2, args=(transports,), timeout=90)[0]
     for name in ("large", "view", "several"):
         assert out[name] == (True, True), name
-    if transports is None and _siblings_may_read():
+    if transports is None and siblings_may_read():
         assert out["pipe"] == {"in": True, "out": True}
         # Three buffers of cma.MIN_BYTES or more each way (the view's whole
         # storage): the first read by address, which made the receiver lend

@@ -8,7 +8,7 @@ import torch
 
 from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
-from tests.transport.test_cma import debug_counts, needs_sibling_reads, start_worker
+from tests.transport._workers import debug_counts, needs_sibling_reads, start_worker
 from tests.workers import run_workers
 from ucxrpc.transport import cma, grants
 

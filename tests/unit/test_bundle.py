@@ -16,6 +16,7 @@ from ucxrpc import _bundle, _tensor_codec
 from ucxrpc._tensor_codec import RUN_DICT, RUN_LIST, _bundled_run, _bundled_slot, _rebuild_bundled
 from ucxrpc.errors import SerializationError
 from ucxrpc.serialization import GradCapture, Pickled, Serializer
+from ucxrpc.transport.gather import Gather
 
 ALL_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -32,6 +33,7 @@ SER = Serializer(inband_tensors=0, first_alone=False)
 def _wire(pickled: Pickled, misalign: int = 0) -> list[torch.Tensor]:
     out = []
     for buf in pickled.buffers:
+        buf = buf.joined() if isinstance(buf, Gather) else buf  # as the wire carries it
         big = torch.empty(buf.numel() + misalign, dtype=torch.uint8)
         fresh = big[misalign:]
         fresh.copy_(buf)
@@ -154,7 +156,7 @@ def test_the_same_tensor_twice_arrives_as_one():
     assert back[0] is back[1]
 
 
-def test_bytes_are_taken_at_dumps():
+def test_bytes_of_a_bundle_joined_at_dumps_are_taken_then():
     t = torch.zeros(4)
     p = SER.dumps({"t": t})
     t.fill_(7)
@@ -195,6 +197,39 @@ def test_an_echo_bundles_again():
     out = SER.loads(again.payload, _wire(again))
     assert all(torch.equal(out[k], msg[k]) for k in msg)
 
+
+
+def test_a_large_bundle_of_one_dtype_is_sent_from_its_tensors():
+    msg = {f"t{i}": torch.full((1024,), float(i)) for i in range(100)}
+    p = SER.dumps(msg)
+    (g,) = p.buffers
+    assert isinstance(g, Gather) and g.numel() == g.nbytes == 100 * 4096
+    assert g.iov.tolist() == [x for t in msg.values() for x in (t.data_ptr(), 4096)]
+    assert torch.equal(g.joined(), torch.cat(list(msg.values())).view(torch.uint8))
+    assert [s.device for s in p.specs] == ["cpu"]
+    # Joined by loads itself where dumps' output is read in process.
+    back = SER.loads(p.payload, p.buffers)
+    assert all(torch.equal(back[k], msg[k]) for k in msg)
+
+
+@pytest.mark.parametrize("case", ["small", "two-dtypes", "negated", "zero", "serial-bound"])
+def test_a_bundle_is_joined_where_its_bytes_must_be_copied_anyway_or_are_not_its_values(case):
+    msg = [torch.full((1024,), float(i)) for i in range(100)]
+    base = torch.arange(4096.0)  # its views compact: they bundle
+    if case == "small":
+        msg = msg[:16]                                   # 64 KiB: inline in the frame
+    elif case == "two-dtypes":
+        msg = msg + [torch.ones(3, dtype=torch.int64)]
+    elif case == "negated":
+        msg = msg + [base[10:16]._neg_view()]
+    elif case == "zero":
+        msg = msg + [torch._efficientzerotensor(5)]
+    else:
+        # A member past torch's serial copy bound, all of one dtype.
+        msg = [t.to(torch.uint8) for t in msg] + [torch.ones(40_000, dtype=torch.uint8)]
+    back, p = _roundtrip(msg)
+    assert not any(isinstance(b, Gather) for b in p.buffers)
+    assert all(_same(a, b) for a, b in zip(back, msg))
 
 def test_views_of_storages_of_one_size_bundle_only_where_each_would_be_compacted():
     bases = [torch.arange(4096.0) for _ in range(2)]  # 16 KiB each, kept alive

@@ -21,6 +21,7 @@ import torch
 from ucxrpc import serialization
 from ucxrpc.errors import SerializationError
 from ucxrpc.serialization import BufferSpec, Pickled, Serializer, loads
+from ucxrpc.transport.gather import Gather
 
 dumps = Serializer(bundle=False).dumps
 
@@ -36,6 +37,7 @@ def _wire(pickled: Pickled, offset: int | None = None) -> list[torch.Tensor]:
     allocation at that byte offset."""
     out = []
     for buf in pickled.buffers:
+        buf = buf.joined() if isinstance(buf, Gather) else buf  # as the wire carries it
         if offset is None:
             fresh = torch.empty(buf.numel(), dtype=torch.uint8, device=buf.device)
         else:

@@ -25,6 +25,7 @@ from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
 from ..serialization import Serializer
 from ..transport import SPIN_S, Limits, Transport
+from ..transport.gather import Buffer, Gather
 from .calls import CallFuture, CallTable, SyncReply
 from .hooks import Hooks
 from .info import WorkerInfo
@@ -339,7 +340,7 @@ class RpcAgent:
             bool(self.calls) or time.monotonic() - self._requested_at < CALLED_WITHIN_S)
 
     def send_message(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
-                     buffers: list[torch.Tensor], targets: list[int] | None = None) -> None:
+                     buffers: list[Buffer], targets: list[int] | None = None) -> None:
         """Send one message (a request, or the server's answer) to ``peer``,
         this worker included; ``targets`` as :meth:`Members.cuda_targets` gives them."""
         payload = wire.encode(kind, msg_id, body)
@@ -348,12 +349,12 @@ class RpcAgent:
         else:
             self.transport.send(peer, payload, buffers, wire.hint(kind, msg_id), targets)
 
-    def _loopback(self, payload: bytes, buffers: list[torch.Tensor]) -> None:
+    def _loopback(self, payload: bytes, buffers: list[Buffer]) -> None:
         # A call to oneself gets copies, as a remote callee would.  The
         # copies are queued on this thread's streams, and the callee reads
         # them on its pool's: settled first, as a remote call's buffers are
         # before UCX reads them (no-op for host buffers).
-        copies = [b.clone() for b in buffers]
+        copies = [b.joined() if isinstance(b, Gather) else b.clone() for b in buffers]
         devices.settle(copies)
         self._on_message(self.info.id, memoryview(payload), copies)
 

@@ -38,6 +38,7 @@ from ..errors import AuthenticationError, BrokenError, ClosedError
 from . import canary, cma, cudactx, progress, staging
 from .by_address import ByAddress
 from .frame import Kind, Limits, check_limits
+from .gather import Buffer
 from .grants import Grants
 from .handshake import Handshake
 from .liveness import Liveness
@@ -218,7 +219,7 @@ class Transport:
     def peer_ids(self) -> list[int]:
         return list(self._pipes)
 
-    def send(self, peer_id: int, payload: bytes | memoryview, buffers: list[torch.Tensor],
+    def send(self, peer_id: int, payload: bytes | memoryview, buffers: Sequence[Buffer],
              hint: int = 0, devices: list[int] | None = None) -> None:
         """Queue a message; returns once UCX holds it (not once delivered).
 
@@ -239,7 +240,7 @@ class Transport:
             progress.unguard(outer)
 
     def _send_or_queue(self, pipe: Pipe, payload: bytes | memoryview,
-                       buffers: list[torch.Tensor], kind: Kind, hint: int = 0,
+                       buffers: Sequence[Buffer], kind: Kind, hint: int = 0,
                        devices: list[int] | None = None) -> None:
         with pipe.lock:
             if pipe.out_state is OutState.OPEN:

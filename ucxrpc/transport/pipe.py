@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 
 from . import cma
 from .frame import Frame, Kind
+from .gather import Buffer
 from .ucx import Endpoint, Request
 
 __all__ = ["CudaPath", "Incoming", "OutState", "Piece", "Pipe", "cuda_path"]
@@ -77,7 +79,7 @@ class Pipe:
         self.out_key = b""
         self.out_seq = 0
         self.out_nonce = b""
-        self.backlog: list[tuple[bytes | memoryview, list[torch.Tensor], Kind, int,
+        self.backlog: list[tuple[bytes | memoryview, Sequence[Buffer], Kind, int,
                                  list[int] | None]] = []
         # Small messages waiting for the frame in flight (batch.py), and
         # that frame's send request until the loop saw it complete.

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable, cast
 
 import torch
 
 from ..errors import FrameError
 from . import batch, cma, grants, staging
 from .frame import REMOTE, WRITTEN, Kind, Limits, encode
+from .gather import Buffer, Gather
 from .pipe import OutState, Pipe
 from .tags import FRAME, data_tag, kind_base
 from .ucx import Request
@@ -37,9 +39,10 @@ __all__ = ["Sender"]
 logger = logging.getLogger(__name__)
 
 
-def _host_views(buffers: list[torch.Tensor]) -> list[tuple[int, memoryview, int]]:
-    """What :func:`.frame.encode` takes for host buffers."""
-    return [(b.numel(), b.numpy().data, -1) for b in buffers]
+def _host_views(buffers: Sequence[Buffer]) -> list[tuple[int, memoryview | None, int]]:
+    """What :func:`.frame.encode` takes for host buffers (a Gather's parts
+    are not one block of memory: never inline)."""
+    return [(b.numel(), None if isinstance(b, Gather) else b.numpy().data, -1) for b in buffers]
 
 
 class Sender:
@@ -76,13 +79,14 @@ class Sender:
         self.batched_messages = 0
         self.read_buffers = 0
         self.written_buffers = 0
+        self.gathered_buffers = 0
         #: Pipes whose peer has not yet read all it was sent by address, and
         #: those among them where it reads some in two halves (the transport
         #: removes a pipe under its lock when that ends).
         self.holding: set[Pipe] = set()
         self.holding_split: set[Pipe] = set()
 
-    def send(self, pipe: Pipe, payload: bytes | memoryview, buffers: list[torch.Tensor],
+    def send(self, pipe: Pipe, payload: bytes | memoryview, buffers: Sequence[Buffer],
              kind: Kind = Kind.MESSAGE, hint: int = 0, devices: list[int] | None = None) -> None:
         """Send a message on an open pipe (under its lock).
 
@@ -97,12 +101,14 @@ class Sender:
                 self.flush(pipe)  # what waits goes first
         out = None
         busy = self._contended()
+        buffers = self._join_where_needed(pipe, buffers, busy)
         remote = self._by_address(pipe, kind, buffers, busy) if pipe.cma_out else None
         if remote is not None and pipe.granted:
             remote = self._write(pipe, buffers, remote)
         if remote is None and buffers and (self._host_as_device or any(
                 b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
-            out = staging.plan(buffers, devices, staged=not pipe.direct,
+            # Every Gather is joined here (_join_where_needed).
+            out = staging.plan(cast(list[torch.Tensor], buffers), devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device)
         # Where staged or packed, the receiver allocates on the device each
         # descriptor names; REMOTE ways (by address) come only without them.
@@ -119,7 +125,8 @@ class Sender:
         pipe.out_seq += 1
         seq = pipe.out_seq
         assert pipe.ep is not None
-        held = [b for b, way in zip(buffers, remote) if way[0] == REMOTE] if remote else None
+        held = [b for b, way in zip(buffers, remote)  # tensors: REMOTE ones are never Gathers
+                if way[0] == REMOTE and isinstance(b, torch.Tensor)] if remote else None
         if held:  # before the frame: its acknowledgement may come at once
             pipe.cma_held[seq] = held
             self.read_buffers += len(held)
@@ -135,6 +142,8 @@ class Sender:
                 tag = data_tag(self.my_id, seq, i)
                 for part in (buffers[i],) if out is None else out.parts(i):
                     reqs.append((pipe.ep.tag_send(part, tag), pipe))
+                    if type(part) is Gather:
+                        self.gathered_buffers += 1
         finally:  # what went out is watched, whatever failed after it
             pipe.sent += 1
             self._track(pipe, reqs, sent)
@@ -176,11 +185,31 @@ class Sender:
                 "batches": self.batches, "batched_messages": self.batched_messages,
                 "buffers_read_by_peers": self.read_buffers,
                 "buffers_written_into_peers": self.written_buffers,
+                "buffers_sent_as_parts": self.gathered_buffers,
                 # Not yet acknowledged: what peers still may read.
                 "buffers_held_for_peers": sum(len(b) for pipe in list(self.holding)
                                               for b in list(pipe.cma_held.values()))}
 
-    def _by_address(self, pipe: Pipe, kind: Kind, buffers: list[torch.Tensor],
+    def _join_where_needed(self, pipe: Pipe, buffers: Sequence[Buffer],
+                           busy: bool) -> Sequence[Buffer]:
+        """``buffers`` with each :class:`.Gather` made one tensor where a
+        plain send cannot take its parts: host buffers treated as device
+        ones or staged beside device buffers, or read by address (from the
+        size :meth:`_by_address` would choose)."""
+        for b in buffers:
+            if type(b) is Gather:
+                break
+        else:
+            return buffers  # the common case, in a pass of type checks
+        joined = self._host_as_device or any(b.is_cuda for b in buffers)
+        least = (cma.BUSY_MIN_BYTES if busy or pipe.peer_busy else cma.MIN_BYTES) \
+            if pipe.cma_out else None
+        return [b.joined() if type(b) is Gather and (
+                    joined or b.nbytes > staging.HOST_CHUNK_OVER
+                    or (least is not None and b.nbytes >= least)) else b
+                for b in buffers]
+
+    def _by_address(self, pipe: Pipe, kind: Kind, buffers: Sequence[Buffer],
                     busy: bool) -> list[tuple[int, int, int]] | None:
         """The frame's ways when some of its buffers are to be read by
         address (host buffers of :data:`.cma.MIN_BYTES` or more, of
@@ -200,10 +229,11 @@ class Sender:
         least = cma.BUSY_MIN_BYTES if busy or pipe.peer_busy else cma.MIN_BYTES
         if largest < least or any(b.is_cuda for b in buffers):
             return None
-        return [(REMOTE, 0, b.data_ptr()) if n >= least else (0, 0, 0)
-                for b, n in zip(buffers, sizes)]
+        # (A Gather left here is below ``least``: see _join_where_needed.)
+        return [(REMOTE, 0, b.data_ptr()) if n >= least and isinstance(b, torch.Tensor)
+                else (0, 0, 0) for b, n in zip(buffers, sizes)]
 
-    def _write(self, pipe: Pipe, buffers: list[torch.Tensor],
+    def _write(self, pipe: Pipe, buffers: Sequence[Buffer],
                ways: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """``ways`` with each buffer to be read by address for which the peer
         lent us a grant written into it now (WRITTEN); the rest as they
@@ -229,7 +259,7 @@ class Sender:
             self.written_buffers += 1
         return out
 
-    def _batchable(self, payload: bytes | memoryview, buffers: list[torch.Tensor]) -> bool:
+    def _batchable(self, payload: bytes | memoryview, buffers: Sequence[Buffer]) -> bool:
         """Whether a message may wait in an outbox: small, in host memory
         and inline throughout (batch.py)."""
         total = len(payload)
@@ -243,7 +273,7 @@ class Sender:
         return total <= self.limits.inline_total
 
     def _queue_small(self, pipe: Pipe, payload: bytes | memoryview,
-                     buffers: list[torch.Tensor], hint: int) -> bool:
+                     buffers: Sequence[Buffer], hint: int) -> bool:
         """Put a message in ``pipe``'s outbox; sent at once if nothing is in
         flight any more (or the outbox is full).  False if it cannot wait
         (it would not go inline within the peer's limits): the outbox is

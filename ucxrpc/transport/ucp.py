@@ -42,8 +42,10 @@ __all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "host_address", "library", 
 _INPROGRESS = 1
 _ERR_LAST = -100  # UCS_ERR_LAST: status pointers at or above (2**64 - 100) are errors
 _ERR_FLOOR = (1 << 64) + _ERR_LAST
+_OP_ATTR_FIELD_DATATYPE = 1 << 3
 _OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 _MEMORY_TYPE_HOST = 0
+_DATATYPE_IOV = 2  # ucp_dt_make_iov(): the buffer is an array of ucp_dt_iov_t
 #: A tag mask that matches every bit: the one message with exactly that tag.
 FULL_MASK = (1 << 64) - 1
 
@@ -207,6 +209,10 @@ class Ucp:
         self._param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE,
                                     memory_type=_MEMORY_TYPE_HOST)
         self._param_address = ctypes.addressof(self._param)
+        self._iov_param = _RequestParam(
+            op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE | _OP_ATTR_FIELD_DATATYPE,
+            memory_type=_MEMORY_TYPE_HOST, datatype=_DATATYPE_IOV)
+        self._iov_param_address = ctypes.addressof(self._iov_param)
 
     def failure(self, status: int) -> BrokenError:
         return BrokenError(f"UCX request failed: {self._status_string(status).decode()} "
@@ -223,6 +229,13 @@ class Ucp:
         """Send host array ``buf`` on endpoint handle ``ep``."""
         return self._outcome(self._send(ep, host_address(buf), buf.nbytes, tag,
                                         self._param_address), buf)
+
+    def send_iov(self, ep: int, iov: np.ndarray, tag: int, keep: Any) -> UcpRequest | _Completed:
+        """Send the host memory that ``iov`` lists ((address, length) pairs,
+        uint64) as one message on endpoint handle ``ep``; ``keep`` holds
+        that memory and ``iov`` until UCX is done with them."""
+        return self._outcome(self._send(ep, host_address(iov), iov.size // 2, tag,
+                                        self._iov_param_address), keep)
 
     def transports(self, ep: int) -> list[tuple[str, str]]:
         """(transport, device) per lane of endpoint handle ``ep``, as UCX

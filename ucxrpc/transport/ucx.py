@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import BrokenError, ConnectError
+from .gather import Gather
 from .lifeline import keepalive_schedule
 from .ucp import library, ucp
 
@@ -343,11 +344,13 @@ class Endpoint:
         on_error(BrokenError(f"UCX endpoint failed: {status}"))
 
     def tag_send(self, buf: Any, tag: int) -> Request:
-        """Send ``buf`` with ``tag``: host arrays directly, the rest through
-        ucxx.  Only while open (callers hold the pipe's lock, as
+        """Send ``buf`` with ``tag``: host arrays and a :class:`.Gather`'s
+        parts directly, the rest through ucxx.  Only while open (callers hold the pipe's lock, as
         :meth:`close`'s callers do)."""
         if not self._handle:
             raise BrokenError("UCX endpoint already closed")
+        if type(buf) is Gather:
+            return self._ucp.send_iov(self._handle, buf.iov, tag, buf)
         arr = _host_array(buf)
         if arr is not None:
             return self._ucp.send(self._handle, arr, tag)
