@@ -262,7 +262,8 @@ _UNTRACKED_MIN = 4
 
 
 def _as_bytes(buffers: list[Any]) -> list[Buffer]:
-    """The uint8 tensors for what a dump put in ``buffers``, all made at once.
+    """The uint8 tensors for what a dump put in ``buffers``, all made at once
+    (a list of Buffer, as the bundles added after them may be Gathers).
 
     Each is a tensor (a 1-D stride-1 one, or already bytes: a numpy array's)
     whose bytes are ``view(uint8)``, half the cost of ``set_``, or a (storage,

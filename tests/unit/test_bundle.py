@@ -212,6 +212,16 @@ def test_a_large_bundle_of_one_dtype_is_sent_from_its_tensors():
     assert all(torch.equal(back[k], msg[k]) for k in msg)
 
 
+
+def test_a_gathered_tensor_that_requires_grad_arrives_with_its_flag():
+    msg = [torch.full((1024,), float(i)) for i in range(99)] + [torch.ones(1024, requires_grad=True)]
+    p = SER.dumps(msg)  # not a run (one requires grad): each bundled alone
+    (g,) = p.buffers
+    assert isinstance(g, Gather) and not g.joined().requires_grad
+    back = SER.loads(p.payload, p.buffers)
+    assert [t.requires_grad for t in back] == [False] * 99 + [True]
+    assert all(t.is_leaf and torch.equal(a, t.detach()) for a, t in zip(msg, back))
+
 @pytest.mark.parametrize("case", ["small", "two-dtypes", "negated", "zero", "serial-bound"])
 def test_a_bundle_is_joined_where_its_bytes_must_be_copied_anyway_or_are_not_its_values(case):
     msg = [torch.full((1024,), float(i)) for i in range(100)]

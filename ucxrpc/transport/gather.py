@@ -7,7 +7,8 @@ its shared-memory fragments.  A :class:`Gather` lists the tensors instead,
 and UCX is handed their addresses as one I/O vector (``UCP_DATATYPE_IOV``):
 it copies each straight into its fragments, and the receiver gets one
 contiguous buffer as before, so the wire does not change.  The 100 × 4 KiB
-dict echo took 90-160 µs less per round trip (benchmarks/RESULTS.md, Run AB).
+dict echo took ~7% less time and ~9% less CPU (benchmarks/RESULTS.md,
+Run AB).
 
 Only a plain UCX send takes the parts.  Wherever the buffer must be one
 block of memory (inline in a frame, read by address, staged, a call to
@@ -53,8 +54,11 @@ class Gather:
         return self.nbytes
 
     def joined(self) -> torch.Tensor:
-        """A uint8 tensor of its own holding the parts' bytes, back to back."""
-        return torch.cat(self.parts).view(torch.uint8)
+        """A uint8 tensor of its own holding the parts' bytes, back to back
+        (bytes only: the cat records no autograd step for a part that
+        requires grad)."""
+        with torch.no_grad():
+            return torch.cat(self.parts).view(torch.uint8)
 
     def __repr__(self) -> str:
         return f"Gather({len(self.parts)} parts, {self.nbytes} bytes)"
