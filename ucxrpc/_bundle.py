@@ -314,7 +314,7 @@ class Packer:
                 groups = [[m.view(-1) for m in members] for members in groups]
             buffers: list[Buffer]
             if len(order) == 1:
-                buffers = [_unjoined(groups[0], self.sizes, order[0], large)
+                buffers = [_unjoined(groups[0], self.sizes, self.nbytes, order[0], large)
                            or _gather(groups[0], large)]
             else:
                 buffers = [_gather(members, large) for members in groups]
@@ -322,9 +322,10 @@ class Packer:
         return MARK + _LEN.pack(len(table)) + table + stream, buffers
 
 
-def _unjoined(members: list[torch.Tensor], sizes: list[int], code: int,
+def _unjoined(members: list[torch.Tensor], sizes: list[int], nbytes: int, code: int,
               large: bool) -> Gather | None:
-    """``members`` (1-D, of dtype ``code``, ``sizes`` bytes each) as a
+    """``members`` (1-D, of dtype ``code``, ``sizes`` bytes each, ``nbytes``
+    in all) as a
     :class:`~.transport.gather.Gather`, sent from where they are, or None
     where they are to be joined now: a bundle the transport would copy into
     its frame anyway (:data:`MAX_TENSOR_BYTES`, its default inline
@@ -332,13 +333,13 @@ def _unjoined(members: list[torch.Tensor], sizes: list[int], code: int,
     negated or conjugated, or a zero tensor without bytes).  Only for
     bundles of one dtype, the common case: with several, the table's
     bundles and their buffers stay in one simple order."""
-    if large or sum(sizes) <= MAX_TENSOR_BYTES or any(map(_is_neg, members)) or (
+    if large or nbytes <= MAX_TENSOR_BYTES or any(map(_is_neg, members)) or (
             code in _COMPLEX_CODES and any(map(_is_conj, members))):
         return None
     addresses = list(map(_data_ptr, members))
     if 0 in addresses:
         return None
-    return Gather(members, addresses, sizes)
+    return Gather(members, addresses, sizes, nbytes)
 
 
 def _gather(members: list[torch.Tensor], large: bool) -> torch.Tensor:

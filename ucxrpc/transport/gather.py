@@ -30,7 +30,7 @@ _CPU = torch.device("cpu")
 class Gather:
     """``parts`` (contiguous 1-D host tensors of one dtype, none lazily
     negated or conjugated, each at ``addresses[i]`` and ``sizes[i]`` bytes
-    long) sent as one buffer of their bytes back to back.
+    long, ``nbytes`` in all) sent as one buffer of their bytes back to back.
 
     Where the transport reads a buffer's size and device, it reads them as
     a 1-D uint8 host tensor's (``numel()``, ``is_cuda``, ``device``).
@@ -40,9 +40,10 @@ class Gather:
     is_cuda = False
     device = _CPU
 
-    def __init__(self, parts: list[torch.Tensor], addresses: list[int], sizes: list[int]) -> None:
+    def __init__(self, parts: list[torch.Tensor], addresses: list[int], sizes: list[int],
+                 nbytes: int) -> None:
         self.parts = parts
-        self.nbytes = sum(sizes)
+        self.nbytes = nbytes  # sum(sizes), which the caller knows already
         # ucp_dt_iov_t: (address, length) pairs, read by UCX until the send
         # completes (the request keeps this object alive).
         self.iov = np.empty(2 * len(parts), dtype=np.uint64)

@@ -45,6 +45,12 @@ def _host_views(buffers: Sequence[Buffer]) -> list[tuple[int, memoryview | None,
     return [(b.numel(), None if isinstance(b, Gather) else b.numpy().data, -1) for b in buffers]
 
 
+def _least_by_address(pipe: Pipe, busy: bool) -> int:
+    """The smallest host buffer sent to ``pipe``'s peer by address: sooner
+    where this loop (``busy``) or the peer's may not poll."""
+    return cma.BUSY_MIN_BYTES if busy or pipe.peer_busy else cma.MIN_BYTES
+
+
 class Sender:
     """Encodes and sends messages for one worker.
 
@@ -202,8 +208,7 @@ class Sender:
         else:
             return buffers  # the common case, in a pass of type checks
         joined = self._host_as_device or any(b.is_cuda for b in buffers)
-        least = (cma.BUSY_MIN_BYTES if busy or pipe.peer_busy else cma.MIN_BYTES) \
-            if pipe.cma_out else None
+        least = _least_by_address(pipe, busy) if pipe.cma_out else None
         return [b.joined() if type(b) is Gather and (
                     joined or b.nbytes > staging.HOST_CHUNK_OVER
                     or (least is not None and b.nbytes >= least)) else b
@@ -226,7 +231,7 @@ class Sender:
         largest = max(sizes)
         if largest < cma.BUSY_MIN_BYTES:
             return None
-        least = cma.BUSY_MIN_BYTES if busy or pipe.peer_busy else cma.MIN_BYTES
+        least = _least_by_address(pipe, busy)
         if largest < least or any(b.is_cuda for b in buffers):
             return None
         # (A Gather left here is below ``least``: see _join_where_needed.)
