@@ -58,14 +58,17 @@ def _ucx_cuda(name: str, loaded: set[str], cuda_ok: bool) -> tuple[bool, str]:
     """Whether UCX loaded CUDA transport ``name`` for this process, and why not."""
     import ctypes
 
-    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if name in loaded:
         if name == "cuda_ipc" and "cuda_copy" not in loaded:
             return False, "loaded without cuda_copy: UCX cannot detect device memory"
-        if name == "cuda_ipc" and ("expandable_segments:True" in alloc
-                                   or "cudaMallocAsync" in alloc):
-            return False, (f"PYTORCH_CUDA_ALLOC_CONF={alloc!r} makes memory CUDA IPC cannot "
-                           "share: UCX stages it through fragments")
+        if name == "cuda_ipc" and cuda_ok:
+            import torch
+
+            from .transport import cudactx
+
+            shareable, why = cudactx.ipc_shareable(torch.cuda.current_device())
+            if not shareable:
+                return False, why + ": ucxrpc stages CUDA tensors through host memory"
         return True, {"cuda_copy": "UCX detects and copies device memory",
                       "cuda_ipc": "processes on one GPU read each other's memory"}.get(name, name)
     if not cuda_ok:

@@ -92,6 +92,36 @@ def test_cuda_ipc_without_cuda_copy_is_safe():
     assert tls == "sm,cuda_ipc,cuda_copy"
 
 
+# Memory CUDA IPC cannot share (torch's expandable segments, set at run
+# time): the pipe stages it itself and says so.  Before, the pipe called
+# itself gpu-direct and UCX fell back inside each transfer: 0.5 GB/s, with
+# progress calls of up to 2.1 s (H200, 2026-11-27).
+def _expandable(rank, world_size, init_method):
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    import ucxrpc as rpc
+    from ucxrpc.transport import cudactx
+
+    init(rank, world_size, init_method, BOTH)
+    out = None
+    if rank == 0:
+        t = torch.full((N,), 3.0, device="cuda")
+        back = rpc.rpc_sync("worker1", torch.add, (t, 1.0))
+        info = rpc.get_pipe_info("worker1")[0]
+        out = (cudactx.ipc_shareable(0), info["cuda_path"], back.device.type,
+               float(back.double().sum().item()), rpc._get_debug_info())
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.gpu
+def test_memory_cuda_ipc_cannot_share_is_staged_and_arrives():
+    (shareable, why), path, device, total, stats = run_workers(_expandable, 2, timeout=150)[0]
+    assert not shareable and "cannot share" in why, why
+    assert path == "staged"
+    assert device == "cuda" and total == 4.0 * N
+    assert stats["staged_bytes"] >= 4 * N, stats
+
+
 # 8. UCX_MEMTYPE_CACHE=n reaches libucs in a worker started without it (a
 #    pytest parent that imported ucxx has put it in the environment the
 #    ranks inherit: removed first, as in a script run on its own; nothing

@@ -21,11 +21,12 @@ process, as torch's does).
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Sequence
 
 import torch
 
-__all__ = ["make_current", "wanted_device"]
+__all__ = ["ipc_shareable", "make_current", "wanted_device"]
 
 _CUDA_NAMES = ("cuda", "gdr")  # transports= names that bring UCX's CUDA support
 
@@ -79,3 +80,36 @@ def make_current(device: int) -> None:
         if code != 0:
             raise RuntimeError(f"{call} failed with CUDA error {code} making cuda:{device}'s "
                                "context current for UCX")
+
+
+# cuPointerGetAttribute's selector (cuda.h; the driver API keeps it stable).
+_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+
+
+def ipc_shareable(device: int) -> tuple[bool, str]:
+    """Whether torch's allocator gives memory on ``device`` that another
+    process can map through CUDA IPC, and why not.
+
+    UCX's ``cuda_ipc`` shares plain ``cudaMalloc`` memory, and of memory
+    made by CUDA's virtual memory API only allocations exported as fabric
+    handles (UCX 1.21, ``cuda_ipc_md.c``).  torch's expandable segments and
+    its ``cudaMallocAsync`` backend make neither, and UCX then falls back
+    inside the rendezvous: 0.5 GB/s and progress calls of 1.4-2.1 s for 64
+    MiB-1 GiB on an H200, against 5.3-6.4 GB/s staged by ucxrpc (2026-11-27,
+    benchmarks/RESULTS.md Run AC).  A probe tensor asks the driver, so a
+    setting made at run time (``torch.cuda.memory._set_allocator_settings``)
+    counts as well as PYTORCH_CUDA_ALLOC_CONF.
+    """
+    lib = ctypes.CDLL("libcuda.so.1")
+    probe = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", device))
+    flag = ctypes.c_int(0)
+    code = lib.cuPointerGetAttribute(ctypes.byref(flag), _IS_LEGACY_CUDA_IPC_CAPABLE,
+                                     ctypes.c_uint64(probe.data_ptr()))
+    if code != 0:
+        return False, f"cuPointerGetAttribute failed with CUDA error {code}"
+    if flag.value:
+        return True, "torch's allocator gives memory CUDA IPC shares"
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    return False, ("torch's allocator gives memory CUDA IPC cannot share (expandable segments "
+                   "or cudaMallocAsync" + (f"; PYTORCH_CUDA_ALLOC_CONF={conf!r}" if conf else "")
+                   + ")")

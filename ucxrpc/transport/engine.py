@@ -127,7 +127,8 @@ class Transport:
         self.cma_offer = cma.offer() if cma.allowed(effective_tls(transports)) else None
         # Whether this side's UCX takes device memory; a pipe is GPU-direct
         # when both sides' do, and stages device buffers otherwise.
-        self.cuda_direct = self._worker.cuda_memory and not self._host_as_device
+        self.cuda_direct = (self._worker.cuda_memory and not self._host_as_device
+                            and self._ipc_fits())
         self._pipes: dict[int, Pipe] = {}
         self._tasks: deque[Callable[[], None]] = deque()
         self._inflight: deque[tuple[Request, Any]] = deque()
@@ -470,6 +471,24 @@ class Transport:
             logger.warning("UCX may fail to move CUDA memory: %s", exc)
             return f"failed: {exc}"
         return f"cuda:{self._cuda_device}"
+
+    def _ipc_fits(self) -> bool:
+        """False where UCX loaded cuda_ipc but torch's allocator makes memory
+        CUDA IPC cannot share: UCX would pick cuda_ipc for a peer on this
+        host and fall back inside each transfer (cudactx.ipc_shareable), so
+        device buffers are better staged by ucxrpc, on every pipe (across
+        hosts it would not matter, but a worker publishes one word)."""
+        if self._cuda_device is None or "cuda_ipc" not in self._worker.loaded:
+            return True
+        try:
+            ok, why = cudactx.ipc_shareable(self._cuda_device)
+        except (OSError, RuntimeError) as exc:
+            logger.warning("could not ask CUDA whether memory is shareable: %s", exc)
+            return True
+        if not ok:
+            logger.warning("%s: CUDA tensors to and from this worker are staged through "
+                           "pinned host memory, not sent GPU-direct over cuda_ipc", why)
+        return ok
 
     # ------------------------------------------------------------- failure
 

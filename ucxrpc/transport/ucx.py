@@ -414,6 +414,7 @@ class Worker:
         resources = _resources(str(self._ctx.info))
         self.cuda_memory: bool = cuda_memory(bool(self._ctx.cuda_support), resources)
         loaded = {t for t, _ in resources}
+        self.loaded: frozenset[str] = frozenset(loaded)  # the transports UCX loaded
         if loaded & _NEED_CUDA_COPY and not self.cuda_memory:
             logger.warning("UCX loaded %s without cuda_copy, so it cannot detect device "
                            "memory: CUDA tensors are staged through host memory (add "
