@@ -104,7 +104,7 @@ def _measure(impl, variant, rank, port, sizes, repeat, out):
             pipe = rpc.get_pipe_info("worker1")[0]
             res["pipe"] = f"{pipe['cuda_path']} over {','.join(pipe['transports'])}"
             res["stats"] = {k: v for k, v in rpc._get_debug_info().items()
-                            if k in ("staged_bytes", "packed_buffers")}
+                            if k in ("staged_bytes", "bounced_bytes", "packed_buffers")}
         out.put(("ok", rank, res))
     finally:
         rpc.shutdown()

@@ -19,7 +19,8 @@
 #   bench-ucxrpc  `ucxrpc bench --device cuda` against torch and raw ucxx (JSON, PNG)
 #   expandable    bench_cuda at 64 MiB and 1 GiB under
 #             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (memory CUDA
-#             IPC cannot share: the pipe must stop calling itself gpu-direct)
+#             IPC cannot share: it must go through bounce buffers, bounced_bytes
+#             counted, not UCX's own fallback at 0.5 GB/s)
 #
 # Every step runs under `timeout`, writes <step>.log in the report directory,
 # and a failing step does not stop the next; a summary of which steps failed
@@ -39,6 +40,7 @@
 # of its own and tar that, e.g. (all of it took 215 s on an H100, 2026-11-26):
 #   bash benchmarks/gpu_check.sh /tmp/r facts info proto pytest perftest;
 #   tar czf "$OUT/r.tgz" -C /tmp r
+# (On an H200, 2026-11-27, every step with the benches at 3-4 sizes took 327 s.)
 set -u
 
 cd "$(dirname "$0")/.." || exit 2

@@ -64,11 +64,14 @@ def _ucx_cuda(name: str, loaded: set[str], cuda_ok: bool) -> tuple[bool, str]:
         if name == "cuda_ipc" and cuda_ok:
             import torch
 
-            from .transport import cudactx
+            from .transport import bounce, cudactx
 
             shareable, why = cudactx.ipc_shareable(torch.cuda.current_device())
             if not shareable:
-                return False, why + ": ucxrpc stages CUDA tensors through host memory"
+                bounced, bounce_why = bounce.usable()
+                return False, why + (f": CUDA tensors go through buffers it can share ({bounce_why})"
+                                     if bounced else f", and {bounce_why}: CUDA tensors are staged "
+                                     "through host memory")
         return True, {"cuda_copy": "UCX detects and copies device memory",
                       "cuda_ipc": "processes on one GPU read each other's memory"}.get(name, name)
     if not cuda_ok:

@@ -93,10 +93,16 @@ def test_cuda_ipc_without_cuda_copy_is_safe():
 
 
 # Memory CUDA IPC cannot share (torch's expandable segments, set at run
-# time): the pipe stages it itself and says so.  Before, the pipe called
-# itself gpu-direct and UCX fell back inside each transfer: 0.5 GB/s, with
-# progress calls of up to 2.1 s (H200, 2026-11-27).
-def _expandable(rank, world_size, init_method):
+# time).  Before, the pipe sent it as any other and UCX fell back inside
+# each transfer: 0.5 GB/s, with progress calls of up to 2.1 s (H200,
+# 2026-11-27).  Now it goes through device buffers CUDA IPC can share
+# (bounce.py), or without CuPy is staged through host memory; the result is
+# the same either way.
+def _expandable(rank, world_size, init_method, cupy):
+    import sys
+
+    if not cupy:
+        sys.modules["cupy"] = None  # import cupy raises ImportError
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     import ucxrpc as rpc
     from ucxrpc.transport import cudactx
@@ -114,12 +120,18 @@ def _expandable(rank, world_size, init_method):
 
 
 @pytest.mark.gpu
-def test_memory_cuda_ipc_cannot_share_is_staged_and_arrives():
-    (shareable, why), path, device, total, stats = run_workers(_expandable, 2, timeout=150)[0]
+@pytest.mark.parametrize("cupy", [True, False], ids=["bounced", "staged-without-cupy"])
+def test_memory_cuda_ipc_cannot_share_still_arrives(cupy):
+    (shareable, why), path, device, total, stats = run_workers(
+        _expandable, 2, args=(cupy,), timeout=150)[0]
     assert not shareable and "cannot share" in why, why
-    assert path == "staged"
     assert device == "cuda" and total == 4.0 * N
-    assert stats["staged_bytes"] >= 4 * N, stats
+    if cupy:
+        assert path == "gpu-direct"
+        assert stats["bounced_bytes"] >= 4 * N and stats["staged_bytes"] == 0, stats
+    else:
+        assert path == "staged"
+        assert stats["staged_bytes"] >= 4 * N and stats["bounced_bytes"] == 0, stats
 
 
 # 8. UCX_MEMTYPE_CACHE=n reaches libucs in a worker started without it (a

@@ -95,8 +95,8 @@ def ipc_shareable(device: int) -> tuple[bool, str]:
     handles (UCX 1.21, ``cuda_ipc_md.c``).  torch's expandable segments and
     its ``cudaMallocAsync`` backend make neither, and UCX then falls back
     inside the rendezvous: 0.5 GB/s and progress calls of 1.4-2.1 s for 64
-    MiB-1 GiB on an H200, against 5.3-6.4 GB/s staged by ucxrpc (2026-11-27,
-    benchmarks/RESULTS.md Run AC).  A probe tensor asks the driver, so a
+    MiB-1 GiB on an H200, against 35-339 GB/s through buffers that can be
+    shared (:mod:`.bounce`; 2026-11-27, benchmarks/RESULTS.md Run AC).  A probe tensor asks the driver, so a
     setting made at run time (``torch.cuda.memory._set_allocator_settings``)
     counts as well as PYTORCH_CUDA_ALLOC_CONF.
     """

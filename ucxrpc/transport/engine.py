@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import AuthenticationError, BrokenError, ClosedError
-from . import canary, cma, cudactx, progress, staging
+from . import bounce, canary, cma, cudactx, progress, staging
 from .by_address import ByAddress
 from .frame import Kind, Limits, check_limits
 from .gather import Buffer
@@ -127,6 +127,7 @@ class Transport:
         self.cma_offer = cma.offer() if cma.allowed(effective_tls(transports)) else None
         # Whether this side's UCX takes device memory; a pipe is GPU-direct
         # when both sides' do, and stages device buffers otherwise.
+        self._bounce = False  # set by _ipc_fits
         self.cuda_direct = (self._worker.cuda_memory and not self._host_as_device
                             and self._ipc_fits())
         self._pipes: dict[int, Pipe] = {}
@@ -135,7 +136,7 @@ class Transport:
         self._sender = Sender(my_id=my_id, limits=limits,
                               host_as_device=self._host_as_device, inflight=self._inflight,
                               wake=self.wake, failed=self._send_failed,
-                              contended=self._contended)
+                              contended=self._contended, bounce=self._bounce)
         self._by_address = ByAddress(sender=self._sender, send=self._send_or_queue,
                                      endpoint=self._endpoint,
                                      offered=self.cma_offer is not None)
@@ -157,7 +158,7 @@ class Transport:
                             on_handshake=self._handshake.on_frame, adopt=self._adopt,
                             on_read=self._by_address.read_done,
                             on_ack=self._by_address.on_ack, on_cma=self._by_address.on_frame,
-                            grants=self._grants)
+                            grants=self._grants, bounce=self._bounce)
         self._closing = False
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
                                   host_timeout=host_timeout, pipes=self._pipes,
@@ -473,11 +474,13 @@ class Transport:
         return f"cuda:{self._cuda_device}"
 
     def _ipc_fits(self) -> bool:
-        """False where UCX loaded cuda_ipc but torch's allocator makes memory
-        CUDA IPC cannot share: UCX would pick cuda_ipc for a peer on this
-        host and fall back inside each transfer (cudactx.ipc_shareable), so
-        device buffers are better staged by ucxrpc, on every pipe (across
-        hosts it would not matter, but a worker publishes one word)."""
+        """Whether device memory can go to UCX as it is, where UCX loaded
+        cuda_ipc: torch's allocator may make memory CUDA IPC cannot share,
+        and UCX would pick cuda_ipc for a peer on this host and fall back
+        inside each transfer (cudactx.ipc_shareable).  Then device buffers
+        go through buffers that can be shared (bounce.py, one device copy
+        each side), or without CuPy are staged by ucxrpc (False), on every
+        pipe: a worker publishes one word, not one per peer."""
         if self._cuda_device is None or "cuda_ipc" not in self._worker.loaded:
             return True
         try:
@@ -485,10 +488,17 @@ class Transport:
         except (OSError, RuntimeError) as exc:
             logger.warning("could not ask CUDA whether memory is shareable: %s", exc)
             return True
-        if not ok:
-            logger.warning("%s: CUDA tensors to and from this worker are staged through "
-                           "pinned host memory, not sent GPU-direct over cuda_ipc", why)
-        return ok
+        if ok:
+            return True
+        self._bounce, bounce_why = bounce.usable()
+        if self._bounce:
+            logger.warning("%s: CUDA tensors to and from this worker go through device "
+                           "buffers CUDA IPC can share (%s), one device copy each side", why,
+                           bounce_why)
+        else:
+            logger.warning("%s, and %s: CUDA tensors to and from this worker are staged "
+                           "through pinned host memory", why, bounce_why)
+        return self._bounce
 
     # ------------------------------------------------------------- failure
 

@@ -37,13 +37,14 @@ class CudaPath(enum.Enum):
     #: ``cuda_ipc`` lane: UCX moves it through its own bounce buffers
     #: (cuda_copy pipelines over sm or tcp; or GPUDirect RDMA, where an RDMA
     #: NIC registers device memory, which the lanes cannot show).  Memory
-    #: that CUDA IPC cannot export is not sent this way: see STAGED.
+    #: that CUDA IPC cannot export goes through buffers that it can
+    #: (bounce.py), as UCX would otherwise fall back, slowly, on that lane.
     UCX_STAGED = "ucx-staged"
     #: ucxrpc stages device memory through pinned host chunks itself: one
     #: side's UCX has no CUDA support, one side's torch allocator makes
-    #: memory CUDA IPC cannot share (expandable segments, cudaMallocAsync:
-    #: UCX's fallback on a cuda_ipc lane is 10x slower), or the
-    #: host-as-device debug switch.
+    #: memory CUDA IPC cannot share and CuPy, which bounce.py needs for
+    #: memory that can be, is missing there, or the host-as-device debug
+    #: switch.
     STAGED = "staged"
 
 

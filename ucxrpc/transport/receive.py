@@ -67,6 +67,8 @@ class Receiver:
             the sender's does: see :meth:`.pool.HostPool.alloc`).
         host_as_device: the debug switch of :mod:`.staging`.
         cuda_direct: whether this side's UCX takes device memory.
+        bounce: device buffers sent directly land in buffers CUDA IPC can
+            share, then are copied into their own (:mod:`.bounce`).
         on_message: ``(peer_id, payload, buffers)`` per complete message.
         on_frame_error: ``(peer_id, hint, error)`` for an authenticated
             peer's message that could not be taken (a limit, a failed
@@ -93,8 +95,10 @@ class Receiver:
                  on_handshake: Callable[[Pipe, Frame], None],
                  adopt: Callable[[int, Pipe | None], Pipe | None],
                  on_read: Callable[[Pipe], None], on_ack: Callable[[Pipe, int], None],
-                 on_cma: Callable[[Pipe, Frame], None], grants: Grants) -> None:
+                 on_cma: Callable[[Pipe, Frame], None], grants: Grants,
+                 bounce: bool = False) -> None:
         self._worker = worker
+        self._bounce = bounce
         self.limits = limits
         self._pipes = pipes
         self._watch = watch
@@ -287,8 +291,10 @@ class Receiver:
                 self._watch.append((self._worker.tag_recv(target, tag), msg))
             msg.waiting += count
             return target
-        if d.flags & STAGED:
-            for landing in staging.landings(target, d, self._host_as_device):
+        if d.flags & STAGED or self._bounce and target.is_cuda and d.nbytes:
+            landings = (staging.landings(target, d, self._host_as_device) if d.flags & STAGED
+                        else [staging.bounced_landing(target)])
+            for landing in landings:
                 req = self._worker.tag_recv(landing.into, tag)
                 msg.waiting += 1
                 self._watch.append((req, msg if landing.then is None

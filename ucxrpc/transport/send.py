@@ -70,8 +70,12 @@ class Sender:
     def __init__(self, *, my_id: int, limits: Limits, host_as_device: bool,
                  inflight: deque[tuple[Request, Any]], wake: Callable[[], None],
                  failed: Callable[[Pipe, BaseException], None],
-                 contended: Callable[[], bool] = lambda: False) -> None:
+                 contended: Callable[[], bool] = lambda: False, bounce: bool = False) -> None:
         self.my_id = my_id
+        # Device buffers sent directly go through buffers CUDA IPC can
+        # share: this process's own device memory cannot be (bounce.py).
+        self._bounce = bounce
+        self.bounced_bytes = 0
         self._contended = contended
         self.limits = limits
         self._host_as_device = host_as_device
@@ -115,7 +119,7 @@ class Sender:
                 b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
             # Every Gather is joined here (_join_where_needed).
             out = staging.plan(cast(list[torch.Tensor], buffers), devices, staged=not pipe.direct,
-                               host_as_device=self._host_as_device)
+                               host_as_device=self._host_as_device, bounced=self._bounce)
         # Where staged or packed, the receiver allocates on the device each
         # descriptor names; REMOTE ways (by address) come only without them.
         views, ways = (_host_views(buffers), remote) if out is None else (out.views, out.ways)
@@ -151,6 +155,8 @@ class Sender:
                     if type(part) is Gather:
                         self.gathered_buffers += 1
         finally:  # what went out is watched, whatever failed after it
+            if out is not None:
+                self.bounced_bytes += out.bounced_bytes
             pipe.sent += 1
             self._track(pipe, reqs, sent)
 
@@ -187,7 +193,8 @@ class Sender:
                     self.flush(pipe)
 
     def stats(self) -> dict[str, int]:
-        return {"staged_bytes": self.staged_bytes, "packed_buffers": self.packed_buffers,
+        return {"staged_bytes": self.staged_bytes, "bounced_bytes": self.bounced_bytes,
+                "packed_buffers": self.packed_buffers,
                 "batches": self.batches, "batched_messages": self.batched_messages,
                 "buffers_read_by_peers": self.read_buffers,
                 "buffers_written_into_peers": self.written_buffers,

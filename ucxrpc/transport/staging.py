@@ -40,10 +40,11 @@ from typing import Any
 import torch
 
 from .. import _kernels
+from . import bounce
 from .frame import PACK, PACKED, REMOTE, STAGED, WRITTEN, BufferDesc
 
 __all__ = ["CHUNK_BYTES", "PACK_MAX_BYTES", "PACK_MIN_COUNT", "Outgoing", "Landing",
-           "debug_host_as_device", "finish", "landings", "plan"]
+           "bounced_landing", "debug_host_as_device", "finish", "landings", "plan"]
 
 CHUNK_BYTES = 4 << 20
 PACK_MIN_COUNT = 8
@@ -108,6 +109,10 @@ class Outgoing:
     host_as_device: bool = False
     staged_bytes: int = 0
     packed: int = 0
+    #: Device buffers sent directly go through a buffer CUDA IPC can share
+    #: (this process's own memory cannot be shared: bounce.py).
+    bounce: bool = False
+    bounced_bytes: int = 0
 
     def parts(self, i: int) -> Iterator[torch.Tensor]:
         """What to send for buffer ``i``: itself, or its host chunks in order,
@@ -115,7 +120,11 @@ class Outgoing:
         keep running meanwhile)."""
         buf = self.buffers[i]
         if not self.ways[i][0] & STAGED:
-            yield buf
+            if self.bounce and buf.is_cuda and buf.numel():
+                self.bounced_bytes += buf.numel()
+                yield _bounced(buf)
+            else:
+                yield buf
             return
         if not buf.is_cuda and not self.host_as_device:  # a large host buffer
             for start, end in chunk_spans(buf.numel(), HOST_CHUNK_BYTES):
@@ -142,13 +151,28 @@ class Outgoing:
             yield part
 
 
+def _bounced(buf: torch.Tensor) -> torch.Tensor:
+    """``buf`` copied into a buffer CUDA IPC can share, once the copy is done
+    (the sender's pending work on ``buf`` is complete already: devices.py)."""
+    device = buf.device.index or 0
+    out = bounce.take(buf.numel(), device)
+    stream = _side_stream(device, "out")
+    with torch.cuda.stream(stream):
+        out.copy_(buf, non_blocking=True)
+    stream.synchronize()
+    return out
+
+
 def plan(buffers: Sequence[torch.Tensor], targets: Sequence[int] | None, *, staged: bool,
-         host_as_device: bool, chunk: int = CHUNK_BYTES) -> Outgoing | None:
+         host_as_device: bool, chunk: int = CHUNK_BYTES,
+         bounced: bool = False) -> Outgoing | None:
     """The way out for a message with device buffers; None when it has none
     (the plain path, untouched).
 
     ``targets``: the peer's device for each buffer (-1 host), or None for
     where it is here.  ``staged``: the pipe cannot carry device memory.
+    ``bounced``: device buffers it carries go through buffers CUDA IPC can
+    share (:mod:`.bounce`).
     """
     def device_like(b: torch.Tensor) -> bool:
         return b.is_cuda or host_as_device
@@ -189,7 +213,8 @@ def plan(buffers: Sequence[torch.Tensor], targets: Sequence[int] | None, *, stag
         views.append((b.numel(), host_view, dest))
     staged_bytes = sum(b.numel() for b, w in zip(out_bufs, ways)
                        if w[0] & STAGED and (b.is_cuda or host_as_device))
-    return Outgoing(out_bufs, views, ways, chunk, host_as_device, staged_bytes, packed)
+    return Outgoing(out_bufs, views, ways, chunk, host_as_device, staged_bytes, packed,
+                    bounced and not staged)
 
 
 @dataclass(frozen=True)
@@ -215,6 +240,24 @@ def landings(target: torch.Tensor, desc: BufferDesc, host_as_device: bool) -> li
         part = _host(e - s, target.is_cuda)
         out.append(Landing(part, functools.partial(_copy_in, target[s:e], part)))
     return out
+
+
+def bounced_landing(target: torch.Tensor) -> Landing:
+    """Where a device buffer sent directly lands when this process's own
+    device memory cannot be shared by CUDA IPC: a buffer that can, copied
+    into ``target`` once there (:mod:`.bounce`)."""
+    into = bounce.take(target.numel(), target.device.index or 0)
+    return Landing(into, functools.partial(_copy_out_of_bounce, target, into))
+
+
+def _copy_out_of_bounce(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # Waited for here: torch does not record streams on memory it did not
+    # allocate, so ``src`` goes back to the pool when this returns (30 us
+    # for 64 MiB at the device's 2 TB/s).
+    stream = _side_stream(dst.device.index or 0, "in")
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    stream.synchronize()
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:

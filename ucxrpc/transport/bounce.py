@@ -1,0 +1,58 @@
+"""Device buffers CUDA IPC can share, for a process whose torch allocator
+makes none.
+
+With expandable segments or the ``cudaMallocAsync`` backend, torch's device
+memory is of a kind UCX's ``cuda_ipc`` cannot export (:func:`.cudactx.ipc_shareable`).
+Rather than stage such tensors through host memory (5 GB/s on an H200
+where a device copy moves 2 TB/s), a sender copies each device buffer into
+one of these on a side stream and hands UCX that, and a receiver lands each
+in one and copies it into the tensor torch allocated.  They come from a pool
+of CuPy's own, which takes its memory with plain ``cudaMalloc``: CUDA IPC
+shares it, and UCX's cuda_ipc caches the peer's mapping of a block reused
+from the pool instead of opening a new one each time.  A buffer goes back to
+the pool when its tensor is dropped: the sender's once UCX completed the
+send, the receiver's once the message's copies are synchronised
+(:func:`.staging.finish`), so no stream can still use it.  Without CuPy the
+worker stages device memory instead (engine.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["take", "usable"]
+
+
+def usable() -> tuple[bool, str]:
+    """Whether buffers can be taken here, and why not."""
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # missing, or a CuPy that cannot reach the driver
+        return False, f"CuPy is not usable ({type(exc).__name__}: {exc})"
+    return True, "CuPy's cudaMalloc pool"
+
+
+@functools.cache
+def _pool(device: int) -> Any:
+    import cupy
+
+    # A pool of our own: the user's CuPy arrays keep theirs, and a limit
+    # set on the default pool does not apply to buffers in flight.
+    with cupy.cuda.Device(device):
+        return cupy.cuda.MemoryPool()
+
+
+def take(nbytes: int, device: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` on ``device`` in memory CUDA IPC can
+    share; the memory returns to the pool when the tensor is dropped."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=_pool(device).malloc(nbytes))
+    # torch keeps ``arr`` (and so the pool's block) alive as long as the tensor.
+    return torch.as_tensor(arr, device=torch.device("cuda", device))
