@@ -2,8 +2,8 @@
 makes none.
 
 With expandable segments or the ``cudaMallocAsync`` backend, torch's device
-memory is of a kind UCX's ``cuda_ipc`` cannot export (:func:`.cudactx.ipc_shareable`).
-Rather than stage such tensors through host memory (5 GB/s on an H200
+memory is of a kind UCX's ``cuda_ipc`` cannot export
+(:func:`.cudactx.ipc_shareable`).  Rather than stage such tensors through host memory (5 GB/s on an H200
 where a device copy moves 2 TB/s), a sender copies each device buffer into
 one of these on a side stream and hands UCX that, and a receiver lands each
 in one and copies it into the tensor torch allocated.  They come from a pool
@@ -11,19 +11,23 @@ of CuPy's own, which takes its memory with plain ``cudaMalloc``: CUDA IPC
 shares it, and UCX's cuda_ipc caches the peer's mapping of a block reused
 from the pool instead of opening a new one each time.  A buffer goes back to
 the pool when its tensor is dropped: the sender's once UCX completed the
-send, the receiver's once the message's copies are synchronised
-(:func:`.staging.finish`), so no stream can still use it.  Without CuPy the
-worker stages device memory instead (engine.py).
+send, the receiver's once its copy out ran (waited for: torch records no
+stream on memory it did not allocate), so no stream can still use it.  The
+pool keeps the blocks it gave out for the next message (the peer's cached
+mapping of them is what makes reuse cheap), so a worker holds about as much
+device memory in it as it had in flight at most; a worker's shutdown hands
+back what is not in use (:func:`free`).  Without CuPy the worker stages
+device memory instead (engine.py).
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 from typing import Any
 
 import torch
 
-__all__ = ["take", "usable"]
+__all__ = ["free", "take", "usable"]
 
 
 def usable() -> tuple[bool, str]:
@@ -37,14 +41,21 @@ def usable() -> tuple[bool, str]:
     return True, "CuPy's cudaMalloc pool"
 
 
-@functools.cache
-def _pool(device: int) -> Any:
-    import cupy
+_pools: dict[int, Any] = {}
+_lock = threading.Lock()
 
-    # A pool of our own: the user's CuPy arrays keep theirs, and a limit
-    # set on the default pool does not apply to buffers in flight.
-    with cupy.cuda.Device(device):
-        return cupy.cuda.MemoryPool()
+
+def _pool(device: int) -> Any:
+    with _lock:
+        pool = _pools.get(device)
+        if pool is None:
+            import cupy
+
+            # A pool of our own: the user's CuPy arrays keep theirs, and a
+            # limit set on the default pool does not apply to buffers in flight.
+            with cupy.cuda.Device(device):
+                pool = _pools[device] = cupy.cuda.MemoryPool()
+        return pool
 
 
 def take(nbytes: int, device: int) -> torch.Tensor:
@@ -56,3 +67,11 @@ def take(nbytes: int, device: int) -> torch.Tensor:
         arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=_pool(device).malloc(nbytes))
     # torch keeps ``arr`` (and so the pool's block) alive as long as the tensor.
     return torch.as_tensor(arr, device=torch.device("cuda", device))
+
+
+def free() -> None:
+    """Give the blocks that no message uses back to CUDA (at shutdown)."""
+    with _lock:
+        pools = list(_pools.values())
+    for pool in pools:
+        pool.free_all_blocks()

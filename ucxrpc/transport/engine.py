@@ -316,6 +316,8 @@ class Transport:
         self._worker.close()
         self._liveness.close()
         self.pool.clear()
+        if self._bounce:
+            bounce.free()
         self._loop.close()
 
     # ------------------------------------------------------------- sending
