@@ -69,9 +69,10 @@ def _ucx_cuda(name: str, loaded: set[str], cuda_ok: bool) -> tuple[bool, str]:
             shareable, why = cudactx.ipc_shareable(torch.cuda.current_device())
             if not shareable:
                 bounced, bounce_why = bounce.usable()
-                return False, why + (f": CUDA tensors go through buffers it can share ({bounce_why})"
-                                     if bounced else f", and {bounce_why}: CUDA tensors are staged "
-                                     "through host memory")
+                return bounced, (f"{why}: CUDA tensors go through buffers it can share "
+                                 f"({bounce_why})" if bounced else
+                                 f"{why}, and {bounce_why}: CUDA tensors are staged through "
+                                 "host memory")
         return True, {"cuda_copy": "UCX detects and copies device memory",
                       "cuda_ipc": "processes on one GPU read each other's memory"}.get(name, name)
     if not cuda_ok:

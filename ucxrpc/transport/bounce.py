@@ -3,10 +3,11 @@ makes none.
 
 With expandable segments or the ``cudaMallocAsync`` backend, torch's device
 memory is of a kind UCX's ``cuda_ipc`` cannot export
-(:func:`.cudactx.ipc_shareable`).  Rather than stage such tensors through host memory (5 GB/s on an H200
-where a device copy moves 2 TB/s), a sender copies each device buffer into
-one of these on a side stream and hands UCX that, and a receiver lands each
-in one and copies it into the tensor torch allocated.  They come from a pool
+(:func:`.cudactx.ipc_shareable`).  Rather than stage such tensors through
+host memory (5 GB/s on an H200 where a device copy moves 2 TB/s), a sender
+copies each device buffer into one of these on a side stream and hands UCX
+that, and a receiver lands each in one and copies it into the tensor torch
+allocated.  They come from a pool
 of CuPy's own, which takes its memory with plain ``cudaMalloc``: CUDA IPC
 shares it, and UCX's cuda_ipc caches the peer's mapping of a block reused
 from the pool instead of opening a new one each time.  A buffer goes back to

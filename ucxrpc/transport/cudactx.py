@@ -96,9 +96,11 @@ def ipc_shareable(device: int) -> tuple[bool, str]:
     its ``cudaMallocAsync`` backend make neither, and UCX then falls back
     inside the rendezvous: 0.5 GB/s and progress calls of 1.4-2.1 s for 64
     MiB-1 GiB on an H200, against 35-339 GB/s through buffers that can be
-    shared (:mod:`.bounce`; 2026-11-27, benchmarks/RESULTS.md Run AC).  A probe tensor asks the driver, so a
-    setting made at run time (``torch.cuda.memory._set_allocator_settings``)
-    counts as well as PYTORCH_CUDA_ALLOC_CONF.
+    shared (:mod:`.bounce`; 2026-11-27, benchmarks/RESULTS.md Run AC).  A
+    probe tensor asks the driver, so a setting made at run time
+    (``torch.cuda.memory._set_allocator_settings``) counts as well as
+    PYTORCH_CUDA_ALLOC_CONF.  In a worker that never touched CUDA itself the
+    probe is torch's first CUDA allocation there.
     """
     lib = ctypes.CDLL("libcuda.so.1")
     probe = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", device))
