@@ -325,9 +325,8 @@ class Packer:
 def _unjoined(members: list[torch.Tensor], sizes: list[int], nbytes: int, code: int,
               large: bool) -> Gather | None:
     """``members`` (1-D, of dtype ``code``, ``sizes`` bytes each, ``nbytes``
-    in all) as a
-    :class:`~.transport.gather.Gather`, sent from where they are, or None
-    where they are to be joined now: a bundle the transport would copy into
+    in all) as a :class:`~.transport.gather.Gather`, sent from where they
+    are, or None where they are to be joined now: a bundle the transport would copy into
     its frame anyway (:data:`MAX_TENSOR_BYTES`, its default inline
     threshold, or less), or one whose bytes are not its values (lazily
     negated or conjugated, or a zero tensor without bytes).  Only for

@@ -64,15 +64,11 @@ def _ucx_cuda(name: str, loaded: set[str], cuda_ok: bool) -> tuple[bool, str]:
         if name == "cuda_ipc" and cuda_ok:
             import torch
 
-            from .transport import bounce, cudactx
+            from .transport import bounce
 
-            shareable, why = cudactx.ipc_shareable(torch.cuda.current_device())
-            if not shareable:
-                bounced, bounce_why = bounce.usable()
-                return bounced, (f"{why}: CUDA tensors go through buffers it can share "
-                                 f"({bounce_why})" if bounced else
-                                 f"{why}, and {bounce_why}: CUDA tensors are staged through "
-                                 "host memory")
+            memory_way, why = bounce.way(torch.cuda.current_device())
+            if memory_way is not bounce.Way.AS_IS:
+                return memory_way is bounce.Way.BOUNCED, why
         return True, {"cuda_copy": "UCX detects and copies device memory",
                       "cuda_ipc": "processes on one GPU read each other's memory"}.get(name, name)
     if not cuda_ok:

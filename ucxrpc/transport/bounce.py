@@ -18,17 +18,46 @@ pool keeps the blocks it gave out for the next message (the peer's cached
 mapping of them is what makes reuse cheap), so a worker holds about as much
 device memory in it as it had in flight at most; a worker's shutdown hands
 back what is not in use (:func:`free`).  Without CuPy the worker stages
-device memory instead (engine.py).
+device memory instead: :func:`way` decides, for the transport and for
+``ucxrpc info``.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 from typing import Any
 
 import torch
 
-__all__ = ["free", "take", "usable"]
+from . import cudactx
+
+__all__ = ["Way", "free", "take", "usable", "way"]
+
+
+class Way(enum.Enum):
+    """How a worker hands its device memory to UCX where UCX loaded cuda_ipc."""
+
+    AS_IS = "as-is"      # CUDA IPC shares it
+    BOUNCED = "bounced"  # through buffers that it can share (this module)
+    STAGED = "staged"    # through pinned host memory: no CuPy for bouncing
+
+
+def way(device: int) -> tuple[Way, str]:
+    """How device memory on ``device`` goes to UCX's cuda_ipc, and why.
+
+    Raises:
+        OSError, RuntimeError: CUDA could not be asked.
+    """
+    shareable, why = cudactx.ipc_shareable(device)
+    if shareable:
+        return Way.AS_IS, why
+    ok, bounce_why = usable()
+    if ok:
+        return Way.BOUNCED, (f"{why}: CUDA tensors go through device buffers it can share "
+                             f"({bounce_why}), one device copy each side")
+    return Way.STAGED, (f"{why}, and {bounce_why}: CUDA tensors are staged through pinned "
+                        "host memory")
 
 
 def usable() -> tuple[bool, str]:

@@ -127,9 +127,10 @@ class Transport:
         self.cma_offer = cma.offer() if cma.allowed(effective_tls(transports)) else None
         # Whether this side's UCX takes device memory; a pipe is GPU-direct
         # when both sides' do, and stages device buffers otherwise.
-        self._bounce = False  # set by _ipc_fits
-        self.cuda_direct = (self._worker.cuda_memory and not self._host_as_device
-                            and self._ipc_fits())
+        takes_device = self._worker.cuda_memory and not self._host_as_device
+        memory_way = self._memory_way() if takes_device else bounce.Way.AS_IS
+        self._bounce = memory_way is bounce.Way.BOUNCED
+        self.cuda_direct = takes_device and memory_way is not bounce.Way.STAGED
         self._pipes: dict[int, Pipe] = {}
         self._tasks: deque[Callable[[], None]] = deque()
         self._inflight: deque[tuple[Request, Any]] = deque()
@@ -475,32 +476,22 @@ class Transport:
             return f"failed: {exc}"
         return f"cuda:{self._cuda_device}"
 
-    def _ipc_fits(self) -> bool:
-        """Whether device memory can go to UCX as it is, where UCX loaded
-        cuda_ipc: torch's allocator may make memory CUDA IPC cannot share,
-        and UCX would pick cuda_ipc for a peer on this host and fall back
-        inside each transfer (cudactx.ipc_shareable).  Then device buffers
-        go through buffers that can be shared (bounce.py, one device copy
-        each side), or without CuPy are staged by ucxrpc (False), on every
-        pipe: a worker publishes one word, not one per peer."""
+    def _memory_way(self) -> bounce.Way:
+        """How this worker's device memory goes to UCX (bounce.way), where
+        UCX loaded cuda_ipc: torch's allocator may make memory CUDA IPC
+        cannot share, and UCX would pick cuda_ipc for a peer on this host
+        and fall back inside each transfer.  Bouncing or staging, then, is
+        for every pipe: a worker publishes one word, not one per peer."""
         if self._cuda_device is None or "cuda_ipc" not in self._worker.loaded:
-            return True
+            return bounce.Way.AS_IS
         try:
-            ok, why = cudactx.ipc_shareable(self._cuda_device)
+            memory_way, why = bounce.way(self._cuda_device)
         except (OSError, RuntimeError) as exc:
             logger.warning("could not ask CUDA whether memory is shareable: %s", exc)
-            return True
-        if ok:
-            return True
-        self._bounce, bounce_why = bounce.usable()
-        if self._bounce:
-            logger.warning("%s: CUDA tensors to and from this worker go through device "
-                           "buffers CUDA IPC can share (%s), one device copy each side", why,
-                           bounce_why)
-        else:
-            logger.warning("%s, and %s: CUDA tensors to and from this worker are staged "
-                           "through pinned host memory", why, bounce_why)
-        return self._bounce
+            return bounce.Way.AS_IS
+        if memory_way is not bounce.Way.AS_IS:
+            logger.warning("%s (to and from this worker)", why)
+        return memory_way
 
     # ------------------------------------------------------------- failure
 

@@ -345,8 +345,8 @@ class Endpoint:
 
     def tag_send(self, buf: Any, tag: int) -> Request:
         """Send ``buf`` with ``tag``: host arrays and a :class:`.Gather`'s
-        parts directly, the rest through ucxx.  Only while open (callers hold the pipe's lock, as
-        :meth:`close`'s callers do)."""
+        parts directly, the rest through ucxx.  Only while open (callers
+        hold the pipe's lock, as :meth:`close`'s callers do)."""
         if not self._handle:
             raise BrokenError("UCX endpoint already closed")
         if type(buf) is Gather:
@@ -413,8 +413,7 @@ class Worker:
         # otherwise UCX would read a device pointer as host memory.
         resources = _resources(str(self._ctx.info))
         self.cuda_memory: bool = cuda_memory(bool(self._ctx.cuda_support), resources)
-        loaded = {t for t, _ in resources}
-        self.loaded: frozenset[str] = frozenset(loaded)  # the transports UCX loaded
+        loaded = self.loaded = frozenset(t for t, _ in resources)  # the transports UCX loaded
         if loaded & _NEED_CUDA_COPY and not self.cuda_memory:
             logger.warning("UCX loaded %s without cuda_copy, so it cannot detect device "
                            "memory: CUDA tensors are staged through host memory (add "
