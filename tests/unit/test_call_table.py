@@ -157,3 +157,26 @@ def test_a_callback_hooked_on_by_the_completion_itself_runs_at_once() -> None:
     completer.join(10)
     assert not completer.is_alive(), "the completion waited for itself"
     assert ran == [4] and not calls._settling
+
+
+def test_an_outstanding_call_costs_the_garbage_collector_its_future_only(
+        table: CallTable) -> None:
+    # Objects that outlive young collections set off full ones (a tenth of a
+    # second each once torch is imported): the table adds none per call.
+    import gc
+    futures = [CallFuture() for _ in range(500)]
+    gc.collect()
+    before = len(gc.get_objects())
+    for i, fut in enumerate(futures):
+        table.add(i, fut, peer=i % 3, waited=i % 2 == 1)
+        table.arm(i, 60.0)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50
+    call = table.pop(7)
+    assert call is not None and call.future is futures[7] and call.peer == 1 and call.waited
+    call = table.pop(8)
+    assert call is not None and call.peer == 2 and not call.waited
+    assert table.pop(8) is None
+    table.fail_peer(1, BrokenError("peer 1 died"))
+    assert all(futures[i].done() for i in range(1, 500, 3) if i != 7)  # 7 was taken out
+    assert not any(futures[i].done() for i in range(0, 500, 3))

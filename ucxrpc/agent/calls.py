@@ -25,8 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -152,8 +151,9 @@ class SyncReply:
         return self._value
 
 
-@dataclass
-class Call:
+class Call(NamedTuple):
+    """A call taken out of the table (:meth:`CallTable.pop`)."""
+
     future: torch.futures.Future | SyncReply
     peer: int
     #: Waited for at once by the caller (``rpc_sync``): no user callback can
@@ -172,7 +172,13 @@ class CallTable:
 
     def __init__(self, name: str, callback_threads: int = 16) -> None:
         self._callbacks = WorkerPool(callback_threads, name=f"ucxrpc-callbacks-{name}")
-        self._calls: dict[int, Call] = {}
+        # A call's future, and its peer and whether it is waited for as one
+        # int (peer << 1 | waited).  Not a Call per entry: an object per
+        # outstanding call that outlives the young collections is one more
+        # the cyclic garbage collector walks in full collections (see
+        # Server.accept); a future is the only one each call needs.
+        self._calls: dict[int, torch.futures.Future | SyncReply] = {}
+        self._meta: dict[int, int] = {}
         self._by_peer: dict[int, set[int]] = {}
         self._lock = threading.Lock()
         # One FIFO per timeout value keeps deadlines sorted for free: a
@@ -193,7 +199,8 @@ class CallTable:
     def add(self, msg_id: int, future: torch.futures.Future | SyncReply, peer: int,
             waited: bool = False) -> None:
         with self._lock:
-            self._calls[msg_id] = Call(future, peer, waited)
+            self._calls[msg_id] = future
+            self._meta[msg_id] = peer << 1 | waited
             self._by_peer.setdefault(peer, set()).add(msg_id)
 
     def complete(self, call: Call, value: Any = None, exc: BaseException | None = None) -> None:
@@ -232,12 +239,14 @@ class CallTable:
     def pop(self, msg_id: int) -> Call | None:
         """Take call ``msg_id`` out (None: answered, failed or timed out)."""
         with self._lock:
-            call = self._calls.pop(msg_id, None)
-            if call is not None:
-                peer_calls = self._by_peer.get(call.peer)
-                if peer_calls is not None:
-                    peer_calls.discard(msg_id)
-        return call
+            future = self._calls.pop(msg_id, None)
+            if future is None:
+                return None
+            meta = self._meta.pop(msg_id)
+            peer_calls = self._by_peer.get(meta >> 1)
+            if peer_calls is not None:
+                peer_calls.discard(msg_id)
+        return Call(future, meta >> 1, bool(meta & 1))
 
     def fail(self, msg_id: int, exc: BaseException) -> None:
         call = self.pop(msg_id)

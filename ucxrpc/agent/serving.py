@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -29,6 +30,12 @@ __all__ = ["Server"]
 logger = logging.getLogger(__name__)
 
 
+#: Request bodies up to this many bytes are copied out of their frame
+#: before they queue for the pool (see Server.accept).
+COPY_BODY_MAX = 4096
+_NO_BUFFERS: tuple[torch.Tensor, ...] = ()
+
+
 class Server:
     """Runs and answers the requests that reach ``agent``, on ``pool``."""
 
@@ -38,13 +45,28 @@ class Server:
         self._lock = threading.Lock()
         #: Requests received and not yet answered.
         self.unanswered = 0
+        self._serve_task = self._serve  # bound once, not per request
 
     def accept(self, peer: int, msg_id: int, body: memoryview,
                buffers: list[torch.Tensor]) -> None:
-        """A request arrived: it runs on the pool."""
+        """A request arrived: it runs on the pool.
+
+        What waits in the pool's queue is what the cyclic garbage collector
+        walks: a burst of ``rpc_async`` calls queued thousands of requests
+        here, each holding a bound method, a memoryview of its frame and
+        that view's managed buffer, an empty list and two tuples.  They
+        outlived the young collections and set off full ones, 80-100 ms each
+        in a process that imported torch (benchmarks/RESULTS.md, Run AD).
+        So a small body is queued as bytes (not tracked, and its frame is
+        let go at once), the method is bound once, and no buffers are an
+        empty tuple: the task's arguments are then untracked, and only the
+        queue's own tuple per request is left.
+        """
         with self._lock:
             self.unanswered += 1
-        self._pool.submit(self._serve, peer, msg_id, body, buffers)
+        self._pool.submit(self._serve_task, peer, msg_id,
+                          bytes(body) if body.nbytes <= COPY_BODY_MAX else body,
+                          buffers or _NO_BUFFERS)
 
     def refuse(self, peer: int, msg_id: int, exc: BaseException) -> None:
         """A request that cannot run (it broke a limit): answered with ``exc``."""
@@ -56,8 +78,8 @@ class Server:
         with self._lock:
             self.unanswered -= 1
 
-    def _serve(self, peer: int, msg_id: int, body: memoryview,
-               buffers: list[torch.Tensor]) -> None:
+    def _serve(self, peer: int, msg_id: int, body: bytes | memoryview,
+               buffers: Sequence[torch.Tensor]) -> None:
         agent = self._agent
         agent.counters["calls_served"] += 1
         try:
