@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 #: Request bodies up to this many bytes are copied out of their frame
 #: before they queue for the pool (see Server.accept).
 COPY_BODY_MAX = 4096
-_NO_BUFFERS: tuple[torch.Tensor, ...] = ()
 
 
 class Server:
@@ -66,7 +65,7 @@ class Server:
             self.unanswered += 1
         self._pool.submit(self._serve_task, peer, msg_id,
                           bytes(body) if body.nbytes <= COPY_BODY_MAX else body,
-                          buffers or _NO_BUFFERS)
+                          buffers or ())
 
     def refuse(self, peer: int, msg_id: int, exc: BaseException) -> None:
         """A request that cannot run (it broke a limit): answered with ``exc``."""
