@@ -136,3 +136,25 @@ def _first_message(rank, world_size, init_method):
 
 def test_large_bundles_sent_before_the_pipe_is_open_arrive_intact():
     assert run_workers(_first_message, 2, timeout=90)[0]["intact"] == [(True, True)] * 4
+
+
+def _beside_a_chunked_buffer(rank, world_size, init_method):
+    rpc = start_worker(rank, world_size, init_method, transports=["tcp"])
+    out = {}
+    if rank == 0:
+        g = torch.Generator().manual_seed(7)
+        # Over TCP nothing is read by address, and a host buffer over
+        # staging.HOST_CHUNK_OVER (32 MiB) takes the message through
+        # staging.plan, the bundle beside it included.
+        msg = {"bundle": _one_dtype(g, 100, 1024), "big": torch.randn(9 << 20, generator=g)}
+        remote, back = rpc.rpc_sync("worker1", digest_and_echo, (msg,))
+        out["intact"] = (remote == _digest(msg), _digest(back) == _digest(msg))
+        out["mine"] = debug_counts(("buffers_sent_as_parts",))
+    rpc.shutdown()
+    return out
+
+
+def test_a_large_bundle_beside_a_buffer_sent_in_chunks_arrives_intact():
+    res = run_workers(_beside_a_chunked_buffer, 2, timeout=90)[0]
+    assert res["intact"] == (True, True), res
+    assert res["mine"]["buffers_sent_as_parts"] == 0  # joined: plan takes tensors only

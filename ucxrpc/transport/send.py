@@ -115,8 +115,7 @@ class Sender:
         remote = self._by_address(pipe, kind, buffers, busy) if pipe.cma_out else None
         if remote is not None and pipe.granted:
             remote = self._write(pipe, buffers, remote)
-        if remote is None and buffers and (self._host_as_device or any(
-                b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
+        if remote is None and buffers and self._planned(buffers):
             # Every Gather is joined here (_join_where_needed).
             out = staging.plan(cast(list[torch.Tensor], buffers), devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device, bounced=self._bounce)
@@ -206,20 +205,29 @@ class Sender:
     def _join_where_needed(self, pipe: Pipe, buffers: Sequence[Buffer],
                            busy: bool) -> Sequence[Buffer]:
         """``buffers`` with each :class:`.Gather` made one tensor where a
-        plain send cannot take its parts: host buffers treated as device
-        ones or staged beside device buffers, or read by address (from the
-        size :meth:`_by_address` would choose)."""
+        plain send cannot take its parts: where the message goes through
+        :func:`.staging.plan` (:meth:`_planned`; a Gather beside a host
+        buffer sent in chunks too), or read by address (from the size
+        :meth:`_by_address` would choose)."""
         for b in buffers:
             if type(b) is Gather:
                 break
         else:
             return buffers  # the common case, in a pass of type checks
-        joined = self._host_as_device or any(b.is_cuda for b in buffers)
+        if self._planned(buffers):  # staging.plan takes tensors only
+            return [b.joined() if type(b) is Gather else b for b in buffers]
         least = _least_by_address(pipe, busy) if pipe.cma_out else None
-        return [b.joined() if type(b) is Gather and (
-                    joined or b.nbytes > staging.HOST_CHUNK_OVER
-                    or (least is not None and b.nbytes >= least)) else b
-                for b in buffers]
+        if least is None:
+            return buffers
+        return [b.joined() if type(b) is Gather and b.nbytes >= least else b for b in buffers]
+
+    def _planned(self, buffers: Sequence[Buffer]) -> bool:
+        """Whether ``buffers`` go through :func:`.staging.plan` unless they
+        go by address: host buffers treated as device ones, device buffers,
+        or a host buffer large enough to be sent in chunks (which one of the
+        message's buffers decides for all of them)."""
+        return self._host_as_device or any(
+            b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)
 
     def _by_address(self, pipe: Pipe, kind: Kind, buffers: Sequence[Buffer],
                     busy: bool) -> list[tuple[int, int, int]] | None:
