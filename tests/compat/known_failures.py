@@ -44,8 +44,12 @@ KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
     "Distributed autograd semantics": (
-        "`test_no_grad_copy`: two leaves get one and the same gradient buffer where torch "
-        "copies (an in-place change to one gradient changes the other); "
+        "`test_no_grad_copy`: of one gradient tensor that two leaves get (a custom "
+        "Function's backward returning `grad, grad`), one leaf keeps the tensor itself and "
+        "the other a copy, as torch's local engine does (each pass runs through the "
+        "leaves' AccumulateGrad nodes, whose hooks DDP needs); torch's distributed engine "
+        "copies for both, as it holds every gradient of a pass until the end. The two "
+        "gradients do not alias each other (tests/autograd/test_dist_autograd.py); "
         "`test_backward_unused_send_function`: backward returns where torch keeps waiting "
         "for the unused send function.",
         (
