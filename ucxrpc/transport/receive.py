@@ -250,15 +250,17 @@ class Receiver:
                 bufs.append(_inline(buf, d))
             elif d.flags == PACKED:
                 bufs.append(None)  # cut out of its pack when that arrives
-            elif d.flags == REMOTE:
-                bufs.append(self._read(msg, i, d))
-                read = True
-                large = large if large is not None else []
-                large.append((d.nbytes, d.inline_offset % PAGE))
-            elif d.flags == WRITTEN:
-                bufs.append(self._written(msg, i, d))
-                large = large if large is not None else []
-                large.append((d.nbytes, bufs[-1].data_ptr() % PAGE))
+            elif d.flags == REMOTE or d.flags == WRITTEN:
+                if d.flags == REMOTE:
+                    bufs.append(self._read(msg, i, d))
+                    phase = d.inline_offset % PAGE  # the sender's address
+                    read = True
+                else:
+                    bufs.append(self._written(msg, i, d))
+                    phase = bufs[-1].data_ptr() % PAGE
+                if large is None:
+                    large = []
+                large.append((d.nbytes, phase))
             else:
                 bufs.append(self._post(msg, i, d))
         if read:  # before delivering: a reply sent meanwhile carries the word

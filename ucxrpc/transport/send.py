@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
 
@@ -111,14 +111,21 @@ class Sender:
                 self.flush(pipe)  # what waits goes first
         out = None
         busy = self._contended()
-        buffers = self._join_where_needed(pipe, buffers, busy)
-        remote = self._by_address(pipe, kind, buffers, busy) if pipe.cma_out else None
+        remote = None
+        if pipe.cma_out:
+            buffers = self._join_to_read(pipe, buffers, busy)
+            remote = self._by_address(pipe, kind, buffers, busy)
         if remote is not None and pipe.granted:
             remote = self._write(pipe, buffers, remote)
-        if remote is None and buffers and self._planned(buffers):
-            # Every Gather is joined here (_join_where_needed).
-            out = staging.plan(cast(list[torch.Tensor], buffers), devices, staged=not pipe.direct,
+        if remote is None and buffers and (self._host_as_device or any(
+                b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
+            # Device buffers, or host ones treated as such or sent in
+            # chunks: planned as tensors, a bundle's parts joined (a Gather
+            # beside a chunked buffer too).
+            tensors = [b.joined() if isinstance(b, Gather) else b for b in buffers]
+            out = staging.plan(tensors, devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device, bounced=self._bounce)
+            buffers = tensors
         # Where staged or packed, the receiver allocates on the device each
         # descriptor names; REMOTE ways (by address) come only without them.
         views, ways = (_host_views(buffers), remote) if out is None else (out.views, out.ways)
@@ -202,32 +209,18 @@ class Sender:
                 "buffers_held_for_peers": sum(len(b) for pipe in list(self.holding)
                                               for b in list(pipe.cma_held.values()))}
 
-    def _join_where_needed(self, pipe: Pipe, buffers: Sequence[Buffer],
-                           busy: bool) -> Sequence[Buffer]:
-        """``buffers`` with each :class:`.Gather` made one tensor where a
-        plain send cannot take its parts: where the message goes through
-        :func:`.staging.plan` (:meth:`_planned`; a Gather beside a host
-        buffer sent in chunks too), or read by address (from the size
-        :meth:`_by_address` would choose)."""
+    def _join_to_read(self, pipe: Pipe, buffers: Sequence[Buffer],
+                      busy: bool) -> Sequence[Buffer]:
+        """``buffers`` with each :class:`.Gather` the peer is to read by
+        address (from the size :meth:`_by_address` chooses) made one
+        tensor: the peer reads one block of memory."""
         for b in buffers:
             if type(b) is Gather:
                 break
         else:
             return buffers  # the common case, in a pass of type checks
-        if self._planned(buffers):  # staging.plan takes tensors only
-            return [b.joined() if type(b) is Gather else b for b in buffers]
-        least = _least_by_address(pipe, busy) if pipe.cma_out else None
-        if least is None:
-            return buffers
+        least = _least_by_address(pipe, busy)
         return [b.joined() if type(b) is Gather and b.nbytes >= least else b for b in buffers]
-
-    def _planned(self, buffers: Sequence[Buffer]) -> bool:
-        """Whether ``buffers`` go through :func:`.staging.plan` unless they
-        go by address: host buffers treated as device ones, device buffers,
-        or a host buffer large enough to be sent in chunks (which one of the
-        message's buffers decides for all of them)."""
-        return self._host_as_device or any(
-            b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)
 
     def _by_address(self, pipe: Pipe, kind: Kind, buffers: Sequence[Buffer],
                     busy: bool) -> list[tuple[int, int, int]] | None:
@@ -249,7 +242,7 @@ class Sender:
         least = _least_by_address(pipe, busy)
         if largest < least or any(b.is_cuda for b in buffers):
             return None
-        # (A Gather left here is below ``least``: see _join_where_needed.)
+        # (A Gather left here is below ``least``: see _join_to_read.)
         return [(REMOTE, 0, b.data_ptr()) if n >= least and isinstance(b, torch.Tensor)
                 else (0, 0, 0) for b, n in zip(buffers, sizes)]
 
