@@ -113,15 +113,12 @@ class Sender:
         busy = self._contended()
         remote = None
         if pipe.cma_out:
-            buffers = self._join_to_read(pipe, buffers, busy)
-            remote = self._by_address(pipe, kind, buffers, busy)
+            buffers, remote = self._by_address(pipe, kind, buffers, busy)
         if remote is not None and pipe.granted:
             remote = self._write(pipe, buffers, remote)
-        if remote is None and buffers and (self._host_as_device or any(
-                b.is_cuda or b.numel() > staging.HOST_CHUNK_OVER for b in buffers)):
-            # Device buffers, or host ones treated as such or sent in
-            # chunks: planned as tensors, a bundle's parts joined (a Gather
-            # beside a chunked buffer too).
+        if remote is None and buffers and staging.needed(buffers, self._host_as_device):
+            # Planned as tensors: a bundle's parts joined (a Gather beside
+            # a buffer sent in chunks too).
             tensors = [b.joined() if isinstance(b, Gather) else b for b in buffers]
             out = staging.plan(tensors, devices, staged=not pipe.direct,
                                host_as_device=self._host_as_device, bounced=self._bounce)
@@ -209,42 +206,37 @@ class Sender:
                 "buffers_held_for_peers": sum(len(b) for pipe in list(self.holding)
                                               for b in list(pipe.cma_held.values()))}
 
-    def _join_to_read(self, pipe: Pipe, buffers: Sequence[Buffer],
-                      busy: bool) -> Sequence[Buffer]:
-        """``buffers`` with each :class:`.Gather` the peer is to read by
-        address (from the size :meth:`_by_address` chooses) made one
-        tensor: the peer reads one block of memory."""
-        for b in buffers:
-            if type(b) is Gather:
-                break
-        else:
-            return buffers  # the common case, in a pass of type checks
-        least = _least_by_address(pipe, busy)
-        return [b.joined() if type(b) is Gather and b.nbytes >= least else b for b in buffers]
-
-    def _by_address(self, pipe: Pipe, kind: Kind, buffers: Sequence[Buffer],
-                    busy: bool) -> list[tuple[int, int, int]] | None:
-        """The frame's ways when some of its buffers are to be read by
-        address (host buffers of :data:`.cma.MIN_BYTES` or more, of
-        :data:`.cma.BUSY_MIN_BYTES` where this loop (``busy``) or the
-        peer's may not poll, in a message without device buffers), else
-        None."""
+    def _by_address(self, pipe: Pipe, kind: Kind, buffers: Sequence[Buffer], busy: bool
+                    ) -> tuple[Sequence[Buffer], list[tuple[int, int, int]] | None]:
+        """``buffers`` and the frame's ways when some of them are to be read
+        by address (host buffers of :data:`.cma.MIN_BYTES` or more, of
+        :data:`.cma.BUSY_MIN_BYTES` where this loop (``busy``) or the peer's
+        may not poll, in a message without device buffers), else None; a
+        bundle read by address is joined first (the peer reads one block)."""
         if kind is not Kind.MESSAGE or self._host_as_device:
-            return None
+            return buffers, None
         # Every message to such a pipe asks: one size read per buffer when,
         # as mostly, none is large, and the strategy only when one is.
         sizes = [b.numel() for b in buffers]
         if not sizes:
-            return None
+            return buffers, None
         largest = max(sizes)
         if largest < cma.BUSY_MIN_BYTES:
-            return None
+            return buffers, None
         least = _least_by_address(pipe, busy)
         if largest < least or any(b.is_cuda for b in buffers):
-            return None
-        # (A Gather left here is below ``least``: see _join_to_read.)
-        return [(REMOTE, 0, b.data_ptr()) if n >= least and isinstance(b, torch.Tensor)
-                else (0, 0, 0) for b, n in zip(buffers, sizes)]
+            return buffers, None
+        out: list[Buffer] = []
+        ways: list[tuple[int, int, int]] = []
+        for b, n in zip(buffers, sizes):
+            if n >= least:
+                if isinstance(b, Gather):
+                    b = b.joined()
+                ways.append((REMOTE, 0, b.data_ptr()))
+            else:
+                ways.append((0, 0, 0))
+            out.append(b)
+        return out, ways
 
     def _write(self, pipe: Pipe, buffers: Sequence[Buffer],
                ways: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

@@ -42,9 +42,10 @@ import torch
 from .. import _kernels
 from . import bounce
 from .frame import PACK, PACKED, REMOTE, STAGED, WRITTEN, BufferDesc
+from .gather import Buffer
 
 __all__ = ["CHUNK_BYTES", "PACK_MAX_BYTES", "PACK_MIN_COUNT", "Outgoing", "Landing",
-           "bounced_landing", "debug_host_as_device", "finish", "landings", "plan"]
+           "bounced_landing", "debug_host_as_device", "finish", "landings", "needed", "plan"]
 
 CHUNK_BYTES = 4 << 20
 PACK_MIN_COUNT = 8
@@ -170,6 +171,13 @@ def _copy_waited(dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
     stream.synchronize()
 
 
+def needed(buffers: Sequence[Buffer], host_as_device: bool) -> bool:
+    """Whether a message of ``buffers`` goes through :func:`plan`: it holds
+    device buffers, host ones treated as such, or a host buffer large
+    enough to go in chunks (then the rest are planned with it)."""
+    return host_as_device or any(b.is_cuda or b.numel() > HOST_CHUNK_OVER for b in buffers)
+
+
 def plan(buffers: Sequence[torch.Tensor], targets: Sequence[int] | None, *, staged: bool,
          host_as_device: bool, chunk: int = CHUNK_BYTES,
          bounced: bool = False) -> Outgoing | None:
@@ -187,7 +195,7 @@ def plan(buffers: Sequence[torch.Tensor], targets: Sequence[int] | None, *, stag
     def chunked(b: torch.Tensor) -> bool:
         return device_like(b) and staged or (not b.is_cuda and b.numel() > HOST_CHUNK_OVER)
 
-    if not any(device_like(b) or chunked(b) for b in buffers):
+    if not needed(buffers, host_as_device):
         return None
     dests = list(targets) if targets is not None else [
         (b.device.index or 0) if b.is_cuda else -1 for b in buffers]
