@@ -13,6 +13,17 @@ starts one more thread when queued work has seen no task taken for a
 :data:`STALL_S` window in which the process idled: the running threads are
 then blocked in user code (a sleep, a lock, I/O), and the next request must
 not wait for them, as torch's pool would not make it.
+
+A process that is merely not scheduled (another process, or the caller
+beside it on a 2-core host, has the cores) also uses little CPU in the
+window, yet its running thread is not blocked: one more thread would only
+queue for the core with it.  So an idle-looking window is confirmed by a
+second one that counts the time the process's threads spent runnable,
+waiting for a core, as well as running (the kernel's schedstat).  Beside
+one or two busy processes, a 6 s burst of ``rpc_async`` calls saw 17-50
+stalls with the CPU test alone, and the callee grew 3-16 pool threads; with
+the second window, 1-4 stalls and 2-4 threads, at the same throughput
+(benchmarks/RESULTS.md, Run AF).  A real stall now waits two windows.
 """
 
 from __future__ import annotations
@@ -20,14 +31,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
-#: The watchdog's window: queued work that saw no task taken for this long,
-#: while the process used less than IDLE_SHARE of a core, gets another
+#: The watchdog's window: queued work that saw no task taken for two such
+#: windows, in which the process ran less than IDLE_SHARE of a core (the
+#: second one counting time it waited for a core as running), gets another
 #: thread.  It costs one watchdog wake-up per window while work is queued.
 STALL_S = 0.002
 IDLE_SHARE = 0.5
@@ -40,11 +53,56 @@ _local = threading.local()
 _STOP = object()
 
 
-def stalled(window_s: float, cpu_s: float, waited_s: float) -> bool:
+def stalled(window_s: float, busy_s: float, waited_s: float) -> bool:
     """The watchdog's verdict on queued work that saw no task taken in a
-    window of ``window_s``, in which the process used ``cpu_s`` of CPU, and
-    that has waited ``waited_s`` since the last task was taken."""
-    return cpu_s < IDLE_SHARE * window_s or waited_s >= STALL_MAX_S
+    window of ``window_s``, in which the process ran or waited for a core
+    for ``busy_s`` (its threads' sum), and that has waited ``waited_s``
+    since the last task was taken."""
+    return busy_s < IDLE_SHARE * window_s or waited_s >= STALL_MAX_S
+
+
+class RunQueueClock:
+    """Seconds the process's Python threads (but the reader) have spent
+    runnable but not running, waiting for a core, summed: the second field
+    of ``/proc/self/task/<tid>/schedstat``.  A thread waiting for the GIL
+    sleeps on a lock, so it is not counted, but the GIL's holder is.
+
+    Where the kernel does not say (no schedstats; a sandbox) :meth:`read`
+    returns 0.0 throughout, and the watchdog falls back on CPU time alone.
+    Files stay open per thread: opening one cost ~30 µs, reading it again
+    ~3 µs.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self.works = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+
+    def read(self) -> float:
+        if not self.works:
+            return 0.0
+        me = threading.get_native_id()
+        tids = {t.native_id for t in threading.enumerate() if t.native_id not in (me, None)}
+        for gone in self._fds.keys() - tids:
+            os.close(self._fds.pop(gone))
+        total = 0
+        for tid in tids:
+            fd = self._fds.get(tid)
+            try:
+                if fd is None:
+                    fd = self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat",
+                                                  os.O_RDONLY)
+                total += int(os.pread(fd, 64, 0).split()[1])
+            except (OSError, ValueError, IndexError):
+                # The thread ended meanwhile; its id, if reused, is opened
+                # afresh next time.
+                if (fd := self._fds.pop(tid, None)) is not None:
+                    os.close(fd)
+        return total / 1e9
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 class WorkerPool:
@@ -67,11 +125,14 @@ class WorkerPool:
             the transport may progress on that thread while polling pays, so
             a request arriving meanwhile runs where it landed instead of
             waking another thread.
+        run_queue: makes the watchdog's :class:`RunQueueClock` (on its
+            thread).
     """
 
     def __init__(self, size: int, name: str = "ucxrpc-worker",
                  on_quiet: Callable[[], None] | None = None,
-                 idle_wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
+                 idle_wait: Callable[[Callable[[], bool]], None] | None = None,
+                 run_queue: Callable[[], RunQueueClock] = RunQueueClock) -> None:
         if size < 1:
             raise ValueError(f"num_worker_threads must be positive, got {size}")
         self.size = size
@@ -92,6 +153,7 @@ class WorkerPool:
         self.stalls = 0  # threads the watchdog woke or started
         self.on_quiet = on_quiet
         self._idle_wait = idle_wait
+        self._run_queue_clock = run_queue
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         if getattr(_local, "waiting", None) is self and _local.task is None:
@@ -131,23 +193,52 @@ class WorkerPool:
         threads are blocked in user code), or within STALL_MAX_S whatever
         it did.  A busy process with work queued is starved, not stuck:
         its threads wait for the GIL or a core, and one more thread would
-        only wait with them."""
-        with self._lock:
-            while not self._closed:
-                if not self._tasks:
-                    self._watch_idle = True
-                    self._watch.wait()  # _arm_watchdog notifies
-                    continue
-                start, cpu = time.monotonic(), time.process_time()
-                self._watch.wait(STALL_S)
-                if not self._tasks or self._taken_at >= start:
-                    continue  # work moves
-                now = time.monotonic()
-                if (stalled(now - start, time.process_time() - cpu, now - self._taken_at)
-                        and self._wake_one()):
-                    self.stalls += 1
-                    # The woken thread gets its own bound to reach the queue.
-                    self._taken_at = now
+        only wait with them.  A window that idled by CPU time is confirmed
+        by a second that counts waiting for a core too (module docstring);
+        the run queue is read only then, as it costs a read per thread."""
+        clock = self._run_queue_clock()
+        confirming = False  # the last window idled by CPU time alone
+        try:
+            with self._lock:
+                while not self._closed:
+                    if not self._tasks:
+                        confirming = False
+                        self._watch_idle = True
+                        self._watch.wait()  # _arm_watchdog notifies
+                        continue
+                    start, cpu = time.monotonic(), time.process_time()
+                    queued = self._run_queue(clock) if confirming else 0.0
+                    self._watch.wait(STALL_S)
+                    if not self._tasks or self._taken_at >= start:
+                        confirming = False
+                        continue  # work moves
+                    now = time.monotonic()
+                    used = time.process_time() - cpu
+                    if confirming:
+                        used += self._run_queue(clock) - queued
+                    waited = now - self._taken_at
+                    if not stalled(now - start, used, waited):
+                        confirming = False
+                        continue
+                    if not confirming and clock.works and waited < STALL_MAX_S:
+                        confirming = True
+                        continue
+                    confirming = False
+                    if self._wake_one():
+                        self.stalls += 1
+                        # The woken thread gets its own bound to reach the queue.
+                        self._taken_at = now
+        finally:
+            clock.close()
+
+    def _run_queue(self, clock: RunQueueClock) -> float:
+        """``clock.read()`` without the lock (lock held on entry and exit):
+        a submit need not wait for the reads."""
+        self._lock.release()
+        try:
+            return clock.read()
+        finally:
+            self._lock.acquire()
 
     def _wake_one(self) -> bool:
         """Get a thread to the queue, unless one is on its way or ``size``
@@ -170,10 +261,10 @@ class WorkerPool:
     def _loop(self) -> None:
         _local.pool = self
         _local.task = None
-        with self._lock:
-            self._waking -= 1  # started by _wake_one
+        arriving = True  # started by _wake_one: counted in _waking
         while True:
-            item = self._next()
+            item = self._next(arriving)
+            arriving = False
             if item is _STOP:
                 return
             fn, args = item
@@ -192,10 +283,17 @@ class WorkerPool:
             if quiet and (self._idle_wait is None or self._tasks):
                 self._quiet()
 
-    def _next(self) -> Any:
+    def _next(self, arriving: bool = False) -> Any:
         """The next task: one this thread claimed in idle_wait (see submit),
-        else the queue's next."""
+        else the queue's next.  A thread ``arriving`` (just started) stops
+        counting as on its way in the same hold of the lock that takes its
+        task: counted off before, it let a submit in between see no thread
+        coming for the queue and start a second one."""
         if self._idle_wait is not None and not self._tasks and not self._closed:
+            if arriving:
+                with self._lock:
+                    self._waking -= 1
+                arriving = False
             _local.waiting = self
             try:
                 self._idle_wait(self._has_work)
@@ -205,6 +303,8 @@ class WorkerPool:
             if task is not None:
                 return task
         with self._lock:
+            if arriving:
+                self._waking -= 1
             while not self._tasks:
                 self._sleeping += 1
                 self._ready.wait()

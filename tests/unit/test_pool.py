@@ -3,8 +3,13 @@ polling policy reads (agent._spin_while)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+
+import pytest
 
 from ucxrpc import _pool
 from ucxrpc._pool import WorkerPool
@@ -174,3 +179,82 @@ def test_close_runs_queued_work_and_stops_sleeping_threads():
     pool.close()
     assert sorted(ran) == list(range(5))
     assert not any(t.is_alive() for t in pool._threads)
+
+
+class _Starved(_pool.RunQueueClock):
+    """A process whose threads wait for a core all the time: another
+    process (or the caller beside it) has the cores."""
+
+    def __init__(self) -> None:
+        self.works = True
+
+    def read(self) -> float:
+        return time.monotonic()
+
+    def close(self) -> None:
+        pass
+
+
+def test_watchdog_takes_a_process_waiting_for_a_core_for_starved_not_stuck(monkeypatch):
+    # The running task uses no CPU, as a thread that is not scheduled does
+    # not; by CPU time alone the window idled.  Its threads waited for a
+    # core meanwhile, so the work waits for the running thread and no
+    # thread is started for it.
+    monkeypatch.setattr(_pool, "STALL_MAX_S", 60.0)
+    pool = WorkerPool(4, run_queue=_Starved)
+    release, ran = threading.Event(), []
+    try:
+        pool.submit(release.wait, 10)
+        pool.submit(lambda: ran.append(threading.get_ident()))
+        # Many windows pass (STALL_S is 2 ms): none confirms a stall.
+        time.sleep(50 * _pool.STALL_S)
+        assert not ran and pool.stalls == 0 and len(pool._threads) == 1
+        release.set()
+        done = threading.Event()
+        pool.submit(done.set)
+        assert done.wait(10)
+        assert ran == [pool._threads[0].ident] and pool.stalls == 0
+    finally:
+        release.set()
+        pool.close()
+
+
+_COMPETING = r"""
+import hashlib, os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from ucxrpc._pool import RunQueueClock
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core for both
+stop = threading.Event()
+def hashing():
+    data = bytes(8 << 20)
+    while not stop.is_set():
+        hashlib.sha256(data)  # drops the GIL: both threads want the core
+threads = [threading.Thread(target=hashing) for _ in range(2)]
+for t in threads:
+    t.start()
+clock = RunQueueClock()
+if not clock.works:
+    print("no schedstat")
+    sys.exit(0)
+before = clock.read()
+time.sleep(0.5)
+after = clock.read()
+stop.set()
+for t in threads:
+    t.join()
+clock.close()
+print(after - before)
+"""
+
+
+def test_run_queue_clock_counts_threads_waiting_for_a_core():
+    # Two threads hashing without the GIL on one core: each waits while the
+    # other runs, and the kernel accounts that wait as each is scheduled in.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _COMPETING, root], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    if proc.stdout.strip() == "no schedstat":
+        pytest.skip("this kernel keeps no schedstat (a sandbox): the watchdog uses CPU time")
+    assert float(proc.stdout) > 0.0
+
