@@ -206,8 +206,12 @@ class WorkerPool:
                         self._watch_idle = True
                         self._watch.wait()  # _arm_watchdog notifies
                         continue
-                    start, cpu = time.monotonic(), time.process_time()
+                    start = time.monotonic()
                     queued = self._run_queue(clock) if confirming else 0.0
+                    # The window from after that read, and the run queue's
+                    # over more than it: a pause of this thread in between
+                    # (the reads release the lock) counts as busy, not idle.
+                    begin, cpu = time.monotonic(), time.process_time()
                     self._watch.wait(STALL_S)
                     if not self._tasks or self._taken_at >= start:
                         confirming = False
@@ -217,7 +221,7 @@ class WorkerPool:
                     if confirming:
                         used += self._run_queue(clock) - queued
                     waited = now - self._taken_at
-                    if not stalled(now - start, used, waited):
+                    if not stalled(now - begin, used, waited):
                         confirming = False
                         continue
                     if not confirming and clock.works and waited < STALL_MAX_S:
