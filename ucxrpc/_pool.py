@@ -219,7 +219,9 @@ class WorkerPool:
                     now = time.monotonic()
                     used = time.process_time() - cpu
                     if confirming:
-                        used += self._run_queue(clock) - queued
+                        # (a thread that ended meanwhile takes its total
+                        # with it: never less than nothing)
+                        used += max(0.0, self._run_queue(clock) - queued)
                     waited = now - self._taken_at
                     if not stalled(now - begin, used, waited):
                         confirming = False
