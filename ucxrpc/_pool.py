@@ -207,7 +207,7 @@ class WorkerPool:
                         self._watch.wait()  # _arm_watchdog notifies
                         continue
                     start = time.monotonic()
-                    queued = self._run_queue(clock) if confirming else 0.0
+                    queued = self._read_unlocked(clock) if confirming else 0.0
                     # The window from after that read, and the run queue's
                     # over more than it: a pause of this thread in between
                     # (the reads release the lock) counts as busy, not idle.
@@ -221,7 +221,7 @@ class WorkerPool:
                     if confirming:
                         # (a thread that ended meanwhile takes its total
                         # with it: never less than nothing)
-                        used += max(0.0, self._run_queue(clock) - queued)
+                        used += max(0.0, self._read_unlocked(clock) - queued)
                     waited = now - self._taken_at
                     if not stalled(now - begin, used, waited):
                         confirming = False
@@ -237,7 +237,7 @@ class WorkerPool:
         finally:
             clock.close()
 
-    def _run_queue(self, clock: RunQueueClock) -> float:
+    def _read_unlocked(self, clock: RunQueueClock) -> float:
         """``clock.read()`` without the lock (lock held on entry and exit):
         a submit need not wait for the reads."""
         self._lock.release()
