@@ -22,6 +22,7 @@ import os
 import signal
 import time
 from collections.abc import Generator, Iterator
+from multiprocessing import forkserver, resource_tracker
 
 import pytest
 
@@ -89,8 +90,6 @@ def pytest_runtest_makereport(
 def _exempt_pids() -> set[int]:
     """Long-lived helpers multiprocessing starts once per session by design."""
     exempt = set()
-    from multiprocessing import forkserver, resource_tracker
-
     tracker_pid = getattr(resource_tracker._resource_tracker, "_pid", None)
     if tracker_pid:
         exempt.add(tracker_pid)
@@ -103,7 +102,10 @@ def _exempt_pids() -> set[int]:
 def _leftover_children() -> list[int]:
     multiprocessing.active_children()  # reaps multiprocessing children that ended
     exempt = _exempt_pids()
-    return [pid for pid in child_pids() if pid not in exempt]
+    # The workers tests/workers.py starts are the forkserver's children.
+    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    forked = child_pids(server_pid) if server_pid else []
+    return [pid for pid in child_pids() + forked if pid not in exempt]
 
 
 def _cmdline(pid: int) -> str:

@@ -1,8 +1,10 @@
 """Run test code in worker processes: the one helper every multi-process test uses.
 
-``run_workers(target, world_size)`` starts ``world_size`` processes with the
-*spawn* start method and calls ``target(rank, world_size, init_method, *args)``
-in each. All children share one deadline. What each child returns comes back
+``run_workers(target, world_size)`` starts ``world_size`` processes, forked
+from a server that imported torch once (the launcher's ``forkserver`` method:
+a fresh interpreter but for that import, which cost each child about 2 s of
+CPU and the suite minutes), and calls ``target(rank, world_size,
+init_method, *args)`` in each. All children share one deadline. What each child returns comes back
 in rank order; what each child raises comes back as its formatted traceback
 inside :class:`WorkerFailed`; a child still running at the deadline has its
 Python stacks dumped and included in :class:`WorkerTimeout`. Whatever happens,
@@ -14,7 +16,7 @@ Starting, watching and stopping the processes is :mod:`ucxrpc._launch`'s
 own lives here: the error types, the failure grace, and the stack dumps
 (faulthandler in every child, on :data:`_DUMP_SIGNAL` from the parent).
 
-Rules for targets (they run in a fresh interpreter):
+Rules for targets (they run in a fresh interpreter, torch already imported):
 
 * a target is a module-level function of an importable module (not a lambda,
   not a nested function, not a bound method);
@@ -27,7 +29,7 @@ Ports come from :func:`free_port`, which binds port 0; never guess them.
 
 Only the standard library and ``ucxrpc._launch`` (standard library only) are
 imported here, so that a child's start-up costs what its target's module
-costs and nothing more.  Import the launcher with ``from ucxrpc._launch
+costs beyond torch and nothing more.  Import the launcher with ``from ucxrpc._launch
 import``: in a child, that finds the copy the launcher loaded without
 importing the ``ucxrpc`` package (torch, about 2 s).
 """
@@ -66,6 +68,10 @@ __all__ = [
 #: own (a peer's failure usually makes them fail too, and their tracebacks
 #: explain more) before they are stopped.
 FAILURE_GRACE_S = 5.0
+
+#: How children are made (ucxrpc._launch.START_METHODS).  "spawn" gives each
+#: its own interpreter from scratch, as the benchmark's workers get.
+START_METHOD = "forkserver"
 
 # How long a signalled child gets to write its stacks.
 _STACK_DUMP_WAIT_S = 1.0
@@ -156,7 +162,7 @@ def run_workers(
     env: dict[str, str] | None = None,
     init_method: str | None = None,
 ) -> list[object]:
-    """Run ``target(rank, world_size, init_method, *args)`` in ``world_size`` spawned processes.
+    """Run ``target(rank, world_size, init_method, *args)`` in ``world_size`` new processes.
 
     Args:
         target: a module-level function of an importable module.
@@ -199,6 +205,7 @@ def run_workers(
              for rank in range(world_size)],
             env=env,
             names=[f"worker-rank{rank}" for rank in range(world_size)],
+            method=START_METHOD,
         )
         with ranks:
             return _collect(ranks, deadline, timeout, Path(stack_dir))
@@ -209,7 +216,7 @@ def spawn_worker(
     *args: Any,
     env: dict[str, str] | None = None,
 ) -> BaseProcess:
-    """Start one spawned process running ``target(*args)`` and return it at once.
+    """Start one new process running ``target(*args)`` and return it at once.
 
     For tests that need to kill a worker (SIGKILL) mid-run or otherwise drive
     a process by hand. Nothing is collected from it: a raised exception is
@@ -236,7 +243,7 @@ def spawn_worker(
     module_name, qualname = target_ref(target)
     payload = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
     return spawn(_run_single, (module_name, qualname, payload), env=env,
-                 name=f"worker-{qualname}")
+                 name=f"worker-{qualname}", method=START_METHOD)
 
 
 def run_with_victim(victim: Callable[..., object], target: Callable[..., object],

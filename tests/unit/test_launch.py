@@ -40,6 +40,11 @@ def _report(rank: int, extra: str) -> tuple[object, ...]:
     return rank, extra, os.getpid(), _ENV_AT_IMPORT, heavy
 
 
+def _environ(rank: int, keys: tuple[str, ...]) -> tuple[object, ...]:
+    heavy = sorted(m for m in ("torch", "ucxrpc", "ucxx") if m in sys.modules)
+    return _ENV_AT_IMPORT, {k: os.environ.get(k) for k in keys}, heavy
+
+
 def _fail_on_odd(rank: int) -> int:
     if rank % 2:
         raise ValueError(f"boom from rank {rank}")
@@ -171,8 +176,32 @@ def test_failure_grace_ends_the_wait_soon_after_a_failure() -> None:
         assert waited < 15.0
 
 
-def test_a_spawned_process_exits_when_its_lifetime_is_over() -> None:
-    proc = spawn(_sleep_forever, lifetime=1.0)
+def test_a_forked_rank_gets_the_callers_environment_with_torch_imported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with start(_environ, [(0, ())], method="forkserver") as ranks:  # the server runs now
+        assert ranks.collect(60)[0].ok
+    # Changed after the server started: a forked child must see the caller's
+    # environment at its start, as a spawned one does, not the server's.
+    monkeypatch.setenv("UCXRPC_TEST_LAUNCH_LATER", "later")
+    monkeypatch.delenv("UCXRPC_TEST_LAUNCH_GONE", raising=False)
+    keys = ("UCXRPC_TEST_LAUNCH_LATER", "UCXRPC_TEST_LAUNCH_GONE", _ENV_KEY)
+    with start(_environ, [(rank, keys) for rank in range(2)], env={_ENV_KEY: "set"},
+               method="forkserver") as ranks:
+        outcomes = ranks.collect(60)
+    assert all(out.ok for out in outcomes), outcomes
+    want = ("set", {"UCXRPC_TEST_LAUNCH_LATER": "later", "UCXRPC_TEST_LAUNCH_GONE": None,
+                    _ENV_KEY: "set"}, ["torch"])  # env first; torch alone preloaded
+    assert [out.value for out in outcomes] == [want, want]
+
+
+def test_an_unknown_start_method_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="start method must be one of .*got 'fork'"):
+        start(_report, [(0, "")], method="fork")
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_spawned_process_exits_when_its_lifetime_is_over(method: str) -> None:
+    proc = spawn(_sleep_forever, lifetime=1.0, method=method)
     try:
         proc.join(30)
         assert proc.exitcode == LIFETIME_EXIT_CODE
@@ -190,15 +219,18 @@ spec = importlib.util.spec_from_file_location("ucxrpc._launch", {str(LAUNCH)!r})
 launch = importlib.util.module_from_spec(spec)
 sys.modules["ucxrpc._launch"] = launch
 spec.loader.exec_module(launch)
+from multiprocessing import forkserver
 from tests.unit.test_launch import _sleep_forever
-ranks = launch.start(_sleep_forever, [(0,), (1,)])
-print(*(p.pid for p in ranks.procs), flush=True)
+ranks = launch.start(_sleep_forever, [(0,), (1,)], method=sys.argv[1])
+server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+print(*(p.pid for p in ranks.procs), *([server] if server else []), flush=True)
 time.sleep(60)
 """
 
 
-def test_children_die_when_their_parent_is_sigkilled() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT], cwd=REPO,
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_children_die_when_their_parent_is_sigkilled(method: str) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, method], cwd=REPO,
                               stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
@@ -206,7 +238,7 @@ def test_children_die_when_their_parent_is_sigkilled() -> None:
         ready, _, _ = select.select([parent.stdout], [], [], 30)
         assert ready, "the parent did not start its children within 30 s"
         pids = [int(pid) for pid in parent.stdout.readline().split()]
-        assert len(pids) == 2
+        assert len(pids) == (2 if method == "spawn" else 3)  # and the server
         assert _wait_gone(pids, 0) == pids  # running, before the parent dies
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
