@@ -518,6 +518,7 @@ def _die_with(pid: int) -> None:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         os.kill(os.getpid(), signal.SIGKILL)
+        return
     except (OSError, AttributeError):  # no pidfd: Linux before 5.3
         fd = -1
     threading.Thread(target=_await_end, args=(pid, fd), name="ucxrpc-launch-parent",
@@ -527,11 +528,24 @@ def _die_with(pid: int) -> None:
 def _await_end(pid: int, fd: int) -> None:
     if fd >= 0:
         select.select([fd], [], [])  # readable once the process has ended
-    else:
-        while True:
-            try:
-                os.kill(pid, 0)
-            except OSError:  # gone, or its pid another user's process's now
-                break
-            time.sleep(_PARENT_POLL_S)
+    # A sandbox's pidfd may also wake early: what the kernel says of the
+    # process decides, polled where there is no pidfd.
+    while not _ended(pid):
+        time.sleep(_PARENT_POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rfind(b")") + 2:].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc here
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return True
+        return False

@@ -194,6 +194,23 @@ def test_a_forked_rank_gets_the_callers_environment_with_torch_imported(
     assert [out.value for out in outcomes] == [want, want]
 
 
+def test_a_process_has_ended_once_it_is_a_zombie_or_gone() -> None:
+    # What a forked child's watch on its starter decides by (a sandbox's
+    # pidfd may wake early, and without one it is polled).
+    from ucxrpc._launch import _ended
+
+    assert not _ended(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        end = time.monotonic() + 30
+        while not _ended(child.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert _ended(child.pid)  # exited, not yet reaped: a zombie
+    finally:
+        child.wait(10)
+    assert _ended(child.pid)  # reaped: gone
+
+
 def test_an_unknown_start_method_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="start method must be one of .*got 'fork'"):
         start(_report, [(0, "")], method="fork")
