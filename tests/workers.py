@@ -1,15 +1,15 @@
 """Run test code in worker processes: the one helper every multi-process test uses.
 
 ``run_workers(target, world_size)`` starts ``world_size`` processes, forked
-from a server that imported torch once (the launcher's ``forkserver`` method:
-a fresh interpreter but for that import, which cost each child about 2 s of
-CPU and the suite minutes), and calls ``target(rank, world_size,
-init_method, *args)`` in each. All children share one deadline. What each child returns comes back
-in rank order; what each child raises comes back as its formatted traceback
-inside :class:`WorkerFailed`; a child still running at the deadline has its
-Python stacks dumped and included in :class:`WorkerTimeout`. Whatever happens,
-every child is terminated, then killed, before ``run_workers`` returns or
-raises.
+from a server that imported torch once (the launcher's ``forkserver``
+method: a fresh interpreter but for that import, which cost each child
+about 2 s of CPU and the suite minutes), and calls ``target(rank,
+world_size, init_method, *args)`` in each. All children share one deadline.
+What each child returns comes back in rank order; what each child raises
+comes back as its formatted traceback inside :class:`WorkerFailed`; a child
+still running at the deadline has its Python stacks dumped and included in
+:class:`WorkerTimeout`. Whatever happens, every child is terminated, then
+killed, before ``run_workers`` returns or raises.
 
 Starting, watching and stopping the processes is :mod:`ucxrpc._launch`'s
 (the launcher the benchmark and the examples use too); what is the tests'
@@ -29,9 +29,9 @@ Ports come from :func:`free_port`, which binds port 0; never guess them.
 
 Only the standard library and ``ucxrpc._launch`` (standard library only) are
 imported here, so that a child's start-up costs what its target's module
-costs beyond torch and nothing more.  Import the launcher with ``from ucxrpc._launch
-import``: in a child, that finds the copy the launcher loaded without
-importing the ``ucxrpc`` package (torch, about 2 s).
+costs beyond torch and nothing more.  Import the launcher with ``from
+ucxrpc._launch import``: in a child, that finds the copy the launcher
+loaded without importing the ``ucxrpc`` package (torch and ucxx).
 """
 
 from __future__ import annotations
