@@ -168,7 +168,7 @@ def load_target(module_name: str, qualname: str) -> Callable[..., object]:
 def spawn(target: Callable[..., object], args: tuple[Any, ...] = (), *,
           env: Mapping[str, str] | None = None, name: str | None = None,
           lifetime: float | None = None, method: str = "spawn") -> BaseProcess:
-    """Start one spawned process running ``target(*args)`` and return it at once.
+    """Start one process running ``target(*args)`` and return it at once.
 
     Nothing is collected from it: an exception is printed to the child's
     stderr and makes its exit code 1.  The caller owns the process and must
