@@ -22,11 +22,11 @@ import os
 import signal
 import time
 from collections.abc import Generator, Iterator
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import resource_tracker
 
 import pytest
 
-from tests.workers import child_pids
+from tests.workers import child_pids, forkserver_pid
 
 # How long children of a finished module get to exit on their own before
 # they count as left behind.
@@ -93,7 +93,7 @@ def _exempt_pids() -> set[int]:
     tracker_pid = getattr(resource_tracker._resource_tracker, "_pid", None)
     if tracker_pid:
         exempt.add(tracker_pid)
-    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    server_pid = forkserver_pid()
     if server_pid:
         exempt.add(server_pid)
     return exempt
@@ -103,7 +103,7 @@ def _leftover_children() -> list[int]:
     multiprocessing.active_children()  # reaps multiprocessing children that ended
     exempt = _exempt_pids()
     # The workers tests/workers.py starts are the forkserver's children.
-    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    server_pid = forkserver_pid()
     forked = child_pids(server_pid) if server_pid else []
     return [pid for pid in child_pids() + forked if pid not in exempt]
 

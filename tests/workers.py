@@ -57,6 +57,7 @@ __all__ = [
     "WorkerFailed",
     "WorkerTimeout",
     "child_pids",
+    "forkserver_pid",
     "free_port",
     "run_with_victim",
     "run_workers",
@@ -270,6 +271,16 @@ def run_with_victim(victim: Callable[..., object], target: Callable[..., object]
 #: Stop a :func:`spawn_worker` process: SIGTERM (and SIGCONT, should it be
 #: stopped), then SIGKILL after a grace, then reap it; idempotent.
 stop_worker = stop_process
+
+
+def forkserver_pid() -> int | None:
+    """The pid of the server :data:`START_METHOD` forks workers from, or
+    None before it started: the workers' parent, a helper that lives as
+    long as this process."""
+    from multiprocessing import forkserver
+
+    pid: int | None = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return pid
 
 
 def child_pids(pid: int | None = None) -> list[int]:

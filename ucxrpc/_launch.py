@@ -464,8 +464,7 @@ def _child_main(child: dict[str, Any]) -> None:
     else:
         die_with_parent(parent_pid)
     if child["end"] is not None:
-        threading.Thread(target=_watchdog,
-                         args=(None if child["forked"] else parent_pid, child["end"]),
+        threading.Thread(target=_watchdog, args=(parent_pid, child["end"]),
                          name="ucxrpc-launch-watchdog", daemon=True).start()
     if child["environ"] is not None:
         os.environ.clear()
@@ -495,17 +494,15 @@ def _load(child: Mapping[str, Any]) -> Callable[..., object]:
     return load_target(child["module"], child["qualname"])
 
 
-def _watchdog(parent_pid: int | None, end: float) -> None:
+def _watchdog(parent_pid: int, end: float) -> None:
     # time.monotonic() is CLOCK_MONOTONIC, one clock for all processes of the
-    # host, so the parent's `end` means the same here.  The ppid check covers
-    # a platform without PR_SET_PDEATHSIG (None: a forked child, _die_with's).
-    def parent_here() -> bool:
-        return parent_pid is None or os.getppid() == parent_pid
-
-    while parent_here() and time.monotonic() < end:
+    # host, so the parent's `end` means the same here.  The check on the
+    # process that started this one covers a platform without
+    # PR_SET_PDEATHSIG (a forked child's parent is the server: not getppid).
+    while not _ended(parent_pid) and time.monotonic() < end:
         time.sleep(min(1.0, max(0.0, end - time.monotonic())))
     print(f"ucxrpc launcher: {multiprocessing.current_process().name} exits: "
-          f"{'lifetime over' if parent_here() else 'parent gone'}",
+          f"{'parent gone' if _ended(parent_pid) else 'lifetime over'}",
           file=sys.stderr, flush=True)
     os._exit(LIFETIME_EXIT_CODE)
 

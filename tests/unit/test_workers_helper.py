@@ -15,6 +15,7 @@ from tests.workers import (
     WorkerFailed,
     WorkerTimeout,
     child_pids,
+    forkserver_pid,
     free_port,
     run_workers,
     spawn_worker,
@@ -87,20 +88,14 @@ def _serve_forever(port: int) -> None:
 def _assert_no_children() -> None:
     assert multiprocessing.active_children() == []
     assert [pid for pid in child_pids() if not _is_mp_helper(pid)] == []
-    server = _forkserver_pid()  # the workers' parent (tests/workers.START_METHOD)
+    server = forkserver_pid()  # the workers' parent (tests/workers.START_METHOD)
     assert server is None or child_pids(server) == []
-
-
-def _forkserver_pid() -> int | None:
-    from multiprocessing import forkserver
-
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
 def _is_mp_helper(pid: int) -> bool:
     from multiprocessing import resource_tracker
 
-    return pid in (getattr(resource_tracker._resource_tracker, "_pid", None), _forkserver_pid())
+    return pid in (getattr(resource_tracker._resource_tracker, "_pid", None), forkserver_pid())
 
 
 def test_free_port_is_bindable_and_varies() -> None:
