@@ -563,3 +563,33 @@ def test_two_leaves_given_one_gradient_get_two_buffers_and_one_used_once_is_kept
     # distributed engine copies for both, since it holds every gradient of a
     # pass until the end: tests/compat/known_failures.py.)
     assert run_workers(_kept_or_copied, 2, timeout=90)[0] == ([False, True], True, True)
+
+
+_SYMBOLIC = "torch.fx.experimental.symbolic_shapes"
+
+
+def _first_pass_imports(rank, world_size, init_method):
+    import sys
+
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    before = _SYMBOLIC in sys.modules
+    if rank == 0:
+        x = seeded(1, 4)
+        with dist_autograd.context() as ctx:
+            loss = rpc.rpc_sync("worker1", exp_of, (x,)).sum()
+            dist_autograd.backward(ctx, [loss])
+            grad = dist_autograd.get_gradients(ctx)[x]
+        assert close(grad, local_grads(lambda a: a.exp().sum(), x)[0])
+    rpc.shutdown()  # waits for worker1's part of the pass too
+    return before, _SYMBOLIC in sys.modules
+
+
+def test_first_backward_does_not_import_symbolic_shapes():
+    # torch.autograd.backward checks gradient shapes with torch's symbolic
+    # shapes module, whose first import (sympy with it) made a process's
+    # first distributed backward cost 0.8-2 s on a CPU and ~6 s on a GPU
+    # machine; the local passes call the engine directly (_torch_engine.py).
+    assert run_workers(_first_pass_imports, 2, timeout=90) == [(False, False), (False, False)]

@@ -43,6 +43,7 @@ from ..errors import DistAutogradError, RpcError
 from ..functions import _plain, async_execution
 from ._context import ContextTable, DistAutogradContext, Recv
 from ._recording import table
+from ._torch_engine import run_backward
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ def _run_pass(outs: list[torch.Tensor], gouts: list[torch.Tensor],
         for leaf in leaves:
             leaf.grad = None
         try:
-            torch.autograd.backward(outs, gouts, retain_graph=retain_graph, inputs=leaves)
+            run_backward(outs, gouts, leaves, retain_graph)
             return [leaf.grad for leaf in leaves]
         finally:
             for leaf, grad in zip(leaves, saved):
