@@ -9,7 +9,14 @@ Rank 0 drives; rank 1 serves. Rank 0 announces each batch with a control
 message ``[op, size, count]`` and then runs ``count`` iterations:
 
 - ``PING_PONG``: rank 0 sends ``size`` bytes, rank 1 sends them back
-  (round trip; with 8 bytes, the latency figure).
+  (the round trip figures, in the run's device memory).
+- ``HOST_PING_PONG``: the same in host memory whatever the device: with 8
+  bytes, the latency figure, the floor of ucxrpc's no-op ``rpc_sync``
+  (which carries no tensor).  An 8-byte ping-pong in CUDA memory is a
+  device transfer each way (UCX copies it through its CUDA transports):
+  on an H100 it took 326 µs where the host no-op took 258-370, and was
+  read as the machine's floor (reviews/gpu-percall-2026-11-28.md); with
+  ``--device cuda`` it is reported beside, as ``device_latency``.
 - ``ONE_WAY``: rank 0 sends ``size`` bytes, rank 1 answers with 8 bytes
   (the analogue of ``rpc_sync(consume, t)`` returning ``None``).
 - ``BIDIR``: both send ``size`` bytes to each other at once.
@@ -32,7 +39,7 @@ from .workload import WorkloadConfig, percentile, size_stats
 
 __all__ = ["raw_peer"]
 
-PING_PONG, ONE_WAY, STOP, BIDIR = 1, 2, 3, 4
+PING_PONG, ONE_WAY, STOP, BIDIR, HOST_PING_PONG = 1, 2, 3, 4, 5
 _SECTION_OPS = {"one_way": ONE_WAY, "round_trip": PING_PONG, "bidirectional": BIDIR}
 
 
@@ -59,7 +66,9 @@ class _Driver:
         largest = max(cfg.sizes, default=8)
         self.send_buf = _buffer(largest, 1, device)
         self.recv_buf = _buffer(largest, 0, device)
+        self.device = device
         self.ack = _buffer(8, 0, "cpu")
+        self.host_send, self.host_recv = _buffer(8, 1, "cpu"), _buffer(8, 0, "cpu")
         self.ctrl = np.zeros(3, dtype=np.int64)
         self.ctrl_arr = pair.Array(self.ctrl)
 
@@ -72,8 +81,11 @@ class _Driver:
         import time
 
         pair, Array = self.pair, self.pair.Array
-        send = Array(self.send_buf[:size])
-        back = Array(self.ack if op == ONE_WAY else self.recv_buf[:size])
+        if op == HOST_PING_PONG:
+            send, back = Array(self.host_send[:size]), Array(self.host_recv[:size])
+        else:
+            send = Array(self.send_buf[:size])
+            back = Array(self.ack if op == ONE_WAY else self.recv_buf[:size])
         tag_back = pair.tag_data if op == BIDIR else pair.tag_reply
         times = [0.0] * count
         self._announce(op, size, count)
@@ -99,14 +111,22 @@ class _Driver:
         count = max(cfg.min_iters, min(cfg.max_iters, math.ceil(cfg.target_s / estimate)))
         return size_stats(self.batch(op, size, count), size, 1 if op == ONE_WAY else 2)
 
+    def latency(self, op: int, what: str) -> dict[str, Any]:
+        """An 8-byte ping-pong's percentiles, after a warm-up."""
+        cfg = self.cfg
+        self.batch(op, 8, cfg.latency_warmup)
+        lat = sorted(self.batch(op, 8, cfg.latency_iters))
+        return {"p50_us": percentile(lat, 50) * 1e6, "p99_us": percentile(lat, 99) * 1e6,
+                "mean_us": sum(lat) / len(lat) * 1e6, "min_us": lat[0] * 1e6,
+                "max_us": lat[-1] * 1e6, "n": len(lat), "what": what}
+
     def run(self, step: Callable[[str], None]) -> dict[str, Any]:
         cfg = self.cfg
-        self.batch(PING_PONG, 8, cfg.latency_warmup)
-        lat = sorted(self.batch(PING_PONG, 8, cfg.latency_iters))
         result: dict[str, Any] = {
-            "latency": {"p50_us": percentile(lat, 50) * 1e6, "p99_us": percentile(lat, 99) * 1e6,
-                        "mean_us": sum(lat) / len(lat) * 1e6, "min_us": lat[0] * 1e6,
-                        "max_us": lat[-1] * 1e6, "n": len(lat), "what": "8-byte tag ping-pong"}}
+            "latency": self.latency(HOST_PING_PONG, "8-byte tag ping-pong, host memory")}
+        if self.device != "cpu":
+            result["device_latency"] = self.latency(
+                PING_PONG, f"8-byte tag ping-pong, {self.device} memory")
         step("latency")
         for section in _SECTION_OPS:
             result[section] = []
@@ -124,6 +144,7 @@ def _serve(pair: Pair, cfg: WorkloadConfig, device: str) -> None:
     largest = max(cfg.sizes, default=8)
     buf = _buffer(largest, 0, device)       # every message lands here
     out = _buffer(largest, 2, device)       # what BIDIR sends back
+    host = _buffer(8, 0, "cpu")             # HOST_PING_PONG's
     ack = Array(_buffer(8, 0, "cpu"))
     ctrl = np.zeros(3, dtype=np.int64)
     ctrl_arr = Array(ctrl)
@@ -133,13 +154,13 @@ def _serve(pair: Pair, cfg: WorkloadConfig, device: str) -> None:
         if op == STOP:
             pair.wait(pair.send(ack, pair.tag_reply))
             return
-        data = Array(buf[:size])
+        data = Array((host if op == HOST_PING_PONG else buf)[:size])
         if op == BIDIR:
             mine = Array(out[:size])
             for _ in range(count):
                 pair.wait(pair.recv(data, pair.tag_data), pair.send(mine, pair.tag_data))
             continue
-        answer = data if op == PING_PONG else ack
+        answer = ack if op == ONE_WAY else data
         for _ in range(count):
             pair.wait(pair.recv(data, pair.tag_data))
             pair.wait(pair.send(answer, pair.tag_reply))
