@@ -26,17 +26,18 @@ import contextlib
 import itertools
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any
 
 import torch
 
+from . import _cuda
 from .errors import RpcError
 
 __all__ = ["NO_STREAMS", "DeviceMap", "ReadyEvents", "callee_streams", "check_devices", "current_streams",
            "default_devices", "extracting_tensors", "future", "on_streams", "reverse_maps",
-           "settle", "target_devices",
+           "settle", "settle_indices", "target_devices",
            "to_device", "to_device_map", "validate"]
 
 DeviceMap = dict[torch.device, torch.device]
@@ -180,37 +181,39 @@ def target_devices(sources: Iterable[torch.device], device_map: DeviceMap | None
     return out
 
 
-def settle(buffers: Iterable[torch.Tensor]) -> None:
-    """Wait until the work queued on each CUDA buffer's current stream is done,
-    so that UCX, reading on its own streams, sees the final bytes.  One event
-    per device, not a device-wide sync: other streams keep running."""
-    seen: set[torch.device] = set()
-    for b in buffers:
-        if b.is_cuda and b.device not in seen:
-            seen.add(b.device)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(b.device))
-            event.synchronize()
+def settle(buffers: Iterable[Any]) -> None:
+    """Wait until the work queued on each CUDA buffer's current stream is done
+    (where any is pending), so that UCX, reading on its own streams, sees
+    the final bytes: a message's buffers settle together, once per device,
+    not a device-wide sync (other streams keep running)."""
+    settle_indices({b.get_device() for b in buffers if b.is_cuda})
+
+
+def settle_indices(indices: Iterable[int]) -> None:
+    """:func:`settle` for buffers on the CUDA devices ``indices`` (each once)."""
+    _cuda.settle(indices)
 
 
 _POOL_SIZE = 8  # streams per device: calls served at once rarely need more
-_pools: dict[int, list[Any]] = {}
+# Per device index: the pool's streams (kept alive) and their keys.
+_pools: dict[int, tuple[list[Any], list[_cuda.Key]]] = {}
 _turn = itertools.count()
 _pools_lock = threading.Lock()
 
 
-def _pool_stream(device: torch.device) -> Any:
-    index = device.index or 0
-    streams = _pools.get(index)
-    if streams is None:
+def _pool_stream(index: int) -> _cuda.Key:
+    pool = _pools.get(index)
+    if pool is None:
         with _pools_lock:
-            streams = _pools.setdefault(
-                index, [torch.cuda.Stream(device=index) for _ in range(_POOL_SIZE)])
-    return streams[next(_turn) % _POOL_SIZE]
+            pool = _pools.get(index)
+            if pool is None:
+                streams = [torch.cuda.Stream(device=index) for _ in range(_POOL_SIZE)]
+                pool = _pools[index] = (streams, [_cuda.key_of(s) for s in streams])
+    return pool[1][next(_turn) % _POOL_SIZE]
 
 
-@contextlib.contextmanager
-def callee_streams(devs: list[torch.device], received: Iterable[torch.Tensor]) -> Iterator[None]:
+def callee_streams(devs: list[torch.device], received: Iterable[torch.Tensor]
+                   ) -> contextlib.AbstractContextManager[None]:
     """Run a served call as torch's agent does: on each of ``devs``, the
     current stream is one from a pool, so calls served at once do not
     serialize on the default stream.  Received CUDA buffers (complete when
@@ -218,44 +221,34 @@ def callee_streams(devs: list[torch.device], received: Iterable[torch.Tensor]) -
     handed out again while the callee's queued work still reads it; the
     current device is left as it was."""
     if not devs:
-        yield
-        return
-    streams = {d: _pool_stream(d) for d in devs}
+        return NO_STREAMS
+    keys = {d.index or 0: _pool_stream(d.index or 0) for d in devs}
     for b in received:
-        if b.is_cuda and b.device in streams:
-            b.record_stream(streams[b.device])
-    del received  # the callee drops its arguments before replying
-    with _entered(list(streams.values())):
-        yield
+        if b.is_cuda:
+            key = keys.get(b.get_device())
+            if key is not None:
+                b.record_stream(_cuda.stream(key))
+    return _cuda.StreamScope(list(keys.values()))
 
 
-def current_streams(devs: list[torch.device]) -> list[Any]:
+def current_streams(devs: list[torch.device]) -> list[_cuda.Key]:
     """The current stream of each of ``devs`` (none, and no CUDA call, for
     none): to carry a call's streams to work it hands to another thread."""
-    return [torch.cuda.current_stream(d) for d in devs]
+    return [_cuda.current(d.index or 0) for d in devs]
 
 
-def on_streams(streams: list[Any]) -> contextlib.AbstractContextManager[None]:
-    """Make ``streams`` (one per device, maybe from another thread) current
-    here; the current device is left as it was.  Work queued in the body
-    follows the work already queued on them, and memory recorded on them
-    (a served call's received buffers) stays guarded.  For no streams (a
-    worker without CUDA devices), a context that does nothing, at no cost."""
-    return _entered(streams) if streams else NO_STREAMS
+def on_streams(streams: list[_cuda.Key]) -> contextlib.AbstractContextManager[None]:
+    """Make ``streams`` (one per device, from :func:`current_streams`, maybe
+    on another thread) current here; the current device is left as it
+    was.  Work queued in the body follows the work already queued on them,
+    and memory recorded on them (a served call's received buffers) stays
+    guarded.  For no streams (a worker without CUDA devices), a context
+    that does nothing, at no cost."""
+    return _cuda.StreamScope(streams) if streams else NO_STREAMS
 
 
 #: No stream context: what a worker without CUDA devices runs in (reusable).
 NO_STREAMS: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _entered(streams: list[Any]) -> Iterator[None]:
-    home = torch.cuda.current_device()
-    with contextlib.ExitStack() as stack:
-        for stream in streams:
-            stack.enter_context(torch.cuda.stream(stream))
-        stack.enter_context(torch.cuda.device(home))  # entering a stream may switch it
-        yield
 
 
 class ReadyEvents:

@@ -69,8 +69,9 @@ class _FakeWorker:
     net: _Net
 
     def __init__(self, transports: Any, host_timeout: float = 10.0, *,
-                 device_memory: bool = False) -> None:
+                 device_memory: bool = False, device_path: str = "ucp") -> None:
         self.address = b"w%d" % next(self.net.addresses)
+        self.device_ucp = device_path == "ucp"
         self.net.queues[self.address] = []
         self.cuda_memory = False
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rpc._gpu import SPIN
+from tests.rpc._gpu import BOTH, SPIN
 from tests.workers import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
@@ -131,6 +131,7 @@ def _paths(rank, world_size, init_method, extra):
         assert len({t.data_ptr() for t in got}) == len(got)
         pipe = rpc.get_pipe_info("worker1")[0]
         out = {"path": pipe["cuda_path"], "transports": pipe["transports"],
+               "device_path": rpc._get_debug_info()["device_path"],
                "mine": path_stats(), "theirs": rpc.rpc_sync("worker1", path_stats)}
     rpc.shutdown()
     return out
@@ -140,9 +141,16 @@ def echo(x):
     return x
 
 
-@pytest.mark.parametrize("extra, path", [({}, "gpu-direct"), (STAGED, "staged")])
-def test_gpu_direct_and_staged_paths(extra, path):
-    res = run_workers(_paths, 2, args=(extra,), timeout=150)[0]
+# UCXRPC_DEVICE_PATH: device buffers through the direct libucp calls with
+# their memory type (the default), or through ucxx's Array (kept to be
+# measured against it: transport/ucx.py, DEVICE_PATHS).
+@pytest.mark.parametrize("extra, path, device_path", [({}, "gpu-direct", "ucp"),
+                                                      ({}, "gpu-direct", "ucxx"),
+                                                      (STAGED, "staged", "ucp")])
+def test_gpu_direct_and_staged_paths(extra, path, device_path):
+    res = run_workers(_paths, 2, args=(extra,), timeout=150,
+                      env={"UCXRPC_DEVICE_PATH": device_path})[0]
+    assert res["device_path"] == device_path, res
     assert res["path"] == path, res
     assert res["mine"]["packed_buffers"] >= 110 and res["theirs"]["packed_buffers"] >= 110, res
     if path == "staged":
@@ -218,3 +226,70 @@ def test_callee_runs_on_pool_streams_and_futures_know_devices():
     assert res["raced"] != 4 * res["n"], ("the control did not race: this check cannot "
                                           "fail here", res)
     assert res["total"] == 4 * res["n"], res
+
+
+def fives(n):
+    return torch.full((n,), 5.0, device="cuda")
+
+
+def _fresh_thread(rank, world_size, init_method):
+    import threading
+
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, BOTH)
+    out = None
+    if rank == 0:
+        t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        torch.cuda.synchronize()
+        got: list = []
+
+        def call() -> None:  # a thread that never made a CUDA call of its own
+            got.append(rpc.rpc_sync("worker1", plus_one, (t,)))
+            got.append(rpc.rpc_async("worker1", plus_one, (t,)).wait())
+
+        th = threading.Thread(target=call)
+        th.start()
+        th.join(60)
+        out = [bool(torch.equal(g, t + 1)) for g in got]
+    rpc.shutdown()
+    return out
+
+
+def test_a_thread_that_never_used_cuda_calls_with_device_tensors():
+    # It waits for its reply by driving UCX itself (agent/core.py, _drive),
+    # which needs a CUDA context on the thread: the transport makes the
+    # device's current where the thread has none (cudactx.ensure_current).
+    assert run_workers(_fresh_thread, 2, timeout=150)[0] == [True, True]
+
+
+def _freed_with_work_pending(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, BOTH)
+    out = None
+    if rank == 0:
+        n = 1 << 22
+        fives(n)  # warm: the callee's kernels and this process's allocator
+        results = []
+        for _ in range(3):
+            x = torch.full((n,), 3.0, device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SPIN)
+            y = x * 2           # queued behind the spin: it still reads x
+            del x               # x's block goes back to this stream's pool at once
+            got = rpc.rpc_sync("worker1", fives, (n,))  # a reply of n floats lands here
+            results.append((y.min().item(), y.max().item(), got.min().item()))
+        out = results
+    rpc.shutdown()
+    return out
+
+
+def test_a_receive_never_lands_in_memory_freed_with_work_pending():
+    # torch's allocator gives a block freed on a stream to the next
+    # allocation on that stream at once: the work queued on the stream is
+    # ordered before whatever comes next on it.  UCX writes on streams of its
+    # own, so a reply allocated on the caller's stream could land in x while
+    # `x * 2` still reads it; receives are allocated on a stream of the
+    # transport's own (transport/engine.py, _RECEIVE_ALLOCS).
+    assert run_workers(_freed_with_work_pending, 2, timeout=150)[0] == [(6.0, 6.0, 5.0)] * 3

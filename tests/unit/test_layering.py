@@ -32,6 +32,7 @@ RANKS: dict[str, int] = {
     "ucxrpc.transport": 0,
     "ucxrpc.errors": 0,  # importable from everywhere
     "ucxrpc._kernels": 0,  # CuPy kernels and their CPU fallback: a leaf
+    "ucxrpc._cuda": 0,  # torch's current CUDA streams and device at C level: a leaf
     "ucxrpc._launch": 0,  # starts/stops rank processes for tests, bench, examples: stdlib only
     "ucxrpc.wire": 1,
     "ucxrpc.serialization": 1,

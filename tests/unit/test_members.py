@@ -172,8 +172,10 @@ def test_joining_again_forgets_the_failure(members: Members) -> None:
 # -- where CUDA buffers land ------------------------------------------------------
 
 def _pickled(*devs: str) -> SimpleNamespace:
-    # Not real CUDA tensors (no GPU needed): is_cuda False keeps settle() away.
-    bufs = [SimpleNamespace(device=D(d), is_cuda=False) for d in devs]
+    # Not real CUDA tensors (no GPU needed): buffers as the transport reads them.
+    bufs = [SimpleNamespace(device=D(d), is_cuda=d != "cpu",
+                            get_device=lambda d=d: -1 if d == "cpu" else D(d).index)
+            for d in devs]
     return SimpleNamespace(cuda=any(d.startswith("cuda") for d in devs), buffers=bufs)
 
 
@@ -182,12 +184,51 @@ def test_host_only_messages_have_no_targets(members: Members) -> None:
 
 
 def test_cuda_buffers_follow_the_map_and_replies_its_reverse(members: Members) -> None:
-    assert members.cuda_targets(1, _pickled("cpu", "cuda:0")) == [-1, 1]
-    assert members.cuda_targets(1, _pickled("cuda:3"), replying=True) == [2]
+    assert members.device_targets(1, [-1, 0]) == [-1, 1]
+    assert members.device_targets(1, [3], replying=True) == [2]
 
 
 def test_a_cuda_buffer_without_a_map_is_refused_naming_the_peer(members: Members) -> None:
     with pytest.raises(RpcError, match=r"a tensor on cuda:0 cannot go to w2: .*set_device_map"):
-        members.cuda_targets(2, _pickled("cuda:0"))
+        members.device_targets(2, [0])
     with pytest.raises(RpcError, match="the reverse of w2's device map"):
-        members.cuda_targets(2, _pickled("cuda:0"), replying=True)
+        members.device_targets(2, [0], replying=True)
+
+
+def test_a_refusal_is_not_remembered_and_a_mapped_device_still_goes(members: Members) -> None:
+    for _ in range(2):  # asked again, refused again: nothing was learnt from it
+        with pytest.raises(RpcError, match="cuda:5 cannot go to w1"):
+            members.device_targets(1, [0, 5])
+    assert members.device_targets(1, [0, -1, 0]) == [1, -1, 1]
+
+
+def test_targets_are_decided_once_per_peer_and_device(members: Members,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucxrpc import devices
+
+    asked: list[list[torch.device]] = []
+    decide = devices.target_devices
+
+    def counting(sources, *args, **kwargs):
+        asked.append(list(sources))
+        return decide(sources, *args, **kwargs)
+
+    monkeypatch.setattr(devices, "target_devices", counting)
+    for _ in range(100):
+        assert members.device_targets(1, [0, -1, 0]) == [1, -1, 1]
+        assert members.device_targets(1, [3, 3], replying=True) == [2, 2]
+    assert asked == [[D("cuda:0")], [D("cuda:3")]]  # once each: the rest were lookups
+
+
+def test_a_peer_joining_again_with_a_new_map_is_decided_anew(members: Members) -> None:
+    assert members.device_targets(1, [3], replying=True) == [2]
+    members.add(_member(1, "w1", {"w0": {"cuda:2": "cuda:5"}}))  # its map to us changed
+    assert members.device_targets(1, [5], replying=True) == [2]
+    with pytest.raises(RpcError, match="cuda:3 cannot go to w1"):
+        members.device_targets(1, [3], replying=True)
+
+
+def test_a_map_replaced_by_the_job_wide_check_is_decided_anew(members: Members) -> None:
+    assert members.device_targets(1, [0]) == [1]
+    members.device_maps = {1: {D("cuda:0"): D("cuda:4")}}  # as RpcAgent.check_device_maps sets it
+    assert members.device_targets(1, [0]) == [4]

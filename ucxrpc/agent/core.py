@@ -369,12 +369,16 @@ class RpcAgent:
     def _drive(self, done: Callable[[], bool]) -> None:
         """Progress the transport on this thread until ``done()`` (see
         :meth:`Transport.drive`): a reply or request is handled where it is
-        wanted, without a thread hand-off.  Not on a worker with CUDA
-        devices: completing a CUDA future records events on the completing
-        thread's current streams, which a user's thread may have changed,
-        and that path has not run on a GPU yet; the progress thread, whose
-        streams are the defaults, keeps doing it there."""
-        if (self.devices or not self.transport.drive(done)) and not done():
+        wanted, without a thread hand-off, which on a GPU machine's idle
+        cores costs a wake-up each way.  On a worker with CUDA devices too:
+        the transport gives the thread a CUDA context first if it has none,
+        received device tensors are allocated on a stream of the
+        transport's own (whichever thread allocates them), and a CUDA-aware
+        future completed here records its events on this thread's current
+        streams, which its waiter (this thread, or one that waits after
+        it) then waits for: at most an extra wait for work the user queued,
+        never a missed one."""
+        if not self.transport.drive(done) and not done():
             self.transport.wake()  # the progress thread's turn now
 
     # ------------------------------------------------------------ receiving

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import torch
+
 from .. import devices
 from ..errors import AuthenticationError, BrokenError, ClosedError, PeerLeftError, RpcError
 from ..rendezvous import Member
@@ -55,6 +57,8 @@ class Members:
         self.device_maps: dict[int, devices.DeviceMap] = {}
         self.reverse_device_maps: dict[int, devices.DeviceMap] = {}
         self._broken: dict[int, BaseException] = {}
+        # (peer, replying) -> (the map it was learnt from, device -> target).
+        self._target_cache: dict[tuple[int, bool], tuple[Any, dict[int, int]]] = {}
         #: How many pipes to peers broke (departures not counted).
         self.failures = 0
 
@@ -175,16 +179,54 @@ class Members:
 
     def cuda_targets(self, peer: int, pickled: Any, replying: bool = False) -> list[int] | None:
         """Where each of a message's buffers lands on ``peer`` (None: host
-        only), its CUDA buffers settled first; replies travel the reverse of
-        the caller's map.
+        only, :meth:`device_targets`), its CUDA buffers settled first
+        (one stream query per device, a wait only where work is pending);
+        replies travel the reverse of the caller's map.
 
         Raises:
             RpcError: a CUDA buffer with no device map to ``peer``.
         """
         if not pickled.cuda:
             return None
-        maps = self.reverse_device_maps if replying else self.device_maps
-        targets = devices.target_devices([b.device for b in pickled.buffers], maps.get(peer),
-                                         self.name_of(peer), replying=replying)
-        devices.settle(pickled.buffers)
+        sources = [b.get_device() for b in pickled.buffers]
+        targets = self.device_targets(peer, sources, replying)
+        devices.settle_indices({s for s in sources if s >= 0})
         return targets
+
+    def device_targets(self, peer: int, sources: list[int], replying: bool = False) -> list[int]:
+        """Where buffers on devices ``sources`` here (-1: host memory) land
+        on ``peer``: -1 for host memory, else a CUDA index.  Which of the
+        peer's devices one of ours lands on is decided once per peer,
+        direction and device, not per message: a message costs a lookup per
+        buffer.
+
+        Raises:
+            RpcError: a CUDA device with no device map entry to ``peer``
+                (every time it is asked: nothing is remembered of a refusal).
+        """
+        table = self._targets_for(peer, replying)
+        try:
+            return [table[s] for s in sources]
+        except KeyError:  # a device not yet seen for this peer: decided now, or refused
+            return self._learn(peer, replying, table, sources)
+
+    def _targets_for(self, peer: int, replying: bool) -> dict[int, int]:
+        """Device index here -> target on ``peer`` (-1: host memory) so far
+        learnt; kept while the map it was learnt from is the peer's map (a
+        peer that joins again, or a job-wide check at join, replaces it)."""
+        maps = self.reverse_device_maps if replying else self.device_maps
+        current = maps.get(peer)
+        key = (peer, replying)
+        entry = self._target_cache.get(key)
+        if entry is None or entry[0] is not current:
+            entry = self._target_cache[key] = (current, {-1: -1})
+        return entry[1]
+
+    def _learn(self, peer: int, replying: bool, table: dict[int, int],
+               sources: list[int]) -> list[int]:
+        maps = self.reverse_device_maps if replying else self.device_maps
+        unknown = sorted({s for s in sources if s not in table})
+        found = devices.target_devices([torch.device("cuda", s) for s in unknown], maps.get(peer),
+                                       self.name_of(peer), replying=replying)
+        table.update(zip(unknown, found))
+        return [table[s] for s in sources]

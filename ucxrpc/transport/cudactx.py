@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import Sequence
 
 import torch
 
-__all__ = ["ipc_shareable", "make_current", "wanted_device"]
+__all__ = ["ensure_current", "ipc_shareable", "make_current", "wanted_device"]
 
 _CUDA_NAMES = ("cuda", "gdr")  # transports= names that bring UCX's CUDA support
 
@@ -80,6 +81,30 @@ def make_current(device: int) -> None:
         if code != 0:
             raise RuntimeError(f"{call} failed with CUDA error {code} making cuda:{device}'s "
                                "context current for UCX")
+
+
+_checked = threading.local()
+
+
+def ensure_current(device: int) -> None:
+    """Make sure a CUDA context is current on the calling thread before it
+    drives UCX (a caller that waits for its reply by progressing UCX
+    itself): ``device``'s primary context where none is, and whatever is
+    current left alone (a thread that used CUDA has the one torch made
+    current for its current device; switching it would switch torch's
+    current device under the user).  Asked once per thread.
+
+    Raises:
+        RuntimeError: the CUDA driver refused, naming the call and its code.
+    """
+    if getattr(_checked, "done", False):
+        return
+    lib = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    code = lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    if code != 0 or not ctx.value:  # none yet (or CUDA not initialised on this thread)
+        make_current(device)
+    _checked.done = True
 
 
 # cuPointerGetAttribute's selector (cuda.h; the driver API keeps it stable).

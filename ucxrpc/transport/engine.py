@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import _cuda
 from ..errors import AuthenticationError, BrokenError, ClosedError
 from . import bounce, canary, cma, cudactx, progress, staging
 from .by_address import ByAddress
@@ -47,9 +48,25 @@ from .pool import HostPool
 from .receive import Allocator, OnFrameError, OnMessage, Receiver
 from .send import Sender
 from .tags import HINT_MASK, MAX_WORKER_ID
-from .ucx import Endpoint, Request, Worker, effective_tls
+from .ucx import Endpoint, Request, Worker, device_path, effective_tls
 
 logger = logging.getLogger(__name__)
+
+# Per CUDA device index: an empty uint8 tensor to allocate receives from
+# (new_empty: torch.empty with a device string parsed it each time, 19 µs of
+# a 16 MiB call's frame handling on an H200), and the stream they are
+# allocated on.  torch's allocator hands a block freed on a stream to the
+# next allocation on that stream at once, trusting that whoever writes it
+# queues on that stream after the work that still reads it; UCX writes on
+# streams of its own.  Allocated on the thread's current stream (the
+# default one, which user code mostly runs on), a receive could land in a
+# tensor the user just freed while kernels queued before the free still
+# read it.  On a stream that only allocates, no queued work ever reads a
+# block it hands out: a received tensor's uses on other streams are
+# recorded on them (a served call's pool streams, a CUDA-aware future's
+# waiter), so its block comes back only after those.  High priority: torch
+# hands out pool streams round-robin, and user code rarely asks for those.
+_RECEIVE_ALLOCS: dict[int, tuple[torch.Tensor, tuple[int, int, int], Any]] = {}
 
 #: How long the progress loop polls after its last event, by default
 #: (``spin_s``), while a message is expected.
@@ -87,6 +104,10 @@ class Transport:
         cuda_devices: the CUDA devices this worker declared; where a GPU is
             usable, the first one's context (else the current device's) is
             made current for UCX (:mod:`.cudactx`).
+
+    Raises:
+        ValueError: a bad ``UCXRPC_DEVICE_PATH`` (:func:`.ucx.device_path`)
+            or a ``UCX_*`` setting known to break pipes.
     """
 
     def __init__(self, *, my_id: int, secret: bytes, on_message: OnMessage,
@@ -118,7 +139,8 @@ class Transport:
         # Any process with a usable GPU may send CUDA memory: its own device
         # maps' tensors, and replies along a caller's map reversed.
         self._worker = Worker(transports, host_timeout,
-                              device_memory=self._cuda_device is not None)
+                              device_memory=self._cuda_device is not None,
+                              device_path=device_path())
         self.address = self._worker.address
         self._host_as_device = staging.debug_host_as_device()
         #: What peers need to read our buffers by address (published), or
@@ -450,7 +472,16 @@ class Transport:
         """Progress on the calling thread until ``done()`` holds (True) or
         polling stops paying (:meth:`.progress.ProgressThread.drive`):
         messages are then handled, and callbacks run, on the caller's
-        thread."""
+        thread.  Where UCX may move CUDA memory, the thread first gets a
+        CUDA context if it has none (UCX's CUDA transports work through the
+        calling thread's: :func:`.cudactx.ensure_current`); where it cannot,
+        the progress thread keeps the work (False)."""
+        if self._cuda_device is not None:
+            try:
+                cudactx.ensure_current(self._cuda_device)
+            except (OSError, RuntimeError) as exc:
+                logger.debug("not driving UCX on this thread: %s", exc)
+                return False
         return self._loop.drive(done)
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
@@ -535,7 +566,15 @@ class Transport:
 
     @staticmethod
     def _default_alloc_cuda(nbytes: int, device: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+        """Device memory for a receive, from torch's allocator on a stream of
+        its own (:data:`_RECEIVE_ALLOCS`)."""
+        entry = _RECEIVE_ALLOCS.get(device)
+        if entry is None:
+            stream = torch.cuda.Stream(device=device, priority=-1)
+            proto = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device))
+            entry = _RECEIVE_ALLOCS[device] = (proto, _cuda.key_of(stream), stream)
+        with _cuda.StreamScope([entry[1]]):
+            return entry[0].new_empty(nbytes)
 
     def _default_alloc(self, nbytes: int, device: int) -> torch.Tensor:
         if device < 0:
@@ -554,4 +593,6 @@ class Transport:
                 "peers_busy": sum(p.peer_busy for p in list(self._pipes.values())),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 **self._liveness.stats(), "progress": self._loop.info(),
-                "cuda_context": self.cuda_context}
+                "cuda_context": self.cuda_context,
+                # How device buffers reach UCX (UCXRPC_DEVICE_PATH).
+                "device_path": "ucp" if self._worker.device_ucp else "ucxx"}

@@ -33,7 +33,8 @@ class Gather:
     long, ``nbytes`` in all) sent as one buffer of their bytes back to back.
 
     Where the transport reads a buffer's size and device, it reads them as
-    a 1-D uint8 host tensor's (``numel()``, ``is_cuda``, ``device``).
+    a 1-D uint8 host tensor's (``numel()``, ``is_cuda``, ``device``,
+    ``get_device()``).
     """
 
     __slots__ = ("parts", "nbytes", "iov")
@@ -53,6 +54,10 @@ class Gather:
     def numel(self) -> int:
         """Its size in bytes, as a uint8 buffer's ``numel()``."""
         return self.nbytes
+
+    def get_device(self) -> int:
+        """-1: host memory, as a host tensor's ``get_device()``."""
+        return -1
 
     def joined(self) -> torch.Tensor:
         """A uint8 tensor of its own holding the parts' bytes, back to back

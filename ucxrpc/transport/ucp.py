@@ -6,9 +6,13 @@ same ``ucp_tag_send_nbx`` called here costs about 1 µs, and a frame found
 and received costs ~3 µs less (benchmarks/RESULTS.md, Run J).  A message's
 host data buffers (a bundle of small tensors, a large tensor) take the same
 calls, and their receives are posted here too: posting one through ucxx
-took ~10 µs of the receiver's frame handling (RESULTS.md, Run Z).  This
-module handles host memory only; device memory, and empty buffers, go
-through ucxx.
+took ~10 µs of the receiver's frame handling (RESULTS.md, Run Z).  CUDA
+buffers take them too (:meth:`Ucp.send_device`, :meth:`Ucp.tag_recv_device`),
+each request saying its memory is CUDA memory, so UCX does not detect the
+type of every buffer (its memory-type cache is off: ucx.py); through ucxx a
+16 MiB buffer's send cost the caller ~130 µs on an H200
+(../shared/reviews/gpu-percall-2026-11-28.md), with a Python ``Array`` read
+from ``__cuda_array_interface__``.  Empty buffers go through ucxx.
 
 Two rules keep it safe beside ucxx:
 
@@ -45,6 +49,7 @@ _ERR_FLOOR = (1 << 64) + _ERR_LAST
 _OP_ATTR_FIELD_DATATYPE = 1 << 3
 _OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 _MEMORY_TYPE_HOST = 0
+_MEMORY_TYPE_CUDA = 1  # ucs_memory_type_t: UCS_MEMORY_TYPE_CUDA
 _DATATYPE_IOV = 2  # ucp_dt_make_iov(): the buffer is an array of ucp_dt_iov_t
 #: A tag mask that matches every bit: the one message with exactly that tag.
 FULL_MASK = (1 << 64) - 1
@@ -213,6 +218,9 @@ class Ucp:
             op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE | _OP_ATTR_FIELD_DATATYPE,
             memory_type=_MEMORY_TYPE_HOST, datatype=_DATATYPE_IOV)
         self._iov_param_address = ctypes.addressof(self._iov_param)
+        self._cuda_param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE,
+                                         memory_type=_MEMORY_TYPE_CUDA)
+        self._cuda_param_address = ctypes.addressof(self._cuda_param)
 
     def failure(self, status: int) -> BrokenError:
         return BrokenError(f"UCX request failed: {self._status_string(status).decode()} "
@@ -236,6 +244,19 @@ class Ucp:
         that memory and ``iov`` until UCX is done with them."""
         return self._outcome(self._send(ep, host_address(iov), iov.size // 2, tag,
                                         self._iov_param_address), keep)
+
+    def send_device(self, ep: int, address: int, nbytes: int, tag: int,
+                    keep: Any) -> UcpRequest | _Completed:
+        """Send ``nbytes`` of CUDA memory at ``address`` on endpoint handle
+        ``ep``, as CUDA memory; ``keep`` holds that memory until UCX is done."""
+        return self._outcome(self._send(ep, address, nbytes, tag, self._cuda_param_address), keep)
+
+    def tag_recv_device(self, worker: int, address: int, nbytes: int, tag: int,
+                        keep: Any) -> UcpRequest | _Completed:
+        """Post a receive of the message with exactly ``tag`` into ``nbytes``
+        of CUDA memory at ``address``; ``keep`` holds that memory."""
+        return self._outcome(self._tag_recv(worker, address, nbytes, tag, FULL_MASK,
+                                            self._cuda_param_address), keep)
 
     def transports(self, ep: int) -> list[tuple[str, str]]:
         """(transport, device) per lane of endpoint handle ``ep``, as UCX

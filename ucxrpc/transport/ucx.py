@@ -321,6 +321,34 @@ def _host_array(buf: Any) -> np.ndarray | None:
     return None
 
 
+#: How device buffers reach UCX (``UCXRPC_DEVICE_PATH``): ``ucp``, the
+#: direct calls of :mod:`.ucp` with the memory type given; ``ucxx``, through
+#: ucxx's ``Array`` (``__cuda_array_interface__``), UCX detecting the type.
+#: Kept for measuring one against the other on a GPU (benchmarks/gpu_check.sh,
+#: step ``percall``); the faster stays, the other goes.
+DEVICE_PATHS = ("ucp", "ucxx")
+
+
+def device_path(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The device-buffer path ``UCXRPC_DEVICE_PATH`` asks for (default ``ucp``).
+
+    Raises:
+        ValueError: a value that is not one of :data:`DEVICE_PATHS`.
+    """
+    value = environ.get("UCXRPC_DEVICE_PATH", DEVICE_PATHS[0]).strip().lower()
+    if value not in DEVICE_PATHS:
+        raise ValueError(f"UCXRPC_DEVICE_PATH={value!r}: expected one of "
+                         f"{', '.join(DEVICE_PATHS)}")
+    return value
+
+
+def _device_buffer(buf: Any) -> bool:
+    """Whether ``buf`` is CUDA memory the direct path takes: a non-empty
+    contiguous tensor on a CUDA device (a message's device buffers are
+    1-D uint8 ones)."""
+    return type(buf) is torch.Tensor and buf.is_cuda and buf.numel() > 0 and buf.is_contiguous()
+
+
 class Endpoint:
     """A UCP endpoint to one peer, created from the peer's worker address."""
 
@@ -335,6 +363,7 @@ class Endpoint:
         self._ucx = ucx
         self._Array = worker.Array
         self._ucp = ucp()
+        self._device_ucp = worker.device_ucp
         self._handle = int(self._ep.handle)  # 0 once closed: never sent on after
         self._ep.set_close_callback(self._closed, cb_args=(on_error,))
 
@@ -344,8 +373,8 @@ class Endpoint:
         on_error(BrokenError(f"UCX endpoint failed: {status}"))
 
     def tag_send(self, buf: Any, tag: int) -> Request:
-        """Send ``buf`` with ``tag``: host arrays and a :class:`.Gather`'s
-        parts directly, the rest through ucxx.  Only while open (callers
+        """Send ``buf`` with ``tag``: host arrays, a :class:`.Gather`'s parts
+        and (by default) CUDA tensors directly, the rest through ucxx.  Only while open (callers
         hold the pipe's lock, as :meth:`close`'s callers do)."""
         if not self._handle:
             raise BrokenError("UCX endpoint already closed")
@@ -354,6 +383,9 @@ class Endpoint:
         arr = _host_array(buf)
         if arr is not None:
             return self._ucp.send(self._handle, arr, tag)
+        if self._device_ucp and _device_buffer(buf):
+            return self._ucp.send_device(self._handle, buf.data_ptr(),
+                                         buf.numel() * buf.element_size(), tag, buf)
         src = as_array_source(buf)
         return UcxxRequest(self._ep.tag_send(self._Array(src), self._ucx.UCXXTag(tag)), (buf, src))
 
@@ -393,10 +425,12 @@ class Worker:
     """
 
     def __init__(self, transports: Sequence[str] | None, host_timeout: float = 10.0, *,
-                 device_memory: bool = False) -> None:
+                 device_memory: bool = False, device_path: str = DEVICE_PATHS[0]) -> None:
         # device_memory: this process may send CUDA memory (see ucx_environment)
         if (problem := environment_problem()) is not None:
             raise ValueError(problem)
+        #: Device buffers go through :mod:`.ucp` (else ucxx): see DEVICE_PATHS.
+        self.device_ucp = device_path == "ucp"
         os.environ.update(ucx_environment(transports, host_timeout,
                                           device_memory=device_memory))
         import ucxx._lib.libucxx as ucx  # noqa: PLC0415  (lazy: env first)
@@ -441,10 +475,14 @@ class Worker:
 
     def tag_recv(self, buf: Any, tag: int) -> Request:
         """Post a receive of the message with exactly ``tag`` into ``buf``:
-        host memory directly (:mod:`.ucp`), the rest through ucxx."""
+        host memory and (by default) CUDA memory directly (:mod:`.ucp`),
+        the rest through ucxx."""
         arr = _host_array(buf)
         if arr is not None:
             return self._ucp.tag_recv(self._handle, arr, tag)
+        if self.device_ucp and _device_buffer(buf):
+            return self._ucp.tag_recv_device(self._handle, buf.data_ptr(),
+                                             buf.numel() * buf.element_size(), tag, buf)
         src = as_array_source(buf)
         return UcxxRequest(self.raw.tag_recv(self.Array(src), self.ucx.UCXXTag(tag)), (buf, src))
 
