@@ -17,6 +17,17 @@
 #             ucxrpc GPU-direct, staged, torch TensorPipe with device maps,
 #             1,000 small tensors packed against one by one
 #   bench-ucxrpc  `ucxrpc bench --device cuda` against torch and raw ucxx (JSON, PNG)
+#   percall   where a GPU-direct call's time goes (issue 43's per-call budget):
+#             benchmarks/percall.py at 1 MiB and 16 MiB, ucxrpc with device
+#             buffers through libucp directly (UCXRPC_DEVICE_PATH=ucp, the
+#             default) and through ucxx, and torch; then the ucp loop again
+#             with py-spy on both ranks: collapsed stacks and a per-frame
+#             table per rank (benchmarks/stacks.py), in percall/.  Needs
+#             py-spy: carry its wheel (benchmarks/gpu_wheels.sh)
+#   floor     the machine's own floor under a no-op: wake-up costs
+#             (benchmarks/floor.py), and the host no-op of ucxrpc, raw ucxx
+#             and torch with UCX's CUDA transports loaded and without
+#             (--transports 'sm,tcp;all'), then on CUDA workers polling
 #   expandable    bench_cuda at 64 MiB and 1 GiB under
 #             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (memory CUDA
 #             IPC cannot share: it must go through bounce buffers, bounced_bytes
@@ -27,9 +38,11 @@
 # ends the run (exit status 1 if any did). GPU_CHECK_DRY_RUN=1 prints each
 # step's command instead of running it (tests/rpc/test_gpu_setup.py does);
 # GPU_CHECK_PYTHON names the Python to use (default: python3).
+# GPU_CHECK_PERCALL_DEVICE=cpu runs the percall step's loops on host tensors:
+# the step's own machinery (pid files, py-spy, tables), tried on any machine.
 #
 # No registry is needed. When ucxx does not import, the wheels carried in
-# .whl/ are installed offline (see ../shared/gpu/fetch-ucxx-wheels.sh) with
+# .whl/ are installed offline (benchmarks/gpu_wheels.sh fetches them) with
 # `pip --target` into $TMPDIR, put first on PYTHONPATH (torch, CuPy, numpy
 # stay the machine's). pytest and pytest-timeout must import too (the GPU
 # image has them); carry them the same way if the machine lacks them:
@@ -41,6 +54,10 @@
 #   bash benchmarks/gpu_check.sh /tmp/r facts info proto pytest perftest;
 #   tar czf "$OUT/r.tgz" -C /tmp r
 # (On an H200, 2026-11-27, every step with the benches at 3-4 sizes took 327 s.)
+# For the per-call budget alone, in one call (carry .whl, from
+# benchmarks/gpu_wheels.sh, for ucxx and py-spy):
+#   bash benchmarks/gpu_check.sh /tmp/r facts pytest percall floor;
+#   tar czf "$OUT/r.tgz" -C /tmp r
 set -u
 
 cd "$(dirname "$0")/.." || exit 2
@@ -48,7 +65,8 @@ REPO=$PWD
 REPORT=${1:-${OUT:-$REPO/gpu-check-$(date +%Y%m%d-%H%M%S)}}
 shift $(( $# > 0 ? 1 : 0 ))
 STEPS=("$@")
-[ ${#STEPS[@]} -gt 0 ] || STEPS=(facts info pytest proto perftest bench bench-ucxrpc expandable)
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(facts info pytest proto percall floor perftest bench bench-ucxrpc
+                                  expandable)
 DRY=${GPU_CHECK_DRY_RUN:-0}
 mkdir -p "$REPORT"
 : >"$REPORT/summary.txt"
@@ -89,6 +107,7 @@ run_step() {
 # into a venv: the GPU image's python3 is itself a venv (/opt/torch/.venv),
 # and a venv made from one with --system-site-packages sees the base
 # interpreter's packages, not torch's (the first GPU run, 2026-11-26).
+SITE=${TMPDIR:-/tmp}/ucxrpc-gpu-site
 setup_python() {
     if "$PY" -c "import ucxx, pytest, pytest_timeout" 2>/dev/null; then
         return
@@ -97,7 +116,7 @@ setup_python() {
         say "setup: ucxx, pytest or pytest-timeout missing and no wheels in .whl/"
         return
     fi
-    local site=${TMPDIR:-/tmp}/ucxrpc-gpu-site
+    local site=$SITE
     if [ "$DRY" = 1 ]; then
         echo "would install .whl/*.whl offline into $site"
         return
@@ -163,10 +182,69 @@ perftest() {
     return $rc
 }
 
-export PY REPORT
-export -f facts perftest  # run_step runs them as `bash -c NAME`, under timeout
+# The percall loops (benchmarks/percall.py): JSON lines into percall/loops.jsonl,
+# then a sampled run per size with py-spy on both ranks.
+percall() {
+    local dir=$REPORT/percall rc=0 size impl path spy DEVICE=${GPU_CHECK_PERCALL_DEVICE:-cuda}
+    mkdir -p "$dir"
+    : >"$dir/loops.jsonl"
+    for size in 1M 16M; do
+        for impl in ucxrpc:ucp ucxrpc:ucxx torch:ucp; do
+            path=${impl#*:}
+            echo "---- ${impl%%:*} ($path) $size"
+            UCXRPC_DEVICE_PATH=$path timeout 120 "$PY" benchmarks/percall.py \
+                --impl "${impl%%:*}" --device "$DEVICE" --size "$size" --seconds 3 \
+                >>"$dir/loops.jsonl" || rc=1
+            tail -n 1 "$dir/loops.jsonl"
+        done
+    done
+    spy=$(command -v py-spy || ls "$SITE/bin/py-spy" 2>/dev/null)
+    if [ -z "$spy" ]; then
+        echo "no py-spy: carry its wheel (benchmarks/gpu_wheels.sh); no stacks taken"
+        return 1
+    fi
+    for size in 1M 16M; do
+        local pids=$dir/pids-$size loop spies=() r p50
+        rm -rf "$pids"
+        timeout 200 "$PY" benchmarks/percall.py --device "$DEVICE" --size "$size" --seconds 120 \
+            --hold --pid-dir "$pids" >"$dir/sampled-$size.json" &
+        loop=$!
+        for _ in $(seq 900); do [ -e "$pids/go" ] && break; sleep 0.1; done
+        for r in 0 1; do
+            "$spy" record --threads --idle --rate 400 --duration 6 --format raw \
+                -o "$dir/rank$r-$size.collapsed.txt" --pid "$(cat "$pids/rank$r.pid")" \
+                >"$dir/py-spy-rank$r-$size.log" 2>&1 &
+            spies+=($!)
+        done
+        wait "${spies[@]}" || rc=1
+        touch "$pids/stop"
+        wait "$loop" || rc=1
+        cat "$dir/sampled-$size.json"
+        p50=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["p50_us"])' \
+            "$dir/sampled-$size.json" 2>/dev/null) || p50=
+        for r in 0 1; do
+            "$PY" benchmarks/stacks.py "$dir/rank$r-$size.collapsed.txt" --top 60 \
+                ${p50:+--per-call-us "$p50"} >"$dir/table-rank$r-$size.txt" || rc=1
+        done
+    done
+    return $rc
+}
 
-mapfile -t GPU_TESTS < <(grep -rlE "mark\.gpu" tests --include='test_*.py' | sort)
+# What the machine charges for a wake-up, and the host no-op with and
+# without UCX's CUDA transports, then on CUDA workers with a polling loop.
+floor() {
+    local rc=0
+    "$PY" benchmarks/floor.py || rc=1
+    "$PY" -m ucxrpc.bench --device cpu --compare ucxx --compare torch --sizes 4K \
+        --transports 'sm,tcp;all' --no-progress --local --no-plot \
+        --json "$REPORT/floor-host.json" || rc=1
+    UCXRPC_PROGRESS=polling "$PY" -m ucxrpc.bench --device cuda --compare ucxx --sizes 4K \
+        --no-progress --local --no-plot --json "$REPORT/floor-cuda-polling.json" || rc=1
+    return $rc
+}
+
+export PY REPORT SITE
+export -f facts perftest percall floor  # run_step runs them as `bash -c NAME`, under timeout
 
 setup_python
 echo "report: $REPORT; python: $PY; steps: ${STEPS[*]}"
@@ -174,10 +252,14 @@ for step in "${STEPS[@]}"; do
     case $step in
         facts) run_step facts 120 bash -c facts ;;
         info) run_step info 180 "$PY" -m ucxrpc.cli info ;;
+        # -m gpu over the whole tree: modules without a gpu test are not
+        # imported (tests/conftest.py), so none of their dependencies is needed.
         pytest) run_step pytest 1500 env UCXRPC_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -rs \
-            -p no:cacheprovider --junitxml="$REPORT/pytest-gpu.xml" "${GPU_TESTS[@]}" ;;
+            -p no:cacheprovider --junitxml="$REPORT/pytest-gpu.xml" tests ;;
         proto) run_step proto 300 env UCXRPC_REQUIRE_GPU=1 UCX_PROTO_INFO=y "$PY" -m pytest -s \
             -p no:cacheprovider tests/rpc/test_gpu_setup.py -k cuda_ipc_lane ;;
+        percall) run_step percall 600 bash -c percall ;;
+        floor) run_step floor 400 bash -c floor ;;
         perftest) run_step perftest 400 bash -c perftest ;;
         bench) run_step bench 1800 "$PY" benchmarks/bench_cuda.py \
             --sizes 1M,4M,16M,64M,256M,1G --repeat 5 --timeout 600 ;;

@@ -12,6 +12,11 @@ pyproject.toml; this file adds:
   not a pass.
 * A check after each test module that it left no child process running; any
   leftover is killed and the module gets an error naming it.
+* A run that selects exactly the ``gpu`` marker (``pytest -m gpu``) does
+  not import test modules that hold no ``gpu`` test: a GPU machine then
+  needs only what the GPU tests need, not the Docker or fuzz tests'
+  dependencies (jsonschema, yaml, hypothesis).  Such a module could only
+  have been deselected whole.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import signal
 import time
 from collections.abc import Generator, Iterator
 from multiprocessing import resource_tracker
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +60,16 @@ def gpu_required() -> bool:
 def cuda_available() -> bool:
     """Whether a CUDA GPU is usable in this session."""
     return cuda_unavailable_reason() is None
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if (config.getoption("markexpr", "").strip() == "gpu" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")):
+        try:
+            return "mark.gpu" not in collection_path.read_text(encoding="utf-8")
+        except OSError:
+            return None
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

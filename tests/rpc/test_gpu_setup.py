@@ -181,11 +181,42 @@ def test_gpu_check_script_parses_and_its_pytest_step_requires_the_gpu(tmp_path):
     syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
                             timeout=30)
     assert syntax.returncode == 0, syntax.stderr
-    dry = subprocess.run(["bash", str(script), str(tmp_path), "pytest"],
+    dry = subprocess.run(["bash", str(script), str(tmp_path), "pytest", "percall", "floor"],
                          env={**os.environ, "GPU_CHECK_DRY_RUN": "1"}, capture_output=True,
                          text=True, timeout=30)
     assert dry.returncode == 0, dry.stdout + dry.stderr
-    (command,) = [line for line in dry.stdout.splitlines() if line.startswith("would run: ")]
-    assert " UCXRPC_REQUIRE_GPU=1 " in command and " -m pytest -m gpu -rs " in command, command
-    assert "tests/rpc/test_gpu_setup.py" in command and "tests/rpc/test_cuda_rpc.py" in command
-    assert "pytest        ok" in (tmp_path / "summary.txt").read_text()
+    commands = [line for line in dry.stdout.splitlines() if line.startswith("would run: ")]
+    assert len(commands) == 3, dry.stdout
+    pytest_step = commands[0]
+    assert " UCXRPC_REQUIRE_GPU=1 " in pytest_step and " -m pytest -m gpu -rs " in pytest_step
+    assert pytest_step.endswith(" tests"), pytest_step  # the whole tree: conftest picks
+    assert commands[1:] == ["would run: bash -c percall", "would run: bash -c floor"]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert all(f"{step:<13} ok" in summary for step in ("pytest", "percall", "floor")), summary
+
+
+# A GPU machine has torch, CuPy, numpy and pytest, not the Docker or fuzz
+# tests' dependencies: `pytest -m gpu` once stopped at collecting
+# tests/docker/test_docker.py (import jsonschema).  It now leaves alone the
+# modules without a gpu test (tests/conftest.py, pytest_ignore_collect).
+@pytest.mark.timeout(120)
+def test_a_gpu_run_collects_without_the_docker_and_fuzz_dependencies(tmp_path):
+    blocked = tmp_path / "blocked"
+    (blocked / "hypothesis").mkdir(parents=True)
+    for path in (blocked / "jsonschema.py", blocked / "yaml.py",
+                 blocked / "hypothesis" / "__init__.py"):
+        path.write_text("raise ImportError('not on the GPU image')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked), str(REPO)])}
+
+    def collect(*args):
+        # (hypothesis's own pytest plugin is off too: not there on a GPU image)
+        return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                               "-p", "no:cacheprovider", "-p", "no:hypothesispytest", *args],
+                              cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=100)
+
+    control = collect("tests/docker/test_docker.py")  # the blocking works
+    assert control.returncode != 0 and "not on the GPU image" in control.stdout, control.stdout
+    gpu = collect("-m", "gpu", "tests")
+    assert gpu.returncode == 0, gpu.stdout + gpu.stderr
+    assert "tests/rpc/test_cuda_rpc.py::" in gpu.stdout and "ERROR" not in gpu.stdout
