@@ -23,6 +23,7 @@ import threading
 from collections import deque
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -74,6 +75,9 @@ class DistAutogradContext:
         self._ready = ReadyEvents()  # where the CUDA gradients' accumulations end
         self.known: set[int] = set()
         self.backward_passes = 0
+        #: This worker's part of the backward pass running now, if one is
+        #: (a WorkerPass; the engine's to set, under its lock).
+        self.running_pass: Any = None
 
     def _context_id(self) -> int:  # torch's name
         return self.id

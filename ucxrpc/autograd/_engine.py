@@ -1,25 +1,17 @@
 """The distributed backward pass (torch's FAST mode) and context release.
 
-Backward starts on the worker that calls :func:`backward`: a local pass from
-the roots computes the gradients of every leaf the roots depend on.  Leaves
-that are tensors this worker received get their gradients sent back to their
-sender (:func:`_propagate`), which runs a local pass from the tensors it sent,
-and so on.  A worker answers a propagation only once its own pass and every
-propagation it started have finished, so when the initiator's propagations
-are all answered the whole distributed graph is done.
-
-A local pass runs torch's engine as a local ``backward`` would, through
-each leaf's AccumulateGrad node, whose hooks run as in torch's distributed
-engine (DDP's reducer all-reduces its gradients there); the leaves' ``.grad``
-is borrowed for the pass and put back, so gradients land in the context
-only (:func:`_run_pass`).  One consequence: a local ``backward`` over the
-same leaves on another thread during a distributed pass would see ``.grad``
-borrowed; torch's engine never touches ``.grad`` at all.
-
-Each send runs its own local pass as soon as its gradients arrive.  Passes
-started by a propagation keep their graph (``retain_graph``) until the context
-is released: two sends may share part of a worker's graph, and nothing says
-which of them comes last.
+Backward starts on the worker that calls :func:`backward`, and each worker
+the forward pass touched takes part once per pass: its part is a
+:class:`~._pass.WorkerPass` (torch's graph task for the context on that
+worker), whose entries are the roots, where there are some, and every send
+of the context there.  A recv's gradients go back to its sender
+(:func:`_propagate`) once every entry of the pass that reaches it has run;
+the message that begins a worker's part is answered when that part has
+ended, every entry run and every propagation it started answered, and
+later messages at once, as torch's.  So when the initiator's part ends, the
+whole distributed graph has run.  How the parts keep torch's gradient and
+hook semantics over torch's local engine, and where they cannot, is in
+``_pass.py``.
 
 Failures travel as values (:class:`Failure`), not exceptions, so the
 initiator can name the worker where it happened however deep in the chain.
@@ -31,7 +23,6 @@ import functools
 import logging
 import threading
 import traceback
-import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -42,8 +33,8 @@ from ..agent import RpcAgent
 from ..errors import DistAutogradError, RpcError
 from ..functions import _plain, async_execution
 from ._context import ContextTable, DistAutogradContext, Recv
+from ._pass import ROOTS, WorkerPass
 from ._recording import table
-from ._torch_engine import run_backward
 
 logger = logging.getLogger(__name__)
 
@@ -78,153 +69,52 @@ def _here(agent: RpcAgent, exc: BaseException) -> Failure:
     return _failure(agent, agent.info.id, exc, trace=True)
 
 
-# -- the local pass -------------------------------------------------------------
+# -- the pass on this worker ------------------------------------------------------
 
-def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaves requiring grad that ``outputs`` depend on, each once."""
-    found: dict[int, torch.Tensor] = {}
-    seen: set[Any] = set()
-    stack: list[Any] = []
-    for t in outputs:
-        if t.grad_fn is None:
-            found[id(t)] = t
-        else:
-            stack.append(t.grad_fn)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-        if variable is not None:
-            found[id(variable)] = variable
-            continue
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                stack.append(nxt)
-    return list(found.values())
-
-
-def _local_pass(agent: RpcAgent, ctx: DistAutogradContext, outputs: Sequence[torch.Tensor],
-                grad_outputs: Sequence[torch.Tensor | None],
-                retain_graph: bool) -> list[tuple[int, _Future]]:
-    """Back-propagate through this worker's graph; returns the propagations
-    it started, as (peer, future) pairs."""
-    pairs = {id(t): (t, g) for t, g in zip(outputs, grad_outputs)
-             if g is not None and t.requires_grad}
-    if not pairs:
-        return []
-    outs = [t for t, _ in pairs.values()]
-    gouts = [g for _, g in pairs.values()]
-    leaves = _leaves(outs)
-    grads = _run_pass(outs, gouts, leaves, retain_graph)
-    outgoing: dict[int, tuple[Recv, list[torch.Tensor | None]]] = {}
-    storages: set[int] = set()
-    for leaf, grad in zip(leaves, grads):
-        if grad is None:
-            continue
-        slot = ctx.recv_slot(leaf)
-        if slot is None:
-            ctx.accumulate(leaf, _owned(grad, storages))
-            continue
-        recv, position = slot
-        entry = outgoing.get(id(recv))
-        if entry is None:
-            entry = outgoing[id(recv)] = (recv, [None] * len(recv.tensors))
-        entry[1][position] = grad
-    return [(recv.source, _send_grads(agent, ctx.id, recv, gs)) for recv, gs in outgoing.values()]
-
-
-class _LeafLocks:
-    """One lock per leaf a pass borrows (see :func:`_run_pass`), so that two
-    passes sharing a leaf (a parameter server's, in two trainers' contexts)
-    take turns while passes over other leaves run at once.  A pass takes its
-    locks in one global order (by id), so passes cannot deadlock each other;
-    a lock goes when its leaf does."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._locks: dict[int, threading.Lock] = {}
-
-    def of(self, leaves: list[torch.Tensor]) -> list[threading.Lock]:
-        found: dict[int, threading.Lock] = {}
-        with self._lock:
-            for leaf in leaves:
-                key = id(leaf)
-                lock = self._locks.get(key)
-                if lock is None:
-                    lock = self._locks[key] = threading.Lock()
-                    weakref.finalize(leaf, self._locks.pop, key, None)
-                found[key] = lock
-        return [found[key] for key in sorted(found)]
-
-
-_leaf_locks = _LeafLocks()
-
-
-def _run_pass(outs: list[torch.Tensor], gouts: list[torch.Tensor],
-              leaves: list[torch.Tensor], retain_graph: bool) -> list[torch.Tensor | None]:
-    """The gradients of ``leaves``, computed as torch's engine computes them
-    for a local ``backward``: through each leaf's AccumulateGrad node, so that
-    the node's hooks run (DDP's reducer all-reduces its gradients there, and
-    torch's distributed engine runs them too) and its rules for keeping or
-    copying a gradient apply.  The leaves' own ``.grad`` is set aside for the
-    pass and put back after it: the gradients go to the context, never into
-    ``.grad``; a pass holds its leaves' locks meanwhile."""
-    if not leaves:
-        return []
-    locks = _leaf_locks.of(leaves)
-    for lock in locks:
-        lock.acquire()
-    try:
-        saved = [leaf.grad for leaf in leaves]
-        for leaf in leaves:
-            leaf.grad = None
-        try:
-            run_backward(outs, gouts, leaves, retain_graph)
-            return [leaf.grad for leaf in leaves]
-        finally:
-            for leaf, grad in zip(leaves, saved):
-                leaf.grad = grad
-    finally:
-        for lock in reversed(locks):
-            lock.release()
-
-
-def _owned(grad: torch.Tensor, storages: set[int]) -> torch.Tensor:
-    """``grad``, or a copy where keeping it would share memory.
-
-    As torch's AccumulateGrad: a gradient an optimizer may update in place
-    must be dense and not alias another leaf's (the gradients of ``a + b``
-    are one tensor).  Most are neither, and are kept without a copy.
-    """
-    if grad.layout is torch.sparse_coo:
-        # A sparse gradient has no storage of its own: its values' and
-        # indices' count, as in torch's AccumulateGrad for sparse ones.
-        values = grad._values()
-        ptr = values.untyped_storage().data_ptr()
-        if values.is_contiguous() and grad._indices().is_contiguous() and ptr not in storages:
-            if ptr:
-                storages.add(ptr)
-            return grad
-        return grad.clone()
-    ptr = grad.untyped_storage().data_ptr()
-    if grad.is_contiguous() and ptr not in storages:
-        if ptr:
-            storages.add(ptr)
-        return grad
-    return grad.clone(memory_format=torch.contiguous_format)
-
-
-def _send_grads(agent: RpcAgent, context_id: int, recv: Recv,
+def _send_grads(agent: RpcAgent, context_id: int, retain_graph: bool, recv: Recv,
                 grads: list[torch.Tensor | None]) -> _Future:
+    """Start sending ``recv``'s gradients to its sender: a future of its
+    answer (None, or a Failure), or of the error that kept it from going."""
     try:
         return agent.call(agent.members.workers[recv.source], _propagate,
-                          (context_id, recv.send_id, grads), {}, agent.default_timeout)
+                          (context_id, recv.send_id, grads, retain_graph), {},
+                          agent.default_timeout)
     except Exception as exc:  # a broken pipe, a closed agent: fail this branch only
         fut: _Future = _Future()
         fut.set_exception(exc)
         return fut
+
+
+def _begin(agent: RpcAgent, ctx: DistAutogradContext, roots: list[torch.Tensor] | None,
+           retain_graph: bool) -> tuple[WorkerPass, bool]:
+    """The pass of ``ctx`` running on this worker, begun now if none is;
+    whether it was begun now.  ``roots``: this worker calls ``backward``."""
+    tbl = table(agent)
+    with _passes_lock:
+        running = ctx.running_pass
+        if running is not None:
+            if roots is not None:
+                raise DistAutogradError(f"a backward pass of autograd context {ctx.id} is "
+                                        "already running on this worker")
+            return running, False
+        p = WorkerPass(ctx, roots, retain_graph,
+                       functools.partial(_send_grads, agent, ctx.id, retain_graph),
+                       functools.partial(_here, agent))
+        ctx.running_pass = p
+        tbl.backward_passes += 1
+
+    def ended(_: _Future) -> None:
+        with _passes_lock:
+            if ctx.running_pass is p:
+                ctx.running_pass = None
+                tbl.backward_passes -= 1
+
+    p.done.add_done_callback(ended)
+    return p, True
+
+
+# Guards the running pass of every context: one begins at a time.
+_passes_lock = threading.Lock()
 
 
 def _gather(agent: RpcAgent, calls: list[tuple[int, _Future]]) -> _Future:
@@ -256,8 +146,12 @@ def _gather(agent: RpcAgent, calls: list[tuple[int, _Future]]) -> _Future:
 
 @_plain
 @async_execution
-def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None]) -> _Future:
-    """Run on the worker that made send ``send_id``: gradients for what it sent."""
+def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None],
+               retain_graph: bool) -> _Future:
+    """Run on the worker that made send ``send_id``: gradients for what it
+    sent.  The message that begins this worker's part of the pass is
+    answered when that part ends; later ones at once (their failures end
+    the pass and reach the initiator through the first), as torch's."""
     agent = api._current()
     tbl = table(agent)
     try:
@@ -269,12 +163,17 @@ def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None]) 
         if len(grads) != len(sent):
             raise DistAutogradError(f"{len(grads)} gradients for send {send_id} of context "
                                     f"{context_id}, which sent {len(sent)} tensors")
-        calls = _local_pass(agent, ctx, sent, grads, retain_graph=True)
+        p, first = _begin(agent, ctx, None, retain_graph)
     except Exception as exc:
         out: _Future = _Future()
         out.set_result(_here(agent, exc))
         return out
-    return _gather(agent, calls)
+    p.run(send_id, grads)
+    if first:
+        return p.done
+    answered: _Future = _Future()
+    answered.set_result(None)
+    return answered
 
 
 # -- backward -------------------------------------------------------------------
@@ -327,7 +226,9 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     DistAutogradError names the worker where it failed, once every part of
     the pass has stopped; the context stays on every worker (as torch's),
     so a later backward in it can run (with ``retain_graph``, the graph is
-    still there) until its ``with`` block ends.
+    still there) until its ``with`` block ends.  As torch's FAST mode, the
+    pass waits for every send of the context that carried tensors requiring
+    grad: a send whose result the roots do not use keeps it waiting.
 
     Raises:
         TypeError: arguments of the wrong types (torch's "incompatible
@@ -341,17 +242,9 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     tbl = table(agent)
     ctx = tbl.get(context_id)
     roots = _check_roots(ctx, roots)
-    tbl.backward_passes += 1
-    try:
-        try:
-            calls = _local_pass(agent, ctx, roots, [torch.ones_like(r) for r in roots],
-                                retain_graph)
-        except Exception as exc:
-            failure: Failure | None = _here(agent, exc)
-        else:
-            failure = agent.wait(_gather(agent, calls))
-    finally:
-        tbl.backward_passes -= 1
+    p, _ = _begin(agent, ctx, roots, retain_graph)
+    p.run(ROOTS, [torch.ones_like(r) for r in roots])
+    failure = agent.wait(p.done)
     if failure is not None:
         raise DistAutogradError(failure.describe(context_id))
 

@@ -1,0 +1,203 @@
+"""A distributed backward is one pass per worker (autograd/_pass.py), as in
+torch's distributed engine: each send gets its gradient once, a hook that
+writes another leaf's gradient during the pass (DDP's reducer) is kept in the
+context, every parameter under DDP is all-reduced whichever local part
+reached it, and the pass waits for every send of its context."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.workers import run_workers
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _init(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method))
+
+
+# -- a recv two entries reach: its sender's send runs once ---------------------------
+
+_SEEN: list[int] = []
+
+
+def doubled(x):
+    """worker1: y = 2x, with a hook counting the gradients y's part sees."""
+    y = x * 2.0
+    y.register_hook(lambda g: _SEEN.append(1))
+    return y
+
+
+def seen():
+    return len(_SEEN)
+
+
+def _recv_reached_twice(rank, world_size, init_method):
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    out = None
+    if rank == 0:
+        x = torch.arange(4.0, requires_grad=True)
+        with dist_autograd.context() as ctx:
+            y = rpc.rpc_sync("worker1", doubled, (x,))
+            # y is reached by the roots and by the send of y * 3 to worker1
+            z = rpc.rpc_sync("worker1", torch.mul, (y * 3.0, y))
+            dist_autograd.backward(ctx, [y.sum() + z.sum()])
+            grad = dist_autograd.get_gradients(ctx)[x]
+        # d/dx (2x + 3 (2x)^2) = 2 + 24 x
+        out = (grad.tolist(), rpc.rpc_sync("worker1", seen))
+    rpc.shutdown()
+    return out
+
+
+def test_a_recv_reached_by_two_parts_sends_its_gradient_once():
+    grad, hooks = run_workers(_recv_reached_twice, 2, timeout=120)[0]
+    assert grad == [2.0 + 24.0 * i for i in range(4)]
+    assert hooks == 1  # worker1's send of y ran once, with the summed gradient
+
+
+# -- a hook writing another leaf's gradient during the pass ---------------------------
+
+def _hook_writes_other_leaf(rank, world_size, init_method):
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    out = None
+    if rank == 0:
+        a = torch.ones(3, requires_grad=True)   # reached by the roots' part
+        b = torch.ones(3, requires_grad=True)   # reached by the part of the send of b * 2
+        engine = torch.autograd.Variable._execution_engine
+        order: list[str] = []
+
+        def finalize() -> None:  # as DDP's reducer: once its last parameter is ready
+            order.append("callback")
+            a.grad.mul_(10.0)
+            b.grad.mul_(10.0)
+
+        a_node = (a * 1).grad_fn.next_functions[0][0]
+        b_node = (b * 1).grad_fn.next_functions[0][0]
+        def b_ready(grad_inputs, grad_outputs):
+            order.append("b")
+            engine.queue_callback(finalize)
+
+        a_node.register_hook(lambda grad_inputs, grad_outputs: order.append("a") and None)
+        b_node.register_hook(b_ready)
+        with dist_autograd.context() as ctx:
+            y = rpc.rpc_sync("worker1", torch.mul, (b, 2.0))
+            dist_autograd.backward(ctx, [(a * y).sum()])
+            grads = dist_autograd.get_gradients(ctx)
+            out = (grads[a].tolist(), grads[b].tolist(), order, a.grad, b.grad)
+        assert a_node is not None and b_node is not None
+    rpc.shutdown()
+    return out
+
+
+def test_a_callback_queued_in_the_pass_writes_the_pass_gradients():
+    # b's AccumulateGrad runs in a later local part than a's (b's gradient
+    # comes back from worker1); the callback it queues scales both leaves'
+    # gradients, as DDP's finalize writes every parameter of a bucket, and
+    # the context keeps what it wrote for both, while .grad stays untouched.
+    a_grad, b_grad, order, a_local, b_local = run_workers(_hook_writes_other_leaf, 2,
+                                                          timeout=120)[0]
+    assert a_grad == [20.0] * 3 and b_grad == [20.0] * 3
+    assert order == ["a", "b", "callback"]
+    assert a_local is None and b_local is None
+
+
+# -- a send the roots do not use: the pass waits, as torch's FAST mode ----------------
+
+def _unused_send(rank, world_size, init_method):
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    out = None
+    if rank == 0:
+        t1, t2 = torch.rand(3, requires_grad=True), torch.rand(3, requires_grad=True)
+        finished = threading.Event()
+
+        def run() -> None:
+            with dist_autograd.context() as ctx:
+                rpc.rpc_sync("worker1", torch.add, (t1, t2))  # its result is never used
+                dist_autograd.backward(ctx, [(t1 * t2).sum()])
+            finished.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        # Long enough for a pass that does not wait to have returned many
+        # times over (it takes milliseconds); not a measure of speed.
+        out = finished.wait(3.0)
+        used = rpc.rpc_sync("worker1", torch.add, (t1, 1.0))  # the agent still serves
+        out = (out, used.shape)
+    rpc.shutdown()  # the waiting pass holds no call: nothing to drain
+    return out
+
+
+def test_backward_waits_for_a_send_its_roots_do_not_use():
+    assert run_workers(_unused_send, 2, timeout=120)[0] == (False, torch.Size([3]))
+
+
+# -- DDP around a model that calls another worker --------------------------------------
+
+def _ddp_outside(rank, world_size, init_method, pg_file):
+    import torch.distributed as dist
+
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    _init(rank, world_size, init_method)
+    out = None
+    if rank < 2:  # two trainers under DDP; worker2 holds the middle layer
+        dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank,
+                                world_size=2)
+
+        class Hybrid(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1 = torch.nn.Linear(2, 3, bias=False)   # before the remote part
+                self.fc2 = torch.nn.Linear(3, 1, bias=False)   # after it
+                with torch.no_grad():
+                    self.fc1.weight.copy_(torch.arange(6.0).view(3, 2) / 6.0)
+                    self.fc2.weight.fill_(0.5)
+
+            def forward(self, x):
+                h = rpc.rpc_sync("worker2", torch.tanh, (self.fc1(x),))
+                return self.fc2(h)
+
+        model = torch.nn.parallel.DistributedDataParallel(Hybrid())
+        x = torch.full((4, 2), float(rank + 1))  # the trainers' gradients differ
+        with dist_autograd.context() as ctx:
+            loss = model(x).sum()
+            dist_autograd.backward(ctx, [loss])
+            grads = dist_autograd.get_gradients(ctx)
+            fc1, fc2 = (grads[model.module.fc1.weight], grads[model.module.fc2.weight])
+        # Each trainer's own gradients, computed locally, then averaged.
+        local = Hybrid()
+        lx = local.fc2(torch.tanh(local.fc1(x))).sum()
+        lx.backward()
+        mine = torch.cat([local.fc1.weight.grad.flatten(), local.fc2.weight.grad.flatten()])
+        both = [torch.zeros_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine)
+        out = (torch.cat([fc1.flatten(), fc2.flatten()]), (both[0] + both[1]) / 2)
+        dist.destroy_process_group()
+    rpc.shutdown()
+    return out
+
+
+def test_ddp_around_a_model_calling_another_worker_all_reduces_every_parameter(tmp_path):
+    # fc2's gradient comes in the trainer's first local part (from the loss),
+    # fc1's in a later one (back from worker2): DDP's reducer all-reduces
+    # their bucket when fc1 is ready, and both must come out averaged.
+    results = run_workers(_ddp_outside, 3, args=(str(tmp_path / "pg"),), timeout=140)
+    for got, averaged in results[:2]:
+        assert torch.allclose(got, averaged), (got, averaged)
+    assert torch.allclose(results[0][0], results[1][0])

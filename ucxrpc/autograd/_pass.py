@@ -1,0 +1,368 @@
+"""This worker's part of one distributed backward pass of a context.
+
+torch's distributed engine (FAST mode) gives each worker one graph task per
+context and pass: its roots are the backward's roots (on the worker that
+called ``backward``) and *every* send of the context on the worker, each
+waited for; a node runs once all gradients for it arrived, a recv's
+gradient goes to its sender once, and the task ends, and the callbacks
+queued in it run, when all of it ran.  :class:`WorkerPass` is that task,
+built over torch's local engine, which takes all roots' gradients at once
+and so cannot be fed a send's gradients as they arrive.  Each *entry* (the
+roots, or one send) runs as a local part of its own when its gradients
+come, and the pass keeps what makes the parts one pass:
+
+* **Dependencies per entry.** Which entries reach which leaves and nodes is
+  worked out once, when the pass begins (:func:`_walk`).  A recv's
+  gradients go to its sender once every entry that reaches it has run
+  (torch: RecvRpcBackward runs once all its inputs arrived), so each send
+  on the peer gets its full gradient, once.
+* **Gradients held for the pass.** Every leaf of the pass (of all entries)
+  has its ``.grad`` lent to each part, holding what the pass accumulated
+  so far, and taken back after.  A leaf's AccumulateGrad node and its
+  hooks run as torch's engine runs them; a hook that writes another leaf's
+  ``.grad`` (DDP's reducer, all-reducing a bucket once its last parameter is
+  ready, whichever part that was) writes the pass's copy.  The context gets
+  the gradients when the pass ends, with torch's distributed rule for
+  keeping or copying each (:meth:`WorkerPass._commit`); ``.grad`` itself is
+  left as the user had it.
+* **The end.** The pass ends when every entry ran and every propagation it
+  started was answered, or at its first failure.  The first message that
+  began the pass on a worker is answered then (:attr:`WorkerPass.done`);
+  later ones at once, as torch's.  A send never reached (a result the
+  loss does not use) keeps the pass, and ``backward``, waiting: torch's
+  FAST mode, which assumes every send is part of the pass.
+
+What torch's single task does that separate local parts cannot: a node that
+two entries reach runs once per entry, each time with its share of the
+gradient (the sum is the same; a hook on such a node sees the shares), and
+a callback queued with ``queue_callback`` runs at the end of the part that
+queued it, not of the whole pass.  The missing hook is a way to add roots
+with their gradients to a running graph task (``Engine::execute`` takes
+them all at once; ``DistEngine::executeSendFunctionAsync`` feeds the task
+in C++ only).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import DistAutogradError
+from ._context import DistAutogradContext, Recv
+from ._torch_engine import run_backward
+
+__all__ = ["ROOTS", "WorkerPass", "owned"]
+
+_Future = torch.futures.Future
+
+#: The entry of the roots, on the worker that called ``backward``; sends
+#: are entries under their send ids.
+ROOTS = -1
+
+#: Starts a propagation: ``(recv, gradients) -> future`` of a Failure or None.
+Propagate = Callable[[Recv, list[torch.Tensor | None]], _Future]
+
+
+@dataclass
+class _Entry:
+    """Where one entry's gradients flow on this worker."""
+
+    outputs: list[torch.Tensor]
+    nodes: set[Any] = field(default_factory=set)
+    leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # id -> leaf
+    accumulators: dict[int, Any] = field(default_factory=dict)     # id(leaf) -> AccumulateGrad
+
+
+def _walk(outputs: Sequence[torch.Tensor]) -> _Entry:
+    """The nodes and leaves requiring grad that ``outputs`` depend on."""
+    entry = _Entry(list(outputs))
+    stack: list[Any] = []
+    for t in outputs:
+        if t.grad_fn is None:
+            entry.leaves[id(t)] = t
+        else:
+            stack.append(t.grad_fn)
+    seen = entry.nodes
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            entry.leaves[id(variable)] = variable
+            entry.accumulators[id(variable)] = node
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return entry
+
+
+class _LeafLocks:
+    """One lock per leaf a part lends ``.grad`` of, so that two parts sharing
+    a leaf (a parameter server's, in two trainers' contexts) take turns while
+    parts over other leaves run at once.  A part takes its locks in one
+    global order (by id), so parts cannot deadlock each other; a lock goes
+    when its leaf does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locks: dict[int, threading.Lock] = {}
+
+    def of(self, leaves: Sequence[torch.Tensor]) -> list[threading.Lock]:
+        found: dict[int, threading.Lock] = {}
+        with self._lock:
+            for leaf in leaves:
+                key = id(leaf)
+                lock = self._locks.get(key)
+                if lock is None:
+                    lock = self._locks[key] = threading.Lock()
+                    weakref.finalize(leaf, self._locks.pop, key, None)
+                found[key] = lock
+        return [found[key] for key in sorted(found)]
+
+
+_leaf_locks = _LeafLocks()
+
+
+def _storage_of(grad: torch.Tensor) -> int:
+    """The address a gradient's memory is known by (a sparse one's values')."""
+    if grad.layout is torch.sparse_coo:
+        return grad._values().untyped_storage().data_ptr()
+    return grad.untyped_storage().data_ptr()
+
+
+def owned(grad: torch.Tensor, storages: set[int], shared: bool = False) -> torch.Tensor:
+    """``grad``, or a copy where keeping it would share memory.
+
+    As torch's ``AccumulateGrad::accumulateGrad``: a gradient an optimizer may
+    update in place must be dense, contiguous and not alias another leaf's;
+    ``shared`` (the tensor was handed to more than one leaf, so torch's
+    engine held more references to it than one leaf's) copies it too.
+    """
+    if grad.layout is torch.sparse_coo:
+        # A sparse gradient has no storage of its own: its values' and
+        # indices' count, as in torch's AccumulateGrad for sparse ones.
+        values = grad._values()
+        ptr = values.untyped_storage().data_ptr()
+        if (not shared and values.is_contiguous() and grad._indices().is_contiguous()
+                and ptr not in storages):
+            if ptr:
+                storages.add(ptr)
+            return grad
+        return grad.clone()
+    ptr = grad.untyped_storage().data_ptr()
+    if not shared and grad.is_contiguous() and ptr not in storages:
+        if ptr:
+            storages.add(ptr)
+        return grad
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+class WorkerPass:
+    """This worker's part of one backward pass of context ``ctx`` (see the
+    module's docstring).  Thread-safe: parts run on whichever threads their
+    gradients arrive on.
+
+    Args:
+        ctx: the context.
+        roots: the backward's roots on the worker that called it, else None.
+        retain_graph: keep the graph for another pass (the caller's flag,
+            carried to every worker); a part keeps what a later part of
+            this pass still needs whatever it says.
+        propagate: starts sending a recv's gradients to its sender.
+        failure: ``exception -> value`` the pass ends with when a part fails
+            here (the engine's Failure, naming this worker).
+    """
+
+    def __init__(self, ctx: DistAutogradContext, roots: list[torch.Tensor] | None,
+                 retain_graph: bool, propagate: Propagate,
+                 failure: Callable[[BaseException], Any]) -> None:
+        self._ctx = ctx
+        self._retain = retain_graph
+        self._propagate = propagate
+        self._failure_of = failure
+        self._lock = threading.Lock()
+        #: Completes with None, or the first failure, once the pass ended.
+        self.done: _Future = _Future()
+        self._ended = False
+        self._failure: Any = None
+        self._entries: dict[int, _Entry] = {}
+        if roots is not None:
+            self._entries[ROOTS] = _walk(roots)
+        for send_id, send in list(ctx.sends.items()):
+            if send.capture.tensors:  # a send without tensors requiring grad gets nothing back
+                self._entries[send_id] = _walk(send.capture.tensors)
+        self._left = set(self._entries)
+        leaves: dict[int, torch.Tensor] = {}
+        for entry in self._entries.values():
+            leaves.update(entry.leaves)
+        self._leaves = list(leaves.values())
+        # Per recv message: the entries that reach any of its tensors.
+        self._recvs: dict[int, Recv] = {}
+        self._recv_waits: dict[int, set[int]] = {}
+        for key, entry in self._entries.items():
+            for leaf in entry.leaves.values():
+                slot = ctx.recv_slot(leaf)
+                if slot is not None:
+                    self._recvs[id(slot[0])] = slot[0]
+                    self._recv_waits.setdefault(id(slot[0]), set()).add(key)
+        self._grads: dict[int, torch.Tensor] = {}      # id(leaf) -> the pass's gradient
+        self._delivered: dict[int, set[int]] = {}      # storage -> ids of leaves given it
+        self._sent: set[int] = set()                   # ids of recv leaves whose gradients went
+        self._running: set[int] = set()
+        self._calls = 0                                # propagations not yet answered
+        self._committing = False
+
+    def expects(self, key: int) -> bool:
+        """Whether entry ``key`` (a send id, or :data:`ROOTS`) is part of this
+        pass and has not run yet."""
+        with self._lock:
+            return key in self._left
+
+    # ------------------------------------------------------------- the parts
+
+    def run(self, key: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Run entry ``key`` with the gradients of its outputs (None: none
+        flows there); a failure ends the pass with it.  Never raises."""
+        try:
+            with self._lock:
+                if self._ended:
+                    return
+                if key not in self._left or key in self._running:
+                    raise DistAutogradError(
+                        f"send {key} of autograd context {self._ctx.id} is not awaited by the "
+                        "backward pass running on this worker: it was made after the pass "
+                        "began, or its gradients came twice")
+                self._running.add(key)
+                later = [self._entries[k] for k in self._left if k != key]
+            entry = self._entries[key]
+            pairs = {id(t): (t, g) for t, g in zip(entry.outputs, grads)
+                     if g is not None and t.requires_grad}
+            if pairs:
+                keep = self._retain or any(entry.nodes & other.nodes for other in later)
+                self._part([t for t, _ in pairs.values()], [g for _, g in pairs.values()],
+                           entry, keep)
+            ready = self._reached(key)
+        except Exception as exc:
+            self._end(self._failure_of(exc))
+            return
+        for recv in ready:
+            self._send(recv)
+        self._check()
+
+    def _part(self, outs: list[torch.Tensor], gouts: list[torch.Tensor], entry: _Entry,
+              keep: bool) -> None:
+        """One local part through torch's engine, every leaf of the pass
+        holding the pass's gradient in ``.grad`` meanwhile."""
+        leaves = self._leaves
+        locks = _leaf_locks.of(leaves)
+        for lock in locks:
+            lock.acquire()
+        hooks = [node.register_prehook(functools.partial(self._arrived, leaf_id))
+                 for leaf_id, node in entry.accumulators.items()]
+        try:
+            saved = [leaf.grad for leaf in leaves]
+            try:
+                for leaf in leaves:
+                    leaf.grad = self._grads.get(id(leaf))
+                run_backward(outs, gouts, list(entry.leaves.values()), keep)
+            finally:
+                for leaf, grad in zip(leaves, saved):
+                    now = leaf.grad
+                    # (A recv leaf whose gradients went meanwhile is done with.)
+                    if now is not None and id(leaf) not in self._sent:
+                        self._grads[id(leaf)] = now
+                    leaf.grad = grad
+        finally:
+            for handle in hooks:
+                handle.remove()
+            for lock in reversed(locks):
+                lock.release()
+
+    def _arrived(self, leaf_id: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """A gradient reached a leaf's AccumulateGrad (before it runs): which
+        leaves each gradient tensor went to decides what the context keeps."""
+        grad = grads[0] if grads else None
+        if grad is not None:
+            self._delivered.setdefault(_storage_of(grad), set()).add(leaf_id)
+
+    def _reached(self, key: int) -> list[Recv]:
+        """Entry ``key`` ran: the recvs whose every reaching entry has run
+        now, counted as propagations in flight in the same step (the pass
+        must not be seen to end between the two)."""
+        ready = []
+        with self._lock:
+            self._running.discard(key)
+            self._left.discard(key)
+            for recv_id, waits in self._recv_waits.items():
+                if key in waits:
+                    waits.discard(key)
+                    if not waits:
+                        ready.append(self._recvs[recv_id])
+            for recv in ready:
+                del self._recv_waits[id(recv)]
+                self._sent.update(id(t) for t in recv.tensors)
+            self._calls += len(ready)
+        return ready
+
+    def _send(self, recv: Recv) -> None:
+        """Send ``recv``'s gradients (every entry reaching it ran) to its
+        sender, once, as torch's RecvRpcBackward: None for a tensor no
+        gradient reached."""
+        grads = [self._grads.pop(id(t), None) for t in recv.tensors]
+        self._propagate(recv, grads).add_done_callback(self._answered)
+
+    def _answered(self, fut: _Future) -> None:
+        try:
+            result = fut.value()
+        except Exception as exc:  # the call itself failed
+            result = self._failure_of(exc)
+        with self._lock:
+            self._calls -= 1
+        if result is not None:
+            self._end(result)
+        else:
+            self._check()
+
+    # ------------------------------------------------------------- the end
+
+    def _check(self) -> None:
+        with self._lock:
+            if self._ended or self._left or self._calls or self._committing:
+                return
+            self._committing = True
+        try:
+            self._commit()
+        except Exception as exc:
+            self._end(self._failure_of(exc))
+            return
+        self._end(None)
+
+    def _commit(self) -> None:
+        """The pass's gradients into the context, as torch's engine
+        accumulates them there: a gradient tensor one leaf alone was given is
+        kept (no copy), one given to several leaves, or not dense and
+        contiguous, or aliasing another, is copied."""
+        storages: set[int] = set()
+        for leaf in self._leaves:
+            grad = self._grads.pop(id(leaf), None)
+            if grad is None or self._ctx.recv_slot(leaf) is not None:
+                continue
+            shared = len(self._delivered.get(_storage_of(grad), ())) > 1
+            self._ctx.accumulate(leaf, owned(grad, storages, shared))
+
+    def _end(self, result: Any) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            self._failure = result
+            self._grads.clear()
+        self.done.set_result(result)
