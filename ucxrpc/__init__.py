@@ -6,16 +6,18 @@ changes; all of that happens in :func:`init_rpc`.
 
 from __future__ import annotations
 
-from . import autograd, functions, optim
+from . import autograd, constants, functions, optim
 from .agent import WorkerInfo
 from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout,
-                  get_worker_info, init_rpc, is_initialized, rpc_async, rpc_sync, shutdown)
+                  get_worker_info, init_rpc, is_available, is_initialized, rpc_async, rpc_sync,
+                  shutdown)
 from .errors import (AuthenticationError, BrokenError, ClosedError, ConnectError,
                      DistAutogradError, FrameError, PeerLeftError, RemoteError, RpcError,
                      RpcTimeoutError, RRefError, SerializationError, TransportError,
                      WorkerNameError)
-from .options import UcxRpcBackendOptions
+from .options import RpcBackendOptions, UcxRpcBackendOptions
 from .rref import RRef, remote
+from .tensorpipe import TensorPipeRpcBackendOptions
 
 __version__ = "0.1.0"  # the package's version: pyproject.toml reads it from here
 
@@ -31,19 +33,23 @@ __all__ = [
     "RRef",
     "RRefError",
     "RemoteError",
+    "RpcBackendOptions",
     "RpcError",
     "RpcTimeoutError",
     "SerializationError",
+    "TensorPipeRpcBackendOptions",
     "TransportError",
     "WorkerNameError",
     "UcxRpcBackendOptions",
     "WorkerInfo",
     "autograd",
+    "constants",
     "functions",
     "get_pipe_info",
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "is_available",
     "is_initialized",
     "optim",
     "remote",

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 import torch
 
-from . import _membership, rendezvous, timeouts
+from . import _membership, _torch_futures, profiling, rendezvous, timeouts
+from ._torch_profiler import profiler_enabled
 from .agent import RpcAgent, WorkerInfo, check_name
 from .errors import RpcError
 from .functions import _plain
-from .options import UcxRpcBackendOptions
+from .options import RpcBackendOptions, UcxRpcBackendOptions
 
 if TYPE_CHECKING:
     from .agent.calls import SyncReply
@@ -29,9 +30,15 @@ _NOT_INITIALIZED = ("RPC has not been initialized. Call "
 
 
 class BackendType(enum.Enum):
-    """The only backend ucxrpc has; accepted for torch compatibility."""
+    """The only backend ucxrpc has; accepted for torch compatibility.
+
+    ``TENSORPIPE``, torch's default backend, is the same member under
+    torch's name (an alias: ``BackendType.TENSORPIPE is BackendType.UCX``),
+    so a program that names torch's backend runs on ucxrpc's.
+    """
 
     UCX = "UCX"
+    TENSORPIPE = "UCX"
 
 
 def _current() -> RpcAgent:
@@ -58,9 +65,13 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
                         f"the UCX backend, got {backend!r}")
     opts = rpc_backend_options or UcxRpcBackendOptions()
     if not isinstance(opts, UcxRpcBackendOptions):
-        raise TypeError(f"Argument rpc_backend_options must be an instance of "
-                        f"RpcBackendOptions: ucxrpc takes UcxRpcBackendOptions, got "
-                        f"{type(opts).__name__}")
+        # torch's words first, for the backend's own check where the
+        # options are torch's base class, else for the argument's type.
+        said = ("`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`"
+                if isinstance(opts, RpcBackendOptions) else
+                "Argument rpc_backend_options must be an instance of RpcBackendOptions")
+        raise TypeError(f"{said}: ucxrpc takes UcxRpcBackendOptions (TensorPipeRpcBackendOptions "
+                        f"is one), got {type(opts).__name__}")
     dynamic = not world_size
     default = timeouts.of_option(opts.rpc_timeout)
     if dynamic and rank < 0 and "RANK" in os.environ:
@@ -68,6 +79,8 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     with _lifecycle:
         if _agent is not None:
             raise RpcError("RPC is already initialized")
+        # torch.futures.wait_all / collect_all fail fast on our futures too.
+        _torch_futures.install()
         if dynamic:
             store = rendezvous.open_dynamic_store(opts.init_method, rank, default)
             # First: the keys a worker of the other kind would wait for (the
@@ -79,6 +92,8 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
                                                             int(world_size or 0), default)
             rendezvous.claim_mode(store, "static")
             agent = RpcAgent(name, rank, world_size, opts, store)
+        # Before peers may call us: their profiled calls' events name our rank.
+        profiling.install(agent)
         # Published before joining: peers may call us as soon as our
         # transport runs, and their functions may use the API.
         _agent = agent
@@ -136,6 +151,7 @@ def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = 
         RpcError: RPC is not initialized, or the agent shut down; an
             unknown ``to`` (a RuntimeError, as torch's).
         TypeError: ``to`` is not a name, rank or WorkerInfo.
+        ValueError: ``timeout`` is negative but not -1.
         Exception: pickling the call failed, with the pickler's own type.
         BrokenError: the pipe to ``to`` is known to be broken.
         FrameError: the message breaks a limit (``max_message_bytes``...).
@@ -163,6 +179,10 @@ def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, .
 def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None,
           kwargs: dict[str, Any] | None, timeout: float, waited: bool = False
           ) -> torch.futures.Future | SyncReply:
+    if profiler_enabled():  # the one check a call pays for torch's profiler
+        return profiling.call(agent, agent.members.resolve(to), func, tuple(args or ()),
+                              dict(kwargs or {}), timeouts.for_call(timeout, agent.default_timeout),
+                              waited)
     return agent.call(agent.members.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
                       timeouts.for_call(timeout, agent.default_timeout), waited=waited)
 
@@ -219,3 +239,10 @@ def _get_debug_info() -> dict[str, Any]:
 def is_initialized() -> bool:
     """Whether ``init_rpc`` ran in this process and ``shutdown`` did not yet."""
     return _agent is not None
+
+
+def is_available() -> bool:
+    """Whether RPC is available: always True (torch's says whether its build
+    has RPC).  A plain function, so that TorchScript compiles code calling
+    ``torch.distributed.rpc.is_available()`` where ucxrpc stands in."""
+    return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +18,62 @@ DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
 
 
+def _seconds(name: str, value: Any) -> float:
+    """``value`` as torch's options read it back: a float.
+
+    Raises:
+        TypeError: not a real number (a ``timedelta``, a string), in the
+            words torch's own (pybind11) constructor starts with.
+    """
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"incompatible constructor arguments: {name} must be a number of "
+                        f"seconds (int or float), got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: Any) -> int:
+    """``value`` as an int; anything with ``__index__`` passes, as in torch.
+
+    Raises:
+        TypeError: not an integer (``2.5``, ``"4"``).
+    """
+    try:
+        return int(operator.index(value))
+    except TypeError:
+        raise TypeError(f"incompatible constructor arguments: {name} must be an int, got "
+                        f"{type(value).__name__} {value!r}") from None
+
+
+class RpcBackendOptions:
+    """torch's base of every backend's options: ``rpc_timeout`` (seconds,
+    read back as a float) and ``init_method``.
+
+    ucxrpc's one backend takes :class:`UcxRpcBackendOptions`, which derives
+    from this class (so does ``TensorPipeRpcBackendOptions``).  It is here
+    for programs that test ``isinstance(options, RpcBackendOptions)`` or
+    subclass it; ``init_rpc`` refuses an instance that is not a
+    UcxRpcBackendOptions, as torch's TensorPipe backend refuses another
+    backend's options.  Positional arguments, as torch's.
+
+    Raises:
+        TypeError: ``rpc_timeout`` is not a number.
+    """
+
+    rpc_timeout: float
+    init_method: str
+
+    def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+                 init_method: str = DEFAULT_INIT_METHOD) -> None:
+        self.rpc_timeout = _seconds("rpc_timeout", rpc_timeout)
+        self.init_method = init_method
+
+
 @dataclass(kw_only=True)
-class UcxRpcBackendOptions:
+class UcxRpcBackendOptions(RpcBackendOptions):
     """Options for :func:`ucxrpc.init_rpc`; keyword-only, validated on creation.
+
+    Numbers are read back with the types torch gives them: counts as
+    ``int``, seconds as ``float`` (``rpc_timeout=7`` reads back ``7.0``).
 
     Attributes:
         num_worker_threads: threads running incoming calls (runnable at once;
@@ -66,7 +121,20 @@ class UcxRpcBackendOptions:
     _maps: dict[str, DeviceMap] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
+        """Check every field and normalize it.
+
+        Raises:
+            TypeError: a number of the wrong type (a ``timedelta`` timeout,
+                a fractional thread count).
+            ValueError: a value out of range, an unknown progress mode.
+        """
+        self.num_worker_threads = _count("num_worker_threads", self.num_worker_threads)
+        self.rpc_timeout = _seconds("rpc_timeout", self.rpc_timeout)
+        self.peer_timeout = _seconds("peer_timeout", self.peer_timeout)
+        self.max_buffers = _count("max_buffers", self.max_buffers)
+        self.max_frame_bytes = _count("max_frame_bytes", self.max_frame_bytes)
+        self.max_message_bytes = _count("max_message_bytes", self.max_message_bytes)
+        if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be a positive int, got "
                              f"{self.num_worker_threads!r}")
         if self.rpc_timeout < 0:

@@ -117,7 +117,10 @@ def open_dynamic_store(init_method: str, rank: int, timeout: float | None) -> An
     """The store of a dynamic group: torch's own choice for ``init_method``
     (a TCPStore hosted by rank 0 for ``env://`` and ``tcp://``)."""
     if rank < 0:
-        raise ValueError("dynamic membership (world_size=None) needs an explicit rank")
+        # torch's words first (its rendezvous handlers say this), then ours.
+        said = ("environment variable RANK expected" if init_method.startswith("env://")
+                else "rank parameter missing")
+        raise ValueError(f"{said}: dynamic membership (world_size=None) needs an explicit rank")
 
     try:  # torch's helper reads only the options' init_method
         store = dist._create_store_from_options(SimpleNamespace(init_method=init_method), rank)

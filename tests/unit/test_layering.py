@@ -33,6 +33,8 @@ RANKS: dict[str, int] = {
     "ucxrpc.errors": 0,  # importable from everywhere
     "ucxrpc._kernels": 0,  # CuPy kernels and their CPU fallback: a leaf
     "ucxrpc._cuda": 0,  # torch's current CUDA streams and device at C level: a leaf
+    "ucxrpc._torch_profiler": 0,  # torch's legacy profiler's private hooks, for RPC profiling: a leaf
+    "ucxrpc._torch_futures": 0,  # torch.futures.wait_all / collect_all that fail fast: a leaf
     "ucxrpc._launch": 0,  # starts/stops rank processes for tests, bench, examples: stdlib only
     "ucxrpc.wire": 1,
     "ucxrpc.serialization": 1,
@@ -41,17 +43,21 @@ RANKS: dict[str, int] = {
     "ucxrpc.devices": 1,
     "ucxrpc.options": 1,
     "ucxrpc.timeouts": 1,  # torch's timeout conventions, turned into seconds or None once  # UcxRpcBackendOptions: a value object agent and api read
+    "ucxrpc.constants": 1,  # torch's constant names (torch.distributed.rpc.constants), ucxrpc's values
+    "ucxrpc.tensorpipe": 1,  # TensorPipeRpcBackendOptions: TensorPipe's option names as UcxRpcBackendOptions
     "ucxrpc.agent": 2,
     "ucxrpc.rendezvous": 2,  # c10d store rendezvous and membership, for agent
     "ucxrpc._pool": 2,  # the thread pool that runs user functions, for agent
     "ucxrpc._membership": 2,  # dynamic membership: joining and leaving, on the agent
     "ucxrpc.api": 3,
     "ucxrpc.functions": 3,
+    "ucxrpc.profiling": 3,  # RPC under torch's profiler: the caller's spans, the callee's events
     "ucxrpc.rref": 4,
     "ucxrpc.autograd": 5,
     "ucxrpc.optim": 6,
     "ucxrpc.nn": 6,
     "ucxrpc.cli": 7,
+    "ucxrpc.torch_rpc": 7,  # install() and the launcher: ucxrpc in place of torch's RPC modules
     "ucxrpc.bench": 7,
     "ucxrpc.__main__": 7,
     # The package itself re-exports the public API, so it sits on top, and

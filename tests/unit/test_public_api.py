@@ -17,7 +17,7 @@ from ucxrpc import errors
 
 REPO = Path(__file__).resolve().parents[2]
 PUBLIC = ["ucxrpc", "ucxrpc.autograd", "ucxrpc.optim", "ucxrpc.nn", "ucxrpc.functions",
-          "ucxrpc.errors"]
+          "ucxrpc.errors", "ucxrpc.constants", "ucxrpc.tensorpipe", "ucxrpc.torch_rpc"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

@@ -16,6 +16,14 @@ def test_a_calls_timeout(given, default, want) -> None:
     assert timeouts.for_call(given, default) == want
 
 
+@pytest.mark.parametrize("given", [-5, -0.5, -1.5, -1e-9, float("-inf")])
+def test_a_negative_timeout_other_than_torchs_unset_is_refused(given) -> None:
+    # torch's agent fails such a call at once ("RPC ran for more than set
+    # timeout (-5000 ms)"); here it is a mistake named where it is made.
+    with pytest.raises(ValueError, match=rf"timeout must be >= 0 .*got {given!r}"):
+        timeouts.for_call(given, 60.0)
+
+
 @pytest.mark.parametrize("given, default, want", [
     (0, 60.0, None), (None, 60.0, None),  # shutdown's default: as long as the job runs
     (-1, 60.0, 60.0), (-1, None, None), (3, 60.0, 3.0)])

@@ -11,6 +11,8 @@ into their timeout.
 
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import logging
 import threading
@@ -357,6 +359,12 @@ class RpcAgent:
         copies = [b.joined() if isinstance(b, Gather) else b.clone() for b in buffers]
         devices.settle(copies)
         self._on_message(self.info.id, memoryview(payload), copies)
+
+    def blocking(self) -> contextlib.AbstractContextManager[None]:
+        """A ``with`` block in which this thread waits for work done
+        elsewhere in the job: where it is a pool thread, the pool may start
+        another meanwhile (as in :meth:`wait`)."""
+        return self._pool.blocking()
 
     def wait(self, fut: torch.futures.Future | SyncReply) -> Any:
         """``fut.wait()`` that lets the pool replace a thread blocked here,

@@ -19,6 +19,7 @@ initiator can name the worker where it happened however deep in the chain.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -99,18 +100,17 @@ def _begin(agent: RpcAgent, ctx: DistAutogradContext, roots: list[torch.Tensor] 
             return running, False
         p = WorkerPass(ctx, roots, retain_graph,
                        functools.partial(_send_grads, agent, ctx.id, retain_graph),
-                       functools.partial(_here, agent))
+                       functools.partial(_here, agent), functools.partial(_ended, tbl, ctx))
         ctx.running_pass = p
         tbl.backward_passes += 1
-
-    def ended(_: _Future) -> None:
-        with _passes_lock:
-            if ctx.running_pass is p:
-                ctx.running_pass = None
-                tbl.backward_passes -= 1
-
-    p.done.add_done_callback(ended)
     return p, True
+
+
+def _ended(tbl: ContextTable, ctx: DistAutogradContext, p: WorkerPass) -> None:
+    with _passes_lock:
+        if ctx.running_pass is p:
+            ctx.running_pass = None
+            tbl.backward_passes -= 1
 
 
 # Guards the running pass of every context: one begins at a time.
@@ -178,6 +178,13 @@ def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None],
 
 # -- backward -------------------------------------------------------------------
 
+def _backward_span() -> Any:
+    """torch's span around a distributed backward, where a profiler is on."""
+    if torch.autograd._profiler_enabled():
+        return torch.autograd.profiler.record_function("torch::distributed::autograd::backward")
+    return contextlib.nullcontext()
+
+
 _SIGNATURE = "(context_id: int, roots: List[Tensor], retain_graph: bool = False) -> None"
 
 
@@ -242,9 +249,11 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     tbl = table(agent)
     ctx = tbl.get(context_id)
     roots = _check_roots(ctx, roots)
-    p, _ = _begin(agent, ctx, roots, retain_graph)
-    p.run(ROOTS, [torch.ones_like(r) for r in roots])
-    failure = agent.wait(p.done)
+    with _backward_span():
+        p, _ = _begin(agent, ctx, roots, retain_graph)
+        p.run(ROOTS, [torch.ones_like(r) for r in roots])
+        with agent.blocking():  # the pool may replace a thread of its own waiting here
+            failure = p.serve()
     if failure is not None:
         raise DistAutogradError(failure.describe(context_id))
 

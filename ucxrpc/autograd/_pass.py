@@ -44,9 +44,11 @@ in C++ only).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -131,6 +133,14 @@ class _LeafLocks:
 _leaf_locks = _LeafLocks()
 
 
+def _span(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A span named as torch's distributed engine names its nodes, where a
+    profiler is on (none costs ~40 ns to ask)."""
+    if torch.autograd._profiler_enabled():
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def _storage_of(grad: torch.Tensor) -> int:
     """The address a gradient's memory is known by (a sparse one's values')."""
     if grad.layout is torch.sparse_coo:
@@ -179,19 +189,32 @@ class WorkerPass:
         propagate: starts sending a recv's gradients to its sender.
         failure: ``exception -> value`` the pass ends with when a part fails
             here (the engine's Failure, naming this worker).
+        on_end: called with the pass as it ends, before :attr:`done`
+            completes (its owner forgets it there, so that a next pass of
+            the context may begin as soon as anyone sees this one done).
     """
 
     def __init__(self, ctx: DistAutogradContext, roots: list[torch.Tensor] | None,
                  retain_graph: bool, propagate: Propagate,
-                 failure: Callable[[BaseException], Any]) -> None:
+                 failure: Callable[[BaseException], Any],
+                 on_end: Callable[[WorkerPass], None] | None = None) -> None:
         self._ctx = ctx
+        self._on_end = on_end
+        # With roots, the thread that called backward owns the pass and runs
+        # every entry (serve()), as torch's local engine runs a graph task's
+        # CPU work on its owner thread: what a profiler on that thread
+        # records includes the whole of this worker's part.
+        self._owner = threading.get_ident() if roots is not None else None
+        self._queue: deque[tuple[int, Sequence[torch.Tensor | None]]] = deque()
         self._retain = retain_graph
         self._propagate = propagate
         self._failure_of = failure
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         #: Completes with None, or the first failure, once the pass ended.
         self.done: _Future = _Future()
         self._ended = False
+        self._finished = False  # ended, and done completed
         self._failure: Any = None
         self._entries: dict[int, _Entry] = {}
         if roots is not None:
@@ -230,7 +253,28 @@ class WorkerPass:
 
     def run(self, key: int, grads: Sequence[torch.Tensor | None]) -> None:
         """Run entry ``key`` with the gradients of its outputs (None: none
-        flows there); a failure ends the pass with it.  Never raises."""
+        flows there), here or, where the pass has an owner thread, there;
+        a failure ends the pass with it.  Never raises."""
+        if self._owner is not None and threading.get_ident() != self._owner:
+            with self._lock:
+                self._queue.append((key, grads))
+                self._wake.notify()
+            return
+        self._run_now(key, grads)
+
+    def serve(self) -> Any:
+        """On the owner thread: run the entries that arrive for it until the
+        pass ends; the pass's result (None, or the failure)."""
+        while True:
+            with self._lock:
+                while not self._queue and not self._finished:
+                    self._wake.wait()
+                if self._finished:
+                    return self._failure
+                key, grads = self._queue.popleft()
+            self._run_now(key, grads)
+
+    def _run_now(self, key: int, grads: Sequence[torch.Tensor | None]) -> None:
         try:
             with self._lock:
                 if self._ended:
@@ -247,8 +291,10 @@ class WorkerPass:
                      if g is not None and t.requires_grad}
             if pairs:
                 keep = self._retain or any(entry.nodes & other.nodes for other in later)
-                self._part([t for t, _ in pairs.values()], [g for _, g in pairs.values()],
-                           entry, keep)
+                # A send's part under torch's name for its node, for profilers.
+                with _span("SendRpcBackward") if key != ROOTS else contextlib.nullcontext():
+                    self._part([t for t, _ in pairs.values()],
+                               [g for _, g in pairs.values()], entry, keep)
             ready = self._reached(key)
         except Exception as exc:
             self._end(self._failure_of(exc))
@@ -317,7 +363,9 @@ class WorkerPass:
         sender, once, as torch's RecvRpcBackward: None for a tensor no
         gradient reached."""
         grads = [self._grads.pop(id(t), None) for t in recv.tensors]
-        self._propagate(recv, grads).add_done_callback(self._answered)
+        with _span("RecvRpcBackward"):  # torch's name for the node that sends them
+            sent = self._propagate(recv, grads)
+        sent.add_done_callback(self._answered)
 
     def _answered(self, fut: _Future) -> None:
         try:
@@ -359,10 +407,18 @@ class WorkerPass:
             self._ctx.accumulate(leaf, owned(grad, storages, shared))
 
     def _end(self, result: Any) -> None:
+        """End the pass with ``result``: its owner (if any) forgets it, then
+        :attr:`done` completes, then the owner thread stops serving."""
         with self._lock:
             if self._ended:
                 return
             self._ended = True
             self._failure = result
             self._grads.clear()
+            self._queue.clear()
+        if self._on_end is not None:
+            self._on_end(self)
         self.done.set_result(result)
+        with self._lock:
+            self._finished = True
+            self._wake.notify_all()

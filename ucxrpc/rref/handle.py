@@ -9,11 +9,12 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
-from .. import api, devices, timeouts
-from ..agent import WorkerInfo
+from .. import api, devices, profiling, timeouts
+from .._torch_profiler import profiler_enabled
+from ..agent import RpcAgent, WorkerInfo
 from ..errors import RRefError
-from .owner import (_owner_add_fork, _owner_backward, _owner_create, _owner_fetch, _owner_type,
-                    registry, run_into)
+from .owner import (_owner_add_fork, _owner_backward, _owner_create, _owner_create_now,
+                    _owner_fetch, _owner_run_now, _owner_type, registry, run_into)
 from .proxy import _invoke_method, _proxy_call
 from .registry import ForkId, Registry, RRefId, new_id
 
@@ -39,6 +40,8 @@ class RRef(Generic[T]):
     _fork_id: ForkId | None
     _confirmed: torch.futures.Future
     _registry: Registry
+    #: Set by a profiled remote() (see _get_profiling_future).
+    _profiling_future: torch.futures.Future | None = None
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         reg = registry()
@@ -150,6 +153,13 @@ class RRef(Generic[T]):
         if self.is_owner():
             return self.local_value()
         agent = self._registry.agent
+        if profiler_enabled():  # torch's span, under any profiler
+            with torch.autograd.profiler.record_function(
+                    f"to_here#({agent.info.name})->({self.owner_name()})"):
+                return self._fetch(agent, timeout)
+        return self._fetch(agent, timeout)
+
+    def _fetch(self, agent: RpcAgent, timeout: float) -> T:
         fut = agent.call(self.owner(), _owner_fetch, (self._rref_id,), {},
                          timeouts.for_call(timeout, agent.default_timeout))
         # The creation's acknowledgement arrives before the value: if it
@@ -192,6 +202,18 @@ class RRef(Generic[T]):
         """As :meth:`rpc_sync`, returning an RRef to the result, owned by
         this RRef's owner (:func:`ucxrpc.remote`)."""
         return _Proxy(self, "remote", timeout)
+
+    def _get_profiling_future(self) -> torch.futures.Future:
+        """torch's name: for an RRef made by ``remote()`` under torch's
+        legacy profiler, the future that completes once the call's span and
+        the owner's events are in the profile.
+
+        Raises:
+            RuntimeError: the RRef was not made so (torch's words).
+        """
+        if self._profiling_future is None:
+            raise RuntimeError("Profiling future has not been set!")
+        return self._profiling_future
 
     def _value_type(self) -> type:
         """The value's type (asked of the owner once, as torch's _get_type)."""
@@ -266,10 +288,11 @@ class _Proxy:
                     raise AttributeError(f"'{value_type.__name__}' object has "
                                          f"no attribute '{name}'")
                 return remote(owner, _invoke_method, fargs, timeout=self._timeout)
-            fut = api.rpc_async(owner, _proxy_call, fargs, timeout=self._timeout)
-            # agent.wait: a proxy call inside an RPC handler must not pin a
-            # pool thread (see _pool.WorkerPool.blocking).
-            return api._current().wait(fut) if self._mode == "sync" else fut
+            if self._mode == "sync":
+                # Through agent.wait: a proxy call inside an RPC handler must
+                # not pin a pool thread (see _pool.WorkerPool.blocking).
+                return api.rpc_sync(owner, _proxy_call, fargs, timeout=self._timeout)
+            return api.rpc_async(owner, _proxy_call, fargs, timeout=self._timeout)
         return call
 
 
@@ -283,12 +306,23 @@ def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
     ``timeout`` (seconds; -1 default, 0 none) covers creating the RRef, not
     the function's run.  Creation errors and timeouts, and the function's
     own exception, surface on the RRef's next use (``to_here``, proxies).
+
+    Raises:
+        RpcError: RPC is not initialized; an unknown ``to``.
+        ValueError: ``timeout`` is negative but not -1.
     """
     agent = api._current()
     dest = agent.members.resolve(to)
+    # Refused before an RRef exists: one made and dropped would leave the
+    # owner a deletion to remember.
+    seconds = timeouts.for_call(timeout, agent.default_timeout)
     reg = registry(agent)
     rref_id = new_id(reg.me)
     args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if profiler_enabled():  # the one check a call pays for torch's profiler
+        span = profiling.Span.begin(agent, "remote", func, dest)
+        if span is not None:
+            return _remote_profiled(agent, reg, dest, rref_id, span, func, args, kwargs, timeout)
     if dest.id == reg.me:
         rref = _owner_handle(reg, rref_id)
         # On the caller's streams: after the work that made the arguments.
@@ -298,6 +332,35 @@ def remote(to: Any, func: Callable[..., T], args: tuple[Any, ...] | None = None,
     fork_id = new_id(reg.me)  # the caller's own fork, numbered as torch numbers it
     rref = RRef._make(dest.id, rref_id, fork_id, confirmed=False)
     fut = agent.call(dest, _owner_create, (rref_id, fork_id, reg.me, func, args, kwargs), {},
-                     timeouts.for_call(timeout, agent.default_timeout))
+                     seconds)
     fut.add_done_callback(rref._confirm)
+    return rref
+
+
+def _remote_profiled(agent: RpcAgent, reg: Registry, dest: WorkerInfo, rref_id: RRefId,
+                     span: profiling.Span, func: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], timeout: float) -> RRef[Any]:
+    """``remote()`` under torch's legacy profiler: the owner runs the function
+    under the profiler before it answers, so the span lasts until the value
+    exists and the answer carries the owner's events, as in torch (whose
+    creation ``timeout`` thus covers the function's run too, as here)."""
+    try:
+        if dest.id == reg.me:
+            rref = _owner_handle(reg, rref_id)
+            fut = span.run_here(agent, _owner_run_now, (rref_id, func, args, kwargs,
+                                                        devices.current_streams(agent.devices)))
+        else:
+            fork_id = new_id(reg.me)
+            rref = RRef._make(dest.id, rref_id, fork_id, confirmed=False)
+            fut = agent.call(dest, *span.request(_owner_create_now,
+                                                 (rref_id, fork_id, reg.me, func, args, kwargs),
+                                                 {}),
+                             timeouts.for_call(timeout, agent.default_timeout))
+    except BaseException:
+        span.abandon()
+        raise
+    profiled = span.finish(fut)
+    if not rref.is_owner():
+        profiled.add_done_callback(rref._confirm)
+    rref._profiling_future = profiled
     return rref

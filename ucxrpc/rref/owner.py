@@ -84,6 +84,38 @@ def _owner_create(rref_id: RRefId, fork_id: ForkId, holder: int, func: Any,
 
 
 @async_execution
+def _owner_create_now(rref_id: RRefId, fork_id: ForkId, holder: int, func: Any,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future:
+    """:func:`_owner_create` for a profiled ``remote()``: the function runs
+    here and now, and the answer waits for its value, so that the caller's
+    profile holds the function's events (torch's owner answers a
+    ``remote()`` only then, profiled or not)."""
+    reg = registry()
+    reg.add_fork(rref_id, fork_id, holder)
+    return _run_now(reg, rref_id, func, args, kwargs, devices.current_streams(reg.agent.devices))
+
+
+@async_execution
+def _owner_run_now(rref_id: RRefId, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   streams: list[Any]) -> torch.futures.Future:
+    """The same for a profiled ``remote()`` of a worker to itself, on the
+    caller's ``streams``."""
+    return _run_now(registry(), rref_id, func, args, kwargs, streams)
+
+
+def _run_now(reg: Registry, rref_id: RRefId, func: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any], streams: list[Any]) -> torch.futures.Future:
+    """Run ``func`` into the value of ``rref_id``; the future completes
+    (with None: a failure is the value's, for its users to meet) once the
+    value is set."""
+    value = reg.entry(rref_id).value
+    run_into(value, func, args, kwargs, streams)
+    done: torch.futures.Future = torch.futures.Future()
+    value.add_done_callback(lambda _: done.set_result(None))
+    return done
+
+
+@async_execution
 def _owner_type(rref_id: RRefId) -> torch.futures.Future:
     """The type of the value (once it exists), for proxies to check names."""
     return registry().entry(rref_id).value.then(lambda f: type(f.wait()))
