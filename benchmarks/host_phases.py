@@ -8,7 +8,7 @@ eager copies through shared memory).  Each round here first times a plain
 hand-off of 1 MiB between the two worker processes through a shared
 mapping (numpy copies, nothing of UCX or ucxrpc; one writes, the other copies
 out, and they take turns), then ucxrpc's echo for a second.  When the
-hand-off is slow in a round, the echo is too (benchmarks/RESULTS.md, Run AD):
+hand-off is slow in a round, the echo is too (benchmarks/runs/AD.md):
 the machine's cross-core copies have slow phases, and ucxrpc (and torch) see
 them.
 

@@ -23,7 +23,7 @@ waiting for a core, as well as running (the kernel's schedstat).  Beside
 one or two busy processes, a 6 s burst of ``rpc_async`` calls saw 17-50
 stalls with the CPU test alone, and the callee grew 3-16 pool threads; with
 the second window, 1-4 stalls and 2-4 threads, at the same throughput
-(benchmarks/RESULTS.md, Run AF).  A real stall now waits two windows.
+(benchmarks/runs/AF.md).  A real stall now waits two windows.
 """
 
 from __future__ import annotations

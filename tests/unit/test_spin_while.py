@@ -44,7 +44,7 @@ def test_a_reply_after_a_request_leaves_the_peer_expected():
     # Each side of an exchange both serves and calls: worker1 gets a request,
     # calls back from inside it, and takes the reply.  Counting only the last
     # message, the reply made it stop expecting the peer's next request, and
-    # its loop slept in epoll once per exchange (RESULTS.md, Run W).
+    # its loop slept in epoll once per exchange (benchmarks/runs/W.md).
     agent = _agent()
     assert not RpcAgent._spin_while(agent)  # nobody called yet
     _message(agent, wire.MsgKind.REQUEST, 7)

@@ -30,7 +30,7 @@ def test_defaults_keep_shared_memory_with_error_handling_and_eager_intra_host():
 
 def test_a_process_that_may_send_device_memory_lets_ucx_pick_the_rendezvous_switch():
     # One threshold serves every memory type: 2 MiB eagerly would copy CUDA
-    # messages to the peer 8 KiB at a time (benchmarks/RESULTS.md, Run R).
+    # messages to the peer 8 KiB at a time (benchmarks/runs/R.md).
     env = ucx_environment(None, 10.0, environ={}, device_memory=True)
     assert env["UCX_RNDV_THRESH"] == "auto"
     assert "UCX_RNDV_THRESH" not in ucx_environment(

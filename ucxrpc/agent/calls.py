@@ -42,7 +42,7 @@ __all__ = ["Call", "CallFuture", "CallTable", "SyncReply"]
 #: A lock of each future's own (and the instance dict its flag needed) were
 #: two more objects per call for the cyclic garbage collector to walk: a
 #: burst of rpc_async calls held 3 tracked objects a future, and full
-#: collections took a tenth of the caller's time (benchmarks/RESULTS.md).
+#: collections took a tenth of the caller's time (benchmarks/runs/V.md).
 _hooks = threading.Lock()
 #: Futures being completed inline now (by id): the completing thread, and
 #: the event a thread that hooked a callback on meanwhile waits for (None

@@ -55,7 +55,7 @@ class Server:
         here, each holding a bound method, a memoryview of its frame and
         that view's managed buffer, an empty list and two tuples.  They
         outlived the young collections and set off full ones, 80-100 ms each
-        in a process that imported torch (benchmarks/RESULTS.md, Run AD).
+        in a process that imported torch (benchmarks/runs/AD.md).
         So a small body is queued as bytes (not tracked, and its frame is
         let go at once), the method is bound once, and no buffers are an
         empty tuple: the task's arguments are then untracked, and only the

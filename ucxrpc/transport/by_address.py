@@ -38,8 +38,7 @@ logger = logging.getLogger(__name__)
 #: for a frame going back to it (the reply, mostly: frame.py's ``ack``)
 #: before a CMA_DONE frame takes it alone.  Until then the peer keeps the
 #: buffers; nothing else waits for the word, while a frame sent alone costs
-#: both sides a frame and the peer, if it sleeps, a wake-up (RESULTS.md,
-#: Run T).
+#: both sides a frame and the peer, if it sleeps, a wake-up (benchmarks/runs/T.md).
 ACK_DELAY_S = 0.005
 
 #: ``(pipe, payload, buffers, kind)``: the transport's send of a frame on a

@@ -52,11 +52,11 @@ __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read", "write"]
 #: against 2.77 GB/s, round trip 4.02 / 2.80, bidirectional 2.44 / 1.88) at
 #: 70-80% of the CPU; on a quiet host 10-20% slower (5.16 / 5.73 GB/s
 #: one-way), still 1.5x torch's, and from 4 MiB as fast or faster
-#: (benchmarks/RESULTS.md, Run T).  Smaller ones go through UCX, eagerly, as
+#: (benchmarks/runs/T.md).  Smaller ones go through UCX, eagerly, as
 #: long as the loop polls (below): from 1 MiB or 256 KiB by address, a quiet
 #: host's echoes took 8-30% longer, even with no acknowledgements at all
 #: (the kernel pins the pages read one by one: 84 us for 1 MiB from cache),
-#: and gained only where cross-core copies were slow (Run W).
+#: and gained only where cross-core copies were slow (benchmarks/runs/W.md).
 MIN_BYTES = INTRA_EAGER_MAX
 #: ... and from this size while the sender's loop, or the receiver's (as
 #: its last frame said), may not poll (a contended core, or the blocking
@@ -65,12 +65,12 @@ MIN_BYTES = INTRA_EAGER_MAX
 #: a run of wake-ups.  Beside a busy process, 256 KiB by address: one-way
 #: 0.71-0.73 against 0.60-0.64 GB/s, round trip 1.02-1.05 against
 #: 0.90-0.95, bidirectional 0.47-0.49 against 0.42-0.47, at 10-15% less
-#: CPU; the 100 x 4 KiB dict's 400 KiB bundle unchanged (RESULTS.md, Run
-#: X).  With the sender's state alone, 256 KiB gained nothing (Run W): the
+#: CPU; the 100 x 4 KiB dict's 400 KiB bundle unchanged (benchmarks/runs/X.md).
+#: With the sender's state alone, 256 KiB gained nothing (benchmarks/runs/W.md): the
 #: side that shares a core with the busy process is mostly the receiver.
 #: On a quiet host, where the loops poll, nothing changes; by address from
 #: 1 MiB there, the round trip fell from 6.3-6.5 to 5.1-5.2 GB/s and the
-#: exchange both ways from 3.6-3.8 to 1.9-2.0 (Run W).
+#: exchange both ways from 3.6-3.8 to 1.9-2.0 (benchmarks/runs/W.md).
 BUSY_MIN_BYTES = 256 << 10
 #: Reads from this size are split in two halves, one copied on a helper
 #: thread: a second core copies at once, as UCX's two copies through shared
@@ -177,7 +177,7 @@ def write(pid: int, address: int, source: int, nbytes: int) -> None:
     time, and a user's tensor sits on 4 KiB pages where ucxrpc's receive
     buffers sit on huge ones (pool.py).  16 MiB out of a user's tensor in
     two halves: read by the receiver 1.42 ms, written by its sender into
-    the receiver's huge pages 0.68 ms (benchmarks/RESULTS.md, Run AA).
+    the receiver's huge pages 0.68 ms (benchmarks/runs/AA.md).
 
     Raises:
         OSError: as :func:`read`.

@@ -121,7 +121,7 @@ def ipc_shareable(device: int) -> tuple[bool, str]:
     its ``cudaMallocAsync`` backend make neither, and UCX then falls back
     inside the rendezvous: 0.5 GB/s and progress calls of 1.4-2.1 s for 64
     MiB-1 GiB on an H200, against 35-339 GB/s through buffers that can be
-    shared (:mod:`.bounce`; 2026-11-27, benchmarks/RESULTS.md Run AC).  A
+    shared (:mod:`.bounce`; 2026-11-27, benchmarks/runs/AC.md).  A
     probe tensor asks the driver, so a setting made at run time
     (``torch.cuda.memory._set_allocator_settings``) counts as well as
     PYTORCH_CUDA_ALLOC_CONF.  In a worker that never touched CUDA itself the

@@ -7,8 +7,7 @@ its shared-memory fragments.  A :class:`Gather` lists the tensors instead,
 and UCX is handed their addresses as one I/O vector (``UCP_DATATYPE_IOV``):
 it copies each straight into its fragments, and the receiver gets one
 contiguous buffer as before, so the wire does not change.  The 100 × 4 KiB
-dict echo took ~7% less time and ~9% less CPU (benchmarks/RESULTS.md,
-Run AB).
+dict echo took ~7% less time and ~9% less CPU (benchmarks/runs/AB.md).
 
 Only a plain UCX send takes the parts.  Wherever the buffer must be one
 block of memory (inline in a frame, read by address, staged, a call to

@@ -5,7 +5,7 @@ one at a time.  A user's tensor sits on 4 KiB pages, while ucxrpc's receive
 buffers sit on huge ones (:mod:`.pool`), so the sender writing into the
 receiver's buffer copies twice as fast as the receiver reading the
 sender's: 16 MiB in two halves 0.68 against 1.42 ms, 4 MiB 0.15 against
-0.30 (benchmarks/RESULTS.md, Run AA).  A writer has to know where to write
+0.30 (benchmarks/runs/AA.md).  A writer has to know where to write
 before its frame goes, though, or the message pays a round trip.  So a
 receiver that read a large buffer of a peer's lends it, in a GRANT frame,
 a buffer of that size class for the next one (:meth:`Grants.lend`), and

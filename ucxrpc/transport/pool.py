@@ -25,7 +25,7 @@ PAGE = 4096
 #: instead of 4 KiB at a time, and received tensors are often what goes
 #: back (a reply, a relay).  16 MiB read out of another process in one
 #: call: 0.92-0.97 ms from huge pages, 2.5-3.1 ms from small ones; in two
-#: halves 0.57-0.69 against 1.3-1.6 ms (benchmarks/RESULTS.md, Run Y).
+#: halves 0.57-0.69 against 1.3-1.6 ms (benchmarks/runs/Y.md).
 HUGE = 2 << 20
 
 

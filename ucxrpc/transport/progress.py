@@ -13,7 +13,7 @@ turns is the *strategy*:
   then sleeps as :class:`Blocking` does.  Fastest on a quiet host; on a busy
   one the polling thread takes the core the peer or the user's own threads
   need, and every hand-off waits for a scheduler slice (measured: a 16 KiB
-  call took 4 ms instead of 0.2, benchmarks/RESULTS.md Run E/F).
+  call took 4 ms instead of 0.2, benchmarks/runs/E.md/F).
 * :class:`Adaptive` (the default) polls as :class:`Polling` does while the
   thread has a core to itself, and blocks as soon as it has not: each idle
   turn yields the CPU and times the yield, and yields that come back late

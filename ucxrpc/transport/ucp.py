@@ -3,10 +3,10 @@
 Sending a 200-byte frame through ucxx's Python layer costs 4–8 µs (a tag
 object, an ``Array``, a C++ request and its Python wrapper, pybind11); the
 same ``ucp_tag_send_nbx`` called here costs about 1 µs, and a frame found
-and received costs ~3 µs less (benchmarks/RESULTS.md, Run J).  A message's
+and received costs ~3 µs less (benchmarks/runs/J.md).  A message's
 host data buffers (a bundle of small tensors, a large tensor) take the same
 calls, and their receives are posted here too: posting one through ucxx
-took ~10 µs of the receiver's frame handling (RESULTS.md, Run Z).  CUDA
+took ~10 µs of the receiver's frame handling (benchmarks/runs/Z.md).  CUDA
 buffers take them too (:meth:`Ucp.send_device`, :meth:`Ucp.tag_recv_device`),
 each request saying its memory is CUDA memory, so UCX does not detect the
 type of every buffer (its memory-type cache is off: ucx.py); through ucxx a

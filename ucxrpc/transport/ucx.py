@@ -77,8 +77,7 @@ INTRA_EAGER_MAX = 2 << 20
 #: full fragment.  Measured: ``ucx_perftest``'s own 300 KB ping-pong over
 #: sysv hangs with 65,536-byte segments and runs with 65,535, and between two
 #: ucxrpc workers with larger segments, messages of 64 KiB and more never
-#: arrived, or arrived altered and failed their MAC (benchmarks/RESULTS.md,
-#: Run Y).
+#: arrived, or arrived altered and failed their MAC (benchmarks/runs/Y.md).
 MAX_SHM_SEG_SIZE = 65535
 _SHM_SEG_VARS = {"SYSV": "UCX_SYSV_SEG_SIZE", "POSIX": "UCX_POSIX_SEG_SIZE",
                  "XPMEM": "UCX_XPMEM_SEG_SIZE"}
@@ -162,9 +161,9 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # rendezvous copies fragment by fragment through shared memory too,
         # and each step of its handshake costs a scheduler slice on a busy
         # host: 256 KiB one-way beside one busy process, p90 3.5 -> 0.7 ms
-        # and CPU per call halved at 512 KiB (Run G); 1 MiB, p50 684 -> 541
+        # and CPU per call halved at 512 KiB (benchmarks/runs/G.md); 1 MiB, p50 684 -> 541
         # µs one-way and 976 -> 824 µs echoed beside one busy process,
-        # 479 -> 391 µs echoed on a quiet host at 2 MiB (Run J).  Larger ones
+        # 479 -> 391 µs echoed on a quiet host at 2 MiB (benchmarks/runs/J.md).  Larger ones
         # stay rendezvous: an eager message that lands before its receive is
         # posted is held in UCX's unexpected queue, so the threshold also
         # bounds what a receiver holds per message (16 MiB eagerly was twice
@@ -179,7 +178,7 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # lane) a 1 MiB GPU-direct call took 1,975 µs eagerly and 727 µs
         # with UCX's own choice (rendezvous: cuda_ipc from 22 KB); ucxrpc
         # bench's bidirectional 1 MiB cost 58 ms of CPU per call eagerly
-        # (benchmarks/RESULTS.md, Run R).  Such a process takes UCX's
+        # (benchmarks/runs/R.md).  Such a process takes UCX's
         # choice for its host messages too.
         "UCX_RNDV_THRESH": ("auto" if device_memory
                             else f"intra:{INTRA_EAGER_MAX >> 20}M,inter:auto"),
