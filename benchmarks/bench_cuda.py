@@ -85,7 +85,7 @@ def _measure(impl, variant, rank, port, sizes, repeat, out):
     opts = Options(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8, **extra)
     opts.set_device_map(f"worker{1 - rank}", {0: 0})
     if variant == "unpacked":
-        from ucxrpc.transport import staging
+        from ucxrpc.transport.cuda import staging
         staging.PACK_MIN_COUNT = 1 << 30
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     try:

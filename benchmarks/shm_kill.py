@@ -5,7 +5,7 @@ Each trial: a process streams 64 MiB tag messages to a receiver over UCX
 (whatever UCX picks between two local processes: sysv/posix here); the
 receiver kills it mid-stream, then a second UCX worker in the receiver sends
 it one small message through the same queue (what
-``ucxrpc.transport.canary`` does).  A message that does not arrive within 2 s
+``ucxrpc.transport.watch.canary`` does).  A message that does not arrive within 2 s
 means the queue is stuck: no local process can reach that worker any more.
 
     python benchmarks/shm_kill.py --trials 12
@@ -29,7 +29,7 @@ FULL = (1 << 64) - 1
 
 
 def _sender(addr_q, pid_q) -> None:
-    from ucxrpc.transport.ucx import Endpoint, Worker
+    from ucxrpc.transport.ucx.binding import Endpoint, Worker
 
     w = Worker(None)
     ep = Endpoint(w, addr_q.get(), lambda exc: None)
@@ -43,7 +43,7 @@ def _sender(addr_q, pid_q) -> None:
 
 
 def trial(ctx, kill_after: float) -> tuple[bool, str]:
-    from ucxrpc.transport.ucx import Endpoint, Worker
+    from ucxrpc.transport.ucx.binding import Endpoint, Worker
 
     w = Worker(None)
     addr_q, pid_q = ctx.Queue(), ctx.Queue()

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from . import autograd, constants, functions, optim
 from .agent import WorkerInfo
-from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout,
-                  get_worker_info, init_rpc, is_available, is_initialized, rpc_async, rpc_sync,
-                  shutdown)
+from .api import (BackendType, _get_debug_info, get_pipe_info, get_rpc_timeout, get_worker_info,
+                  init_rpc, is_available, is_initialized, rpc_async, rpc_sync, shutdown)
 from .errors import (AuthenticationError, BrokenError, ClosedError, ConnectError,
                      DistAutogradError, FrameError, PeerLeftError, RemoteError, RpcError,
                      RpcTimeoutError, RRefError, SerializationError, TransportError,

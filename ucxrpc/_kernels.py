@@ -9,7 +9,7 @@ CUDA tensor is packed, so CPU-only runs never need it.
 Where CuPy is missing, or installed but not working (no NVRTC, a CUDA
 major or driver it does not support), :func:`cuda_problem` says why, once
 per process in a warning: senders then send small CUDA tensors one by one
-(:mod:`.transport.staging`), and a pack that arrives from a peer is still
+(:mod:`.transport.cuda.staging`), and a pack that arrives from a peer is still
 cut apart, with one ``copy_`` per tensor instead of one launch.
 
 The layout: tensors back to back in the order given, each at an offset

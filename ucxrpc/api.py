@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 import torch
 
-from . import _membership, _torch_futures, profiling, rendezvous, timeouts
+from .agent import membership as _membership, rendezvous
+from . import _torch_futures, profiling, timeouts
 from ._torch_profiler import profiler_enabled
 from .agent import RpcAgent, WorkerInfo, check_name
 from .errors import RpcError

@@ -64,7 +64,7 @@ def _ucx_cuda(name: str, loaded: set[str], cuda_ok: bool) -> tuple[bool, str]:
         if name == "cuda_ipc" and cuda_ok:
             import torch
 
-            from .transport import bounce
+            from .transport.cuda import bounce
 
             memory_way, why = bounce.way(torch.cuda.current_device())
             if memory_way is not bounce.Way.AS_IS:
@@ -87,7 +87,9 @@ def _ucx_cuda(name: str, loaded: set[str], cuda_ok: bool) -> tuple[bool, str]:
 def _info(_: argparse.Namespace) -> int:
     import torch
 
-    from .transport import cudactx, ucp, ucx
+    from .transport.cuda import context as cudactx
+    from .transport import ucx
+    from .transport.ucx import ucp
 
     cuda_ok, cuda_why, gpus = _torch_cuda()  # CUDA first: UCX sees its context
     # The settings a worker here starts UCX with (its rendezvous switch

@@ -21,7 +21,7 @@ from torch._jit_internal import _extract_tensors
 
 from tests.workers import run_workers
 from ucxrpc.autograd._recording import _Reply
-from ucxrpc.serialization import GradCapture, Serializer
+from ucxrpc.serialization.pickler import GradCapture, Serializer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,7 +23,7 @@ RAW = """\
 thread (11): MainThread;run (percall.py:40);rpc_sync (ucxrpc/api.py:80);wait (ucxrpc/agent/core.py:370) 6
 thread (11): MainThread;run (percall.py:40);rpc_sync (ucxrpc/api.py:80);call (ucxrpc/agent/core.py:300) 3
 thread (11): MainThread;run (percall.py:41);rpc_sync (ucxrpc/api.py:81);call (ucxrpc/agent/core.py:310);call (ucxrpc/agent/core.py:311) 1
-thread (12): ucxrpc-progress-0;_loop (ucxrpc/transport/progress.py:452) 4
+thread (12): ucxrpc-progress-0;_loop (ucxrpc/transport/loop/progress.py:452) 4
 not a sample line
 """
 

@@ -2,7 +2,7 @@
 holding its GIL, and a stall of our own.
 
 A peer is declared dead only when the kernel says so (its lifeline closes,
-transport/lifeline.py); a live peer's kernel keeps answering for it however
+transport/watch/lifeline.py); a live peer's kernel keeps answering for it however
 long its process does not.  These are the false positives that design must
 not have, each checked with a ``peer_timeout`` far shorter than the silence.
 """

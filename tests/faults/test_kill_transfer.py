@@ -12,7 +12,7 @@ means the transfer was over before the kill and fails the test with that
 explanation.
 
 Over shared memory a sender killed mid-copy can leave the receiver's UCX
-receive queue stuck for good (ucxrpc/transport/canary.py): in the download
+receive queue stuck for good (ucxrpc/transport/watch/canary.py): in the download
 case worker0 may then be cut off from every local peer.  The test accepts
 that outcome only as the clear error that names it, in bounded time, and
 only when worker0's own check found the queue stuck.
@@ -29,8 +29,8 @@ import pytest
 
 from tests.faults import _common as c
 from tests.workers import run_with_victim
-from ucxrpc.transport import canary
-from ucxrpc.transport.canary import FIFO_TRANSPORTS
+from ucxrpc.transport.watch import canary
+from ucxrpc.transport.watch.canary import FIFO_TRANSPORTS
 
 pytestmark = pytest.mark.timeout(90)
 

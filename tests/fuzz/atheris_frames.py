@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 with atheris.instrument_imports(include=["ucxrpc", "tests.fuzz"]):
     from tests.fuzz.frames import (CLEAR_ERRORS, Spec, as_array, build, decode_checked,
                                    random_mutation, touches_mac)
-    from ucxrpc import wire
+    from ucxrpc.serialization import envelope as wire
     from ucxrpc.errors import FrameError
-    from ucxrpc.transport import auth
-    from ucxrpc.transport.frame import MIN_CHUNK_KIB, Kind, Limits
+    from ucxrpc.transport.wire import auth
+    from ucxrpc.transport.wire.frame import MIN_CHUNK_KIB, Kind, Limits
 
 KEY = b"k" * 32
 LIMITS = Limits()

@@ -3,7 +3,7 @@
 Imports only numpy and ucxrpc's codecs (no hypothesis, no ucxx): the rogue
 process of ``test_fuzz_live`` and the atheris harness import it too.
 
-Layout offsets below restate ``ucxrpc.transport.frame``'s docstring::
+Layout offsets below restate ``ucxrpc.transport.wire.frame``'s docstring::
 
     prefix  magic 2s | version u8 | kind u8 | nbuf u16 | state u16
             | payload_len u32 | seq u64 | ack u64                (28 bytes)
@@ -18,9 +18,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ucxrpc.errors import AuthenticationError, FrameError
-from ucxrpc.transport import auth
-from ucxrpc.transport.frame import (DESC, MAC_LEN, MIN_CHUNK_KIB, NOT_INLINE, PACK, PACKED,
-                                    PREFIX, REMOTE, STAGED, Frame, Kind, Limits, decode, encode)
+from ucxrpc.transport.wire import auth
+from ucxrpc.transport.wire.frame import (DESC, MAC_LEN, MIN_CHUNK_KIB, NOT_INLINE, PACK, PACKED,
+                                         PREFIX, REMOTE, STAGED, Frame, Kind, Limits, decode,
+                                         encode)
 
 #: The only exceptions bad input may raise from a decoder or a handshake check.
 CLEAR_ERRORS = (FrameError, AuthenticationError)
@@ -35,7 +36,7 @@ PREFIX_FIELDS = {"magic": (0, 2, False), "version": (2, 1, False), "kind": (3, 1
 DESC_FIELDS = {"nbytes": (0, 8, False), "off": (8, 8, False), "device": (16, 2, True),
                "flags": (18, 1, False), "pad": (19, 1, False), "arg": (20, 4, False)}
 
-# Tag layout (ucxrpc/transport/tags.py): kind in bits 63-62, sender in 61-46.
+# Tag layout (ucxrpc/transport/wire/tags.py): kind in bits 63-62, sender in 61-46.
 KIND_SHIFT, ID_SHIFT = 62, 46
 HANDSHAKE, FRAME = 0, 1
 HINT_MASK = (1 << ID_SHIFT) - 1

@@ -26,13 +26,13 @@ from hypothesis import strategies as st
 from tests.fuzz.frames import (CLEAR_ERRORS, DESC_FIELDS, PREFIX_FIELDS, VALID_FLAGS, Spec,
                                as_array, build, decode_checked, desc_pos, extremes, put_int,
                                touches_mac)
-from ucxrpc import wire
-from ucxrpc._tensor_codec import _rebuild_tensor, _rebuild_vector
+from ucxrpc.serialization import envelope as wire
+from ucxrpc.serialization.tensors import _rebuild_tensor, _rebuild_vector
 from ucxrpc.errors import AuthenticationError, FrameError, SerializationError
-from ucxrpc.serialization import Serializer
-from ucxrpc.transport import auth
-from ucxrpc.transport.frame import (MAC_LEN, MAGIC, MIN_CHUNK_KIB, PREFIX, VERSION, Kind, Limits,
-                                    decode, encode, peek_seq)
+from ucxrpc.serialization.pickler import Serializer
+from ucxrpc.transport.wire import auth
+from ucxrpc.transport.wire.frame import (MAC_LEN, MAGIC, MIN_CHUNK_KIB, PREFIX, VERSION, Kind,
+                                         Limits, decode, encode, peek_seq)
 
 
 KEY = b"k" * 32

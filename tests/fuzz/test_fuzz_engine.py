@@ -29,11 +29,12 @@ from hypothesis import strategies as st
 from tests.fuzz.frames import (FRAME, HANDSHAKE, Shot, as_array, classify, handshake_frame,
                                rogue_corpus, tag_of)
 from ucxrpc.errors import FrameError
-from ucxrpc.transport import auth, engine, tags
+from ucxrpc.transport.wire import auth, tags
+from ucxrpc.transport import engine
 from ucxrpc.transport.engine import Transport
 from ucxrpc.transport.pipe import OutState
-from ucxrpc.transport.frame import Kind, Limits
-from ucxrpc.transport.ucx import Probe
+from ucxrpc.transport.wire.frame import Kind, Limits
+from ucxrpc.transport.ucx.binding import Probe
 
 
 SECRET = b"job-secret"

@@ -128,7 +128,7 @@ def _capture_sends() -> list[tuple[int, bytes]]:
     """Record every frame this process sends (tag, bytes): an eavesdropper's view."""
     import numpy as np
 
-    from ucxrpc.transport import ucx
+    from ucxrpc.transport.ucx import binding as ucx
 
     sent: list[tuple[int, bytes]] = []
     original = ucx.Endpoint.tag_send
@@ -145,8 +145,8 @@ def _capture_sends() -> list[tuple[int, bytes]]:
 def _replayable(sent: list[tuple[int, bytes]]) -> dict[str, tuple[int, str]]:
     """Worker0's HELLO and PROOF to worker1 and its first REQUEST frame."""
     from tests.fuzz.frames import FRAME, HANDSHAKE, HINT_MASK, KIND_SHIFT, as_array
-    from ucxrpc import wire
-    from ucxrpc.transport.frame import Limits, decode
+    from ucxrpc.serialization import envelope as wire
+    from ucxrpc.transport.wire.frame import Limits, decode
 
     out: dict[str, tuple[int, str]] = {}
     for tag, data in sent:
@@ -189,8 +189,8 @@ def rogue(port: int, seed: int) -> None:
     """No secret; worker1's address from the store; worker0's frames replayed."""
     from tests.fuzz.frames import (HANDSHAKE, Shot, classify, handshake_frame, oversize_shots,
                                    rogue_corpus, tag_of)
-    from ucxrpc.transport import auth
-    from ucxrpc.transport.frame import Kind, Limits
+    from ucxrpc.transport.wire import auth
+    from ucxrpc.transport.wire.frame import Kind, Limits
 
     store = _store(port)
     address = bytes.fromhex(store.get("worker1-address").decode())
@@ -342,7 +342,7 @@ def forged_hints_rogue(port: int, seed: int) -> None:
     """Frames over worker1's max_frame_bytes, claiming worker0, whose tags
     carry hints naming calls in flight (message ids are small counters)."""
     from tests.fuzz.frames import FRAME, Shot, tag_of
-    from ucxrpc import wire
+    from ucxrpc.serialization import envelope as wire
 
     store = _store(port)
     address = bytes.fromhex(store.get("worker1-address").decode())

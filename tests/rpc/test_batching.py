@@ -1,5 +1,5 @@
 """Small messages queued behind a frame still in flight go together, as one
-BATCH frame (ucxrpc/transport/batch.py), over real UCX pipes.
+BATCH frame (ucxrpc/transport/wire/batch.py), over real UCX pipes.
 
 The callee is stopped (SIGSTOP, by PID) while the caller fires a burst of
 small calls, so its receive queue fills and the caller's sends stay in

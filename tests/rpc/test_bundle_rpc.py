@@ -13,7 +13,7 @@ from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
 from tests.transport._workers import debug_counts, needs_sibling_reads, start_worker
 from tests.workers import run_workers
-from ucxrpc.transport import cma
+from ucxrpc.transport.hostmem import cma
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +61,7 @@ def test_bundled_message_arrives_intact_both_ways(env):
 
 # A bundle of one dtype over the transport's inline threshold is sent from
 # the tensors where they are, as one UCX message of their parts
-# (transport/gather.py); anywhere it must be one block of memory it is
+# (transport/wire/gather.py); anywhere it must be one block of memory it is
 # joined first.  Each way must deliver the same bytes.
 _COUNTS = ("buffers_sent_as_parts", "buffers_read_by_peers")
 

@@ -143,7 +143,7 @@ def echo(x):
 
 # UCXRPC_DEVICE_PATH: device buffers through the direct libucp calls with
 # their memory type (the default), or through ucxx's Array (kept to be
-# measured against it: transport/ucx.py, DEVICE_PATHS).
+# measured against it: transport/ucx/binding.py, DEVICE_PATHS).
 @pytest.mark.parametrize("extra, path, device_path", [({}, "gpu-direct", "ucp"),
                                                       ({}, "gpu-direct", "ucxx"),
                                                       (STAGED, "staged", "ucp")])

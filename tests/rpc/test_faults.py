@@ -108,8 +108,8 @@ def _rogue(address_hex, claimed_id, store_port):
     import numpy as np
 
     from ucxrpc.transport import Transport
-    from ucxrpc.transport.tags import FRAME, HANDSHAKE, ID_SHIFT, KIND_SHIFT
-    from ucxrpc.transport.frame import Kind, encode, Limits
+    from ucxrpc.transport.wire.tags import FRAME, HANDSHAKE, ID_SHIFT, KIND_SHIFT
+    from ucxrpc.transport.wire.frame import Kind, encode, Limits
 
     tr = Transport(my_id=claimed_id, secret=b"not-the-secret", on_message=lambda *a: None,
                    on_frame_error=lambda *a: None, on_broken=lambda *a: None)
@@ -184,7 +184,8 @@ def test_unauthenticated_and_malformed_frames_are_refused_and_agent_keeps_servin
 
 def _bad_messages(rank, world_size, init_method):
     import ucxrpc as rpc
-    from ucxrpc import api, wire
+    from ucxrpc import api
+    from ucxrpc.serialization import envelope as wire
 
     from tests.faults._common import go, wait_for_go
 

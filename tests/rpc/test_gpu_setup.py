@@ -105,7 +105,7 @@ def _expandable(rank, world_size, init_method, cupy):
         sys.modules["cupy"] = None  # import cupy raises ImportError
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     import ucxrpc as rpc
-    from ucxrpc.transport import cudactx
+    from ucxrpc.transport.cuda import context as cudactx
 
     init(rank, world_size, init_method, BOTH)
     out = None
@@ -141,7 +141,7 @@ def test_memory_cuda_ipc_cannot_share_still_arrives(cupy):
 def _memtype(rank, world_size, init_method):
     os.environ.pop("UCX_MEMTYPE_CACHE", None)
     import ucxrpc as rpc
-    from ucxrpc.transport.ucx import effective_settings
+    from ucxrpc.transport.ucx.environment import effective_settings
 
     init(rank, world_size, init_method, BOTH)
     out = effective_settings().get("UCX_MEMTYPE_CACHE")

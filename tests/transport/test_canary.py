@@ -1,4 +1,4 @@
-"""The shared-memory receive queue check (ucxrpc/transport/canary.py), on a
+"""The shared-memory receive queue check (ucxrpc/transport/watch/canary.py), on a
 real UCX worker in a child process.
 
 * A worker whose loop progresses receives the canary: the check passes
@@ -23,8 +23,8 @@ TAG = 0x7 << 60  # any tag the test's worker receives nothing else on
 def _check(rank, world_size, init_method, scenario):
     import time
 
-    from ucxrpc.transport import canary
-    from ucxrpc.transport.ucx import Worker
+    from ucxrpc.transport.watch import canary
+    from ucxrpc.transport.ucx.binding import Worker
 
     canary.WAIT_S = 0.3
     worker = Worker(None)

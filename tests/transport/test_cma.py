@@ -1,4 +1,4 @@
-"""Reading large host buffers by address (transport/cma.py): the system
+"""Reading large host buffers by address (transport/hostmem/cma.py): the system
 call against a real second process, what a pipe agrees to, and messages
 whose buffers travel so between two workers over real pipes."""
 
@@ -20,9 +20,10 @@ from tests.transport._workers import (debug_counts, needs_sibling_reads, sibling
                                      start_worker)
 from tests.workers import run_workers
 from ucxrpc.errors import FrameError
-from ucxrpc.transport import cma, grants
-from ucxrpc.transport.frame import REMOTE, Kind, Limits, decode, encode
-from ucxrpc.transport.pool import HUGE, PAGE, HostPool
+from ucxrpc.transport.hostmem import cma
+from ucxrpc.transport import grants
+from ucxrpc.transport.wire.frame import REMOTE, Kind, Limits, decode, encode
+from ucxrpc.transport.hostmem.pool import HUGE, PAGE, HostPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +33,7 @@ if cma.offer() is None:
 # A process holding known bytes and its own offer; it prints both and waits.
 _HOLDER = """
 import ctypes, sys
-from ucxrpc.transport import cma
+from ucxrpc.transport.hostmem import cma
 data = ctypes.create_string_buffer(bytes(range(256)) * 36865, 256 * 36865)
 print(ctypes.addressof(data), cma.offer(), flush=True)
 sys.stdin.read()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucxrpc.transport import cudactx
+from ucxrpc.transport.cuda import context as cudactx
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
 from tests.transport._workers import debug_counts, needs_sibling_reads, start_worker
 from tests.workers import run_workers
-from ucxrpc.transport import cma, grants
+from ucxrpc.transport.hostmem import cma
+from ucxrpc.transport import grants
 
 pytestmark = [pytest.mark.timeout(120), needs_sibling_reads]
 

@@ -1,4 +1,4 @@
-"""Lifelines (ucxrpc/transport/lifeline.py) between real processes.
+"""Lifelines (ucxrpc/transport/watch/lifeline.py) between real processes.
 
 A child process holds a lifeline port; this process watches it.  What the
 kernel says decides: a killed child is cut at once, an orderly close says
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.workers import spawn_worker, stop_worker
-from ucxrpc.transport.lifeline import (GOODBYE, LOOPBACK, TOKEN_BYTES, LifelineAddress, Lifelines,
-                                       LineState, host_key)
+from ucxrpc.transport.watch.lifeline import (GOODBYE, LOOPBACK, TOKEN_BYTES, LifelineAddress,
+                                             Lifelines, LineState, host_key)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""The progress thread and its strategies (ucxrpc/transport/progress.py).
+"""The progress thread and its strategies (ucxrpc/transport/loop/progress.py).
 
 * The strategies' rules: blocking never polls, polling always may, adaptive
   stops polling when a yield comes back late and backs off for longer while
@@ -24,8 +24,8 @@ import time
 import pytest
 
 from tests.workers import run_workers
-from ucxrpc.transport import progress
-from ucxrpc.transport.progress import Adaptive, Blocking, Mode, Polling, ProgressThread
+from ucxrpc.transport.loop import progress
+from ucxrpc.transport.loop.progress import Adaptive, Blocking, Mode, Polling, ProgressThread
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""The direct libucp frame path (ucxrpc/transport/ucp.py), on a real UCX
+"""The direct libucp frame path (ucxrpc/transport/ucx/ucp.py), on a real UCX
 worker in a child process, through an endpoint to itself.
 
 * A small host array sent directly arrives intact through probe and
@@ -35,8 +35,8 @@ def _scenario(rank, world_size, init_method, name):
     import numpy as np
 
     from ucxrpc.errors import BrokenError
-    from ucxrpc.transport import ucp
-    from ucxrpc.transport.ucx import Endpoint, Worker
+    from ucxrpc.transport.ucx import ucp
+    from ucxrpc.transport.ucx.binding import Endpoint, Worker
 
     worker = Worker(None)
     errors: list[BaseException] = []

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from ucxrpc import rendezvous
+from ucxrpc.agent import rendezvous
 from ucxrpc.errors import RpcTimeoutError
 
 

@@ -1,4 +1,4 @@
-"""The BATCH frame's payload (ucxrpc/transport/batch.py): messages packed
+"""The BATCH frame's payload (ucxrpc/transport/wire/batch.py): messages packed
 and cut apart again, each starting aligned, and tables that lie refused."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ucxrpc.errors import FrameError
-from ucxrpc.transport import batch
-from ucxrpc.transport.frame import ALIGN, PREFIX, Kind, Limits, decode, encode
+from ucxrpc.transport.wire import batch
+from ucxrpc.transport.wire.frame import ALIGN, PREFIX, Kind, Limits, decode, encode
 
 KEY = b"k" * 32
 L = Limits()

@@ -1,4 +1,4 @@
-"""transport/bounce.py where it cannot work: without CuPy it says why, so
+"""transport/cuda/bounce.py where it cannot work: without CuPy it says why, so
 that a worker whose device memory CUDA IPC cannot share stages it instead
 (the paths themselves are GPU tests: tests/rpc/test_gpu_setup.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ucxrpc.transport import bounce
+from ucxrpc.transport.cuda import bounce
 
 
 def test_without_cupy_it_is_not_usable_and_says_why(monkeypatch):

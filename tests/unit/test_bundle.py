@@ -1,4 +1,4 @@
-"""Small host tensors bundled one buffer per dtype (ucxrpc/_bundle.py),
+"""Small host tensors bundled one buffer per dtype (ucxrpc/serialization/bundle.py),
 through Serializer.dumps/loads in process; the transport is played by
 ``_wire``, which copies each buffer into fresh memory (at an odd address
 when asked).  The same messages over real pipes: tests/rpc/test_bundle_rpc.py.
@@ -12,11 +12,12 @@ from unittest import mock
 import pytest
 import torch
 
-from ucxrpc import _bundle, _tensor_codec
-from ucxrpc._tensor_codec import RUN_DICT, RUN_LIST, _bundled_run, _bundled_slot, _rebuild_bundled
+from ucxrpc.serialization import bundle as _bundle, tensors as _tensor_codec
+from ucxrpc.serialization.tensors import (RUN_DICT, RUN_LIST, _bundled_run, _bundled_slot,
+                                          _rebuild_bundled)
 from ucxrpc.errors import SerializationError
-from ucxrpc.serialization import GradCapture, Pickled, Serializer
-from ucxrpc.transport.gather import Gather
+from ucxrpc.serialization.pickler import GradCapture, Pickled, Serializer
+from ucxrpc.transport.wire.gather import Gather
 
 ALL_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -538,7 +539,7 @@ def test_a_bundled_tensor_is_refused_outside_serializer_loads():
 
 def test_a_bundle_buffer_is_not_a_regular_one():
     # A stream that claims the bundle buffer as its own vector is refused.
-    from ucxrpc._tensor_codec import _rebuild_vector
+    from ucxrpc.serialization.tensors import _rebuild_vector
 
     class Vec:
         def __reduce__(self):

@@ -14,7 +14,7 @@ import torch
 from ucxrpc.errors import BrokenError, FrameError
 from ucxrpc.transport import by_address
 from ucxrpc.transport.by_address import ByAddress
-from ucxrpc.transport.frame import Frame, Kind, Limits
+from ucxrpc.transport.wire.frame import Frame, Kind, Limits
 from ucxrpc.transport.pipe import Pipe
 from ucxrpc.transport.send import Sender
 

@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from ucxrpc import wire
+from ucxrpc.serialization import envelope as wire
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.options import UcxRpcBackendOptions
-from ucxrpc.transport import auth
-from ucxrpc.transport.frame import (BUSY, DESC, MAC_LEN, NOT_INLINE, PREFIX, Kind, Limits,
-                                   check_limits, decode, encode, mac)
+from ucxrpc.transport.wire import auth
+from ucxrpc.transport.wire.frame import (BUSY, DESC, MAC_LEN, NOT_INLINE, PREFIX, Kind, Limits,
+                                         check_limits, decode, encode, mac)
 
 KEY = b"k" * 32
 
@@ -208,7 +208,7 @@ def test_options_validation():
 
 # ------------------------------------------------- staged and packed buffers
 
-from ucxrpc.transport.frame import PACK, PACKED, REMOTE, STAGED  # noqa: E402
+from ucxrpc.transport.wire.frame import PACK, PACKED, REMOTE, STAGED  # noqa: E402
 
 
 @pytest.mark.parametrize("extra", [0, 12])  # the per-struct and the numpy coders
@@ -256,7 +256,7 @@ def test_a_batch_over_max_message_bytes_is_sent_when_each_message_in_it_is_under
     """max_message_bytes is each message's limit, not a BATCH frame's: a
     callee with a small limit once refused its own batch of replies, and
     the calls in it timed out (tests/rpc/test_batching.py under load)."""
-    from ucxrpc.transport import batch
+    from ucxrpc.transport.wire import batch
 
     limits = Limits(max_message_bytes=8 << 10)
     inner = [encode(Kind.MESSAGE, i, bytes(3000), [], b"", limits, seal=False)[0]

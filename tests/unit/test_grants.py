@@ -12,7 +12,7 @@ import torch
 
 from ucxrpc.errors import BrokenError, FrameError
 from ucxrpc.transport import grants
-from ucxrpc.transport.frame import WRITTEN, BufferDesc, Frame, Kind, Limits, decode, encode
+from ucxrpc.transport.wire.frame import WRITTEN, BufferDesc, Frame, Kind, Limits, decode, encode
 from ucxrpc.transport.grants import Grants
 from ucxrpc.transport.pipe import Pipe
 

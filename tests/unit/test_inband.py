@@ -13,10 +13,11 @@ import pickle
 import pytest
 import torch
 
-from ucxrpc._bundle import MARK
+from ucxrpc.serialization.bundle import MARK
 from ucxrpc.errors import SerializationError
-from ucxrpc.serialization import INBAND_MAX_BYTES, INBAND_MAX_TENSORS, GradCapture, Serializer
-from ucxrpc._tensor_codec import _DTYPE_CODES, _rebuild_inband
+from ucxrpc.serialization.pickler import (INBAND_MAX_BYTES, INBAND_MAX_TENSORS, GradCapture,
+                                          Serializer)
+from ucxrpc.serialization.tensors import _DTYPE_CODES, _rebuild_inband
 
 from .test_bundle import ALL_DTYPES, _same, _sample, _wire
 

@@ -142,7 +142,7 @@ def test_a_broken_cupy_turns_cuda_packing_off_with_one_warning(tmp_path):
         import logging, sys, torch
         logging.basicConfig(format="%(levelname)s %(name)s %(message)s")
         from ucxrpc import _kernels
-        from ucxrpc.transport import staging
+        from ucxrpc.transport.cuda import staging
         cuda0 = torch.device("cuda", 0)
         assert not staging._can_pack(cuda0), "a broken CuPy would fail the RPC"
         assert not staging._can_pack(cuda0)

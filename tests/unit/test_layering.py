@@ -29,44 +29,46 @@ PACKAGE_DIR = REPO_ROOT / "ucxrpc"
 # Module (or package) -> rank. A module may import modules of its own rank or
 # lower. The entry for a package covers everything below it.
 RANKS: dict[str, int] = {
-    "ucxrpc.transport": 0,
-    "ucxrpc.errors": 0,  # importable from everywhere
-    "ucxrpc._kernels": 0,  # CuPy kernels and their CPU fallback: a leaf
-    "ucxrpc._cuda": 0,  # torch's current CUDA streams and device at C level: a leaf
-    "ucxrpc._torch_profiler": 0,  # torch's legacy profiler's private hooks, for RPC profiling: a leaf
-    "ucxrpc._torch_futures": 0,  # torch.futures.wait_all / collect_all that fail fast: a leaf
+    # Leaves: importable from everywhere, import nothing of ucxrpc (errors aside).
+    "ucxrpc.errors": 0,
+    "ucxrpc._kernels": 0,  # CuPy kernels and their CPU fallback
+    "ucxrpc._cuda": 0,  # torch's current CUDA streams and device at C level
+    "ucxrpc._torch_profiler": 0,  # torch's legacy profiler's private hooks, for RPC profiling
+    "ucxrpc._torch_futures": 0,  # torch.futures.wait_all / collect_all that fail fast
     "ucxrpc._launch": 0,  # starts/stops rank processes for tests, bench, examples: stdlib only
-    "ucxrpc.wire": 1,
-    "ucxrpc.serialization": 1,
-    "ucxrpc._tensor_codec": 1,  # tensor wire forms and the receiving side of serialization
-    "ucxrpc._bundle": 1,  # small host tensors packed one buffer per dtype, for serialization
-    "ucxrpc.devices": 1,
-    "ucxrpc.options": 1,
-    "ucxrpc.timeouts": 1,  # torch's timeout conventions, turned into seconds or None once  # UcxRpcBackendOptions: a value object agent and api read
-    "ucxrpc.constants": 1,  # torch's constant names (torch.distributed.rpc.constants), ucxrpc's values
-    "ucxrpc.tensorpipe": 1,  # TensorPipeRpcBackendOptions: TensorPipe's option names as UcxRpcBackendOptions
-    "ucxrpc.agent": 2,
-    "ucxrpc.rendezvous": 2,  # c10d store rendezvous and membership, for agent
-    "ucxrpc._pool": 2,  # the thread pool that runs user functions, for agent
-    "ucxrpc._membership": 2,  # dynamic membership: joining and leaving, on the agent
-    "ucxrpc.api": 3,
-    "ucxrpc.functions": 3,
-    "ucxrpc.profiling": 3,  # RPC under torch's profiler: the caller's spans, the callee's events
-    "ucxrpc.rref": 4,
-    "ucxrpc.autograd": 5,
-    "ucxrpc.optim": 6,
-    "ucxrpc.nn": 6,
-    "ucxrpc.cli": 7,
-    "ucxrpc.torch_rpc": 7,  # install() and the launcher: ucxrpc in place of torch's RPC modules
-    "ucxrpc.bench": 7,
-    "ucxrpc.__main__": 7,
+    # The transport, bottom up (docs/architecture.md, "Layers").
+    "ucxrpc.transport.wire": 1,  # frames, tags, auth, batches, gathers: pure codecs
+    "ucxrpc.transport.loop": 1,  # who turns the progress loop, and whether it may poll
+    "ucxrpc.transport.cuda": 2,  # CUDA context for UCX, bounce buffers, staging and packing
+    "ucxrpc.transport.ucx": 3,  # the only code touching ucxx or libucp
+    "ucxrpc.transport.hostmem": 4,  # receive buffers, reading/writing a peer's memory
+    "ucxrpc.transport.watch": 4,  # lifelines and the shared-memory canary
+    "ucxrpc.transport": 5,  # what knows a Pipe: engine, pipe, send, receive, handshake, ...
+    "ucxrpc.serialization": 6,  # pickling with tensors out of band, bundles, the envelope
+    "ucxrpc.devices": 6,
+    "ucxrpc.options": 6,
+    "ucxrpc.timeouts": 6,  # torch's timeout conventions, turned into seconds or None once
+    "ucxrpc.constants": 6,  # torch's constant names (torch.distributed.rpc.constants), ucxrpc's values
+    "ucxrpc.tensorpipe": 6,  # TensorPipeRpcBackendOptions: TensorPipe's option names as UcxRpcBackendOptions
+    "ucxrpc.agent": 7,  # the agent, its thread pool, rendezvous and membership
+    "ucxrpc.api": 8,
+    "ucxrpc.functions": 8,
+    "ucxrpc.profiling": 8,  # RPC under torch's profiler: the caller's spans, the callee's events
+    "ucxrpc.rref": 9,
+    "ucxrpc.autograd": 10,
+    "ucxrpc.optim": 11,
+    "ucxrpc.nn": 11,
+    "ucxrpc.cli": 12,
+    "ucxrpc.torch_rpc": 12,  # install() and the launcher: ucxrpc in place of torch's RPC modules
+    "ucxrpc.bench": 12,
+    "ucxrpc.__main__": 12,
     # The package itself re-exports the public API, so it sits on top, and
     # nothing below the top may import names from it.
-    "ucxrpc": 7,
+    "ucxrpc": 12,
 }
 
 UCX_PACKAGE = "ucxx"
-UCX_ALLOWED_UNDER = "ucxrpc.transport"
+UCX_ALLOWED_UNDER = "ucxrpc.transport.ucx"
 
 
 @dataclass(frozen=True)
@@ -237,10 +239,12 @@ def test_checker_accepts_a_well_layered_tree() -> None:
         "ucxrpc/__init__.py": "from .api import init_rpc\nfrom . import rref\n",
         "ucxrpc/errors.py": "",
         "ucxrpc/transport/__init__.py": "from .pipe import Pipe\n",
-        "ucxrpc/transport/pipe.py": "import ucxx\nfrom ..errors import BrokenError\nfrom . import auth\n",
-        "ucxrpc/transport/auth.py": "from ucxrpc.errors import AuthenticationError\n",
-        "ucxrpc/wire.py": "from .errors import FrameError\n",
-        "ucxrpc/agent.py": "from .transport import Pipe\nfrom . import wire\nimport ucxrpc.errors\n",
+        "ucxrpc/transport/pipe.py": "from ..errors import BrokenError\nfrom .wire import auth\n",
+        "ucxrpc/transport/ucx/binding.py": "import ucxx\nfrom ...errors import BrokenError\n",
+        "ucxrpc/transport/wire/auth.py": "from ucxrpc.errors import AuthenticationError\n",
+        "ucxrpc/serialization/envelope.py": "from ..errors import FrameError\n",
+        "ucxrpc/agent.py": "from .transport import Pipe\nfrom .serialization import envelope\n"
+                           "import ucxrpc.errors\n",
         "ucxrpc/api.py": "from .agent import Agent\n",
         "ucxrpc/rref.py": "def f():\n    from .api import rpc_sync\n",
         "ucxrpc/autograd/__init__.py": "from .context import Context\n",
@@ -253,17 +257,20 @@ def test_checker_accepts_a_well_layered_tree() -> None:
 @pytest.mark.parametrize(
     ("path", "source", "expected"),
     [
-        ("ucxrpc/transport/pipe.py", "from ..agent import Agent\n", "imports ucxrpc.agent (rank 2)"),
-        ("ucxrpc/transport/pipe.py", "import ucxrpc.api\n", "imports ucxrpc.api (rank 3)"),
+        ("ucxrpc/transport/pipe.py", "from ..agent import Agent\n", "imports ucxrpc.agent (rank 7)"),
+        ("ucxrpc/transport/pipe.py", "import ucxrpc.api\n", "imports ucxrpc.api (rank 8)"),
+        ("ucxrpc/transport/wire/frame.py", "from ..pipe import Pipe\n",
+         "imports ucxrpc.transport.pipe (rank 5)"),
+        ("ucxrpc/transport/pipe.py", "import ucxx\n", "only ucxrpc.transport.ucx may import ucxx"),
         ("ucxrpc/agent.py", "def f():\n    from .rref import RRef\n", "ucxrpc/agent.py:2"),
         ("ucxrpc/agent.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .api import X\n",
          "imports ucxrpc.api"),
-        ("ucxrpc/agent.py", "import ucxx\n", "only ucxrpc.transport may import ucxx"),
+        ("ucxrpc/agent.py", "import ucxx\n", "only ucxrpc.transport.ucx may import ucxx"),
         ("ucxrpc/agent.py", "from ucxx._lib_async import Endpoint\n", "may import ucxx"),
         ("ucxrpc/agent.py", "import importlib\nm = importlib.import_module('ucxx')\n", "may import ucxx"),
-        ("ucxrpc/wire.py", "from ucxrpc import rpc_sync\n", "imports ucxrpc (rank 7)"),
-        ("ucxrpc/wire.py", "from . import rpc_sync\n", "imports ucxrpc (rank 7)"),
-        ("ucxrpc/wire.py", "from .nowhere import x\n", "has no rank"),
+        ("ucxrpc/serialization/envelope.py", "from ucxrpc import rpc_sync\n", "imports ucxrpc (rank 12)"),
+        ("ucxrpc/serialization/envelope.py", "from .. import rpc_sync\n", "imports ucxrpc (rank 12)"),
+        ("ucxrpc/errors.py", "from .nowhere import x\n", "has no rank"),
         ("ucxrpc/mystery.py", "", "has no rank; add it to RANKS"),
     ],
 )

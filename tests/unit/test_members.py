@@ -9,9 +9,8 @@ import torch
 
 from ucxrpc.agent.info import WorkerInfo
 from ucxrpc.agent.members import Members
-from ucxrpc.errors import (AuthenticationError, BrokenError, ClosedError, PeerLeftError,
-                           RpcError)
-from ucxrpc.rendezvous import Member
+from ucxrpc.errors import AuthenticationError, BrokenError, ClosedError, PeerLeftError, RpcError
+from ucxrpc.agent.rendezvous import Member
 
 D = torch.device
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from ucxrpc import _pool
-from ucxrpc._pool import WorkerPool
+from ucxrpc.agent import pool as _pool
+from ucxrpc.agent.pool import WorkerPool
 
 
 def test_computing_from_submit_to_finish_and_not_while_blocked():
@@ -220,7 +220,7 @@ def test_watchdog_takes_a_process_waiting_for_a_core_for_starved_not_stuck(monke
 
 _COMPETING = r"""
 import hashlib, os, threading, time
-from ucxrpc._pool import RunQueueClock
+from ucxrpc.agent.pool import RunQueueClock
 clock = RunQueueClock()
 if not clock.works:
     print("no schedstat")

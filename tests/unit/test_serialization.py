@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from ucxrpc import serialization
+from ucxrpc.serialization import pickler as serialization
 from ucxrpc.errors import SerializationError
-from ucxrpc.serialization import BufferSpec, Pickled, Serializer, loads
-from ucxrpc.transport.gather import Gather
+from ucxrpc.serialization.pickler import BufferSpec, Pickled, Serializer, loads
+from ucxrpc.transport.wire.gather import Gather
 
 dumps = Serializer(bundle=False).dumps
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from ucxrpc import wire
+from ucxrpc.serialization import envelope as wire
 from ucxrpc.agent import core
 from ucxrpc.agent.core import RpcAgent
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ucxrpc.transport import staging
-from ucxrpc.transport.frame import PACK, PACKED, STAGED, BufferDesc
+from ucxrpc.transport.cuda import staging
+from ucxrpc.transport.wire.frame import PACK, PACKED, STAGED, BufferDesc
 
 
 def _bytes(*sizes):
@@ -98,7 +98,7 @@ def test_finish_cuts_a_pack_apart_without_the_kernel_too(monkeypatch):
 def test_receives_counts_the_messages_a_buffer_arrives_in():
     """What a rejected message's drain must consume: nothing for inline and
     packed buffers, every chunk of a staged one."""
-    from ucxrpc.transport.frame import NOT_INLINE
+    from ucxrpc.transport.wire.frame import NOT_INLINE
 
     assert staging.receives(BufferDesc(10, 64, -1)) == 0                   # inline
     assert staging.receives(BufferDesc(10, 0, -1, PACKED, 0)) == 0          # in a pack

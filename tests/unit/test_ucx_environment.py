@@ -1,4 +1,4 @@
-"""The UCX settings ucxrpc applies before UCX loads (transport/ucx.py):
+"""The UCX settings ucxrpc applies before UCX loads (transport/ucx/binding.py):
 what it sets, that a user's own settings win, how ``transports=`` becomes
 ``UCX_TLS``, when device memory may be handed to UCX, and (in a child
 process) that UCX really reads the settings."""
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.workers import run_workers
-from ucxrpc.transport.ucx import (MAX_SHM_SEG_SIZE, cuda_memory, environment_problem,
-                                    ucx_environment, ucx_tls)
+from ucxrpc.transport.ucx.binding import cuda_memory
+from ucxrpc.transport.ucx.environment import (MAX_SHM_SEG_SIZE, environment_problem,
+                                              ucx_environment, ucx_tls)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +92,8 @@ def test_device_memory_goes_to_ucx_only_with_cuda_copy_loaded():
 
 _CHILD = """
 import json, sys
-from ucxrpc.transport.ucx import Worker, effective_settings
+from ucxrpc.transport.ucx.binding import Worker
+from ucxrpc.transport.ucx.environment import effective_settings
 Worker(None)
 s = effective_settings()
 json.dump({k: s.get(k) for k in sys.argv[1:]}, sys.stdout)

@@ -29,7 +29,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from .._pool import WorkerPool
+from .pool import WorkerPool
 from .remote_errors import timeout_error
 
 __all__ = ["Call", "CallFuture", "CallTable", "SyncReply"]

@@ -21,13 +21,15 @@ from typing import Any, Callable, Literal, overload
 
 import torch
 
-from .. import devices, rendezvous, timeouts, wire
-from .._pool import WorkerPool
+from .. import devices, timeouts
+from . import rendezvous
+from ..serialization import envelope as wire
+from .pool import WorkerPool
 from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
-from ..serialization import Serializer
+from ..serialization.pickler import Serializer
 from ..transport import SPIN_S, Limits, Transport
-from ..transport.gather import Buffer, Gather
+from ..transport.wire.gather import Buffer, Gather
 from .calls import CallFuture, CallTable, SyncReply
 from .hooks import Hooks
 from .info import WorkerInfo

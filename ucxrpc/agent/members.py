@@ -28,7 +28,7 @@ import torch
 
 from .. import devices
 from ..errors import AuthenticationError, BrokenError, ClosedError, PeerLeftError, RpcError
-from ..rendezvous import Member
+from .rendezvous import Member
 from .info import WorkerInfo
 
 __all__ = ["AddPeer", "Members"]

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .. import devices, wire
-from .._pool import WorkerPool
+from .. import devices
+from ..serialization import envelope as wire
+from .pool import WorkerPool
 from ..errors import FrameError, RpcError, SerializationError
 from .remote_errors import describe_exception, not_a_future, undecodable_request, user_failure
 

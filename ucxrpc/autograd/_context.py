@@ -29,7 +29,7 @@ import torch
 
 from ..devices import ReadyEvents
 from ..errors import DistAutogradError
-from ..serialization import GradCapture
+from ..serialization.pickler import GradCapture
 
 # The context of the running thread: the ``with context()`` block, or the
 # context of the request a handler serves.  A ContextVar rather than a

@@ -27,7 +27,7 @@ import torch
 from .. import api, devices
 from ..agent import RpcAgent, WorkerInfo
 from ..functions import async_execution
-from ..serialization import GradCapture
+from ..serialization.pickler import GradCapture
 from ._context import CURRENT, ContextTable, DistAutogradContext
 
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator
 from . import report
 from .hosts import HostSession, host_env, local_device
 from .launch import RunOutcome, busy_load
-from .plan import (DEFAULT_MAX_SIZE, build_series, default_sizes, format_size,
-                   parse_sizes, parse_transports)
+from .plan import (DEFAULT_MAX_SIZE, build_series, default_sizes, format_size, parse_sizes,
+                   parse_transports)
 from .progress import Progress
 from .runner import plan_document, plan_runs, run_all, serve_rank1
 from .text import header, transport_lines

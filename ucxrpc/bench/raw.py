@@ -1,7 +1,7 @@
 """Raw UCX through ucxx's core API: the ceiling ucxrpc is measured against.
 
 The UCX side (worker, endpoint from the peer's worker address, tag send and
-receive, polling waits, lane query) is :class:`ucxrpc.transport.baseline.Pair`,
+receive, polling waits, lane query) is :class:`ucxrpc.transport.ucx.baseline.Pair`,
 since only ``transport/`` imports ucxx; this module decides what is sent. No serialization, no threads, no Python
 futures: what is left is UCX plus the unavoidable Python call per message.
 
@@ -32,8 +32,8 @@ import math
 import os
 from typing import Any, Callable
 
-from ..transport.baseline import Pair, prepare_environment
-from ..transport.ucx import ucx_version
+from ..transport.ucx.baseline import Pair, prepare_environment
+from ..transport.ucx.binding import ucx_version
 from .plan import format_size
 from .workload import WorkloadConfig, percentile, size_stats
 

@@ -45,8 +45,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .plan import (IMPL_LABELS, format_size, parse_size, parse_sizes, ratio_pairs,
-                   series_label, series_short, split_key)
+from .plan import (IMPL_LABELS, format_size, parse_size, parse_sizes, ratio_pairs, series_label,
+                   series_short, split_key)
 
 __all__ = [
     "CPU_PREFIX",

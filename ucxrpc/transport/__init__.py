@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from .engine import MAX_WORKER_ID, SPIN_S, Transport
-from .frame import Limits
+from .wire.frame import Limits
 
 __all__ = ["Transport", "Limits", "MAX_WORKER_ID", "SPIN_S"]

@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 
 from ..errors import FrameError
-from . import cma
-from .frame import Frame, Kind
+from .hostmem import cma
+from .wire.frame import Frame, Kind
 from .pipe import Pipe
 from .send import Sender
 

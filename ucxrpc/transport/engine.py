@@ -36,19 +36,23 @@ import torch
 
 from .. import _cuda
 from ..errors import AuthenticationError, BrokenError, ClosedError
-from . import bounce, canary, cma, cudactx, progress, staging
+from .cuda import bounce, context as cudactx, staging
+from .watch import canary
+from .hostmem import cma
+from .loop import progress
 from .by_address import ByAddress
-from .frame import Kind, Limits, check_limits
-from .gather import Buffer
+from .wire.frame import Kind, Limits, check_limits
+from .wire.gather import Buffer
 from .grants import Grants
 from .handshake import Handshake
 from .liveness import Liveness
 from .pipe import OutState, Pipe, cuda_path
-from .pool import HostPool
+from .hostmem.pool import HostPool
 from .receive import Allocator, OnFrameError, OnMessage, Receiver
 from .send import Sender
-from .tags import HINT_MASK, MAX_WORKER_ID
-from .ucx import Endpoint, Request, Worker, device_path, effective_tls
+from .wire.tags import HINT_MASK, MAX_WORKER_ID
+from .ucx.binding import Endpoint, Request, Worker, device_path
+from .ucx.environment import effective_tls
 
 logger = logging.getLogger(__name__)
 

@@ -48,10 +48,10 @@ from typing import Callable
 import torch
 
 from ..errors import FrameError
-from .cma import SPLIT_BYTES
-from .frame import BufferDesc, Frame, Kind
+from .hostmem.cma import SPLIT_BYTES
+from .wire.frame import BufferDesc, Frame, Kind
 from .pipe import Pipe
-from .pool import HUGE
+from .hostmem.pool import HUGE
 
 __all__ = ["MAX_BYTES", "MIN_BYTES", "TOTAL_BYTES", "Grants", "pick", "size_class"]
 

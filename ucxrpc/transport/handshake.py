@@ -21,12 +21,12 @@ import logging
 from collections.abc import Callable
 
 from ..errors import AuthenticationError, FrameError
-from . import auth
-from .frame import Frame, Kind, Limits, encode
+from .wire import auth
+from .wire.frame import Frame, Kind, Limits, encode
 from .pipe import OutState, Pipe
 from .send import Sender
-from .tags import HANDSHAKE, kind_base
-from .ucx import Endpoint, Request
+from .wire.tags import HANDSHAKE, kind_base
+from .ucx.binding import Endpoint, Request
 
 __all__ = ["Handshake", "accept", "challenge", "hello", "prove"]
 

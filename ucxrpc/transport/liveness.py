@@ -20,11 +20,11 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import BrokenError
-from . import canary
-from .lifeline import Lifelines, LineState
+from .watch import canary
+from .watch.lifeline import Lifelines, LineState
 from .pipe import Pipe
-from .tags import CANARY, kind_base
-from .ucx import Worker
+from .wire.tags import CANARY, kind_base
+from .ucx.binding import Worker
 
 __all__ = ["Liveness"]
 

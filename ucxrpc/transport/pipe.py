@@ -19,10 +19,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import cma
-from .frame import Frame, Kind
-from .gather import Buffer
-from .ucx import Endpoint, Request
+from .hostmem import cma
+from .wire.frame import Frame, Kind
+from .wire.gather import Buffer
+from .ucx.binding import Endpoint, Request
 
 __all__ = ["CudaPath", "Incoming", "OutState", "Piece", "Pipe", "cuda_path"]
 

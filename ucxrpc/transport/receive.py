@@ -26,14 +26,16 @@ import numpy as np
 import torch
 
 from ..errors import AuthenticationError, BrokenError, FrameError
-from . import batch, cma, staging
-from .frame import (PACKED, PREFIX, REMOTE, STAGED, WRITTEN, BufferDesc, Frame, Kind, Limits,
-                    decode, peek_kind, peek_seq)
+from .wire import batch
+from .hostmem import cma
+from .cuda import staging
+from .wire.frame import (PACKED, PREFIX, REMOTE, STAGED, WRITTEN, BufferDesc, Frame, Kind, Limits,
+                         decode, peek_kind, peek_seq)
 from .grants import Grants
 from .pipe import Incoming, Piece, Pipe
-from .pool import PAGE
-from .tags import HANDSHAKE, HINT_MASK, data_tag, kind_of, sender_of
-from .ucx import Request, Worker
+from .hostmem.pool import PAGE
+from .wire.tags import HANDSHAKE, HINT_MASK, data_tag, kind_of, sender_of
+from .ucx.binding import Request, Worker
 
 __all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
 

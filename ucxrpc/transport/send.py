@@ -27,12 +27,15 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FrameError
-from . import batch, cma, grants, staging
-from .frame import REMOTE, WRITTEN, Kind, Limits, encode
-from .gather import Buffer, Gather
+from .wire import batch
+from .hostmem import cma
+from . import grants
+from .cuda import staging
+from .wire.frame import REMOTE, WRITTEN, Kind, Limits, encode
+from .wire.gather import Buffer, Gather
 from .pipe import OutState, Pipe
-from .tags import FRAME, data_tag, kind_base
-from .ucx import Request
+from .wire.tags import FRAME, data_tag, kind_base
+from .ucx.binding import Request
 
 __all__ = ["Sender"]
 

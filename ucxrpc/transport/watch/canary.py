@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .ucp import FULL_MASK
-from .ucx import Endpoint, Request, Worker
+from ..ucx.ucp import FULL_MASK
+from ..ucx.binding import Endpoint, Request, Worker
 
 logger = logging.getLogger(__name__)
 

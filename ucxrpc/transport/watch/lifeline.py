@@ -49,6 +49,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+from ..ucx.environment import keepalive_schedule
+
 logger = logging.getLogger(__name__)
 
 TOKEN_BYTES = 16
@@ -150,11 +152,6 @@ def net_devices(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[
     return None if not names or "all" in names else names
 
 
-def keepalive_schedule(host_timeout: float) -> tuple[int, int]:
-    """TCP keepalive's idle time and probe interval, in whole seconds, for
-    a connection to be given up after ``host_timeout`` seconds of silence
-    (the lifelines' and UCX's own TCP endpoints alike)."""
-    return max(1, int(host_timeout / 3)), max(1, int(host_timeout / 6))
 
 
 def keepalive(sock: socket.socket, host_timeout: float) -> None:

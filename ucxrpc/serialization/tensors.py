@@ -19,8 +19,8 @@ from typing import Any, cast
 
 import torch
 
-from .devices import extracting_tensors
-from .errors import SerializationError
+from ..devices import extracting_tensors
+from ..errors import SerializationError
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def _rebuild_vector(index: int, code: int, numel: int) -> torch.Tensor:
 
 def _rebuild_bundled(slot: int, flags: int = 0) -> torch.Tensor:
     """Pickle's rebuild call for a tensor that travelled in a bundle
-    (:mod:`ucxrpc._bundle`): already cut out before the stream was read."""
+    (:mod:`ucxrpc.serialization.bundle`): already cut out before the stream was read."""
     loader = _LOCAL.loader
     if loader is None:
         raise SerializationError(_NOT_IN_LOADS)
@@ -197,7 +197,7 @@ def _rebuild_inband(code: int, shape: tuple[int, ...], data: bytes) -> torch.Ten
     return t
 
 
-#: What a run (:class:`ucxrpc._bundle.Run`) was: the kinds of _bundled_run.
+#: What a run (:class:`ucxrpc.serialization.bundle.Run`) was: the kinds of _bundled_run.
 RUN_LIST, RUN_TUPLE, RUN_DICT = 0, 1, 2
 
 

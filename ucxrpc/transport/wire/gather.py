@@ -1,6 +1,6 @@
 """A host buffer sent from several tensors, without joining them first.
 
-A message's small host tensors travel as one buffer (``ucxrpc._bundle``).
+A message's small host tensors travel as one buffer (``ucxrpc.serialization.bundle``).
 Joined with ``torch.cat``, their bytes were copied twice on the way out:
 once by the cat (plus ~0.3 µs of torch per tensor), then again by UCX into
 its shared-memory fragments.  A :class:`Gather` lists the tensors instead,

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import FrameError
+from ...errors import FrameError
 from .frame import ALIGN, PREFIX
 
 __all__ = ["BASE", "MAX_BYTES", "MAX_ITEM", "MAX_MESSAGES", "cost", "pack", "size", "unpack"]

@@ -63,7 +63,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import FrameError
+from ...errors import FrameError
 
 MAGIC = b"UX"
 # 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE; 4: ack; 5: state;

@@ -15,7 +15,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from .errors import FrameError
+from ..errors import FrameError
 
 VERSION = 1
 _HEAD = struct.Struct("<BBHIQ")

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .pool import PAGE
-from .ucx import INTRA_EAGER_MAX
+from ..ucx.environment import INTRA_EAGER_MAX
 
 __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read", "write"]
 

@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from .. import _kernels
+from ... import _kernels
 from . import bounce
-from .frame import PACK, PACKED, REMOTE, STAGED, WRITTEN, BufferDesc
-from .gather import Buffer
+from ..wire.frame import PACK, PACKED, REMOTE, STAGED, WRITTEN, BufferDesc
+from ..wire.gather import Buffer
 
 __all__ = ["CHUNK_BYTES", "PACK_MAX_BYTES", "PACK_MIN_COUNT", "Outgoing", "Landing",
            "bounced_landing", "debug_host_as_device", "finish", "landings", "needed", "plan"]

@@ -23,8 +23,8 @@ import uuid
 from typing import Any, Callable
 
 from . import rendezvous
-from .agent import RpcAgent
-from .errors import RpcError
+from . import RpcAgent
+from ..errors import RpcError
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ def prepare_environment(transports: tuple[str, ...] | None) -> None:
     if "ucxx" in sys.modules:
         raise RuntimeError("ucxx was imported before the baseline set UCX_* variables; "
                            "run the raw peer in a fresh (spawned) process")
-    from .cudactx import uses_device_memory
-    from .ucx import environment_problem, ucx_environment
+    from ..cuda.context import uses_device_memory
+    from .environment import environment_problem, ucx_environment
 
     if (problem := environment_problem()) is not None:  # as a worker would refuse it
         raise ValueError(problem)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .errors import AuthenticationError, RpcError, RpcTimeoutError
+from ..errors import AuthenticationError, RpcError, RpcTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ class Member:
     device_maps: dict[str, dict[str, str]] = field(default_factory=dict)
     cuda_direct: bool = False  # its UCX takes device memory (else: staged)
     max_frame_bytes: int = 1 << 30  # its limit: senders check it first
-    lifeline: str | None = None  # where the kernel watches it for us (transport/lifeline.py)
-    cma: str | None = None  # how a peer on its host may read it by address (transport/cma.py)
+    lifeline: str | None = None  # where the kernel watches it for us (transport/watch/lifeline.py)
+    cma: str | None = None  # how a peer on its host may read it by address (transport/hostmem/cma.py)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),

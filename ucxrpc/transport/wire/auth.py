@@ -21,7 +21,7 @@ import hmac
 import os
 import struct
 
-from ..errors import AuthenticationError, FrameError
+from ...errors import AuthenticationError, FrameError
 
 NONCE_LEN = 32
 _HELLO = struct.Struct(f"<I{NONCE_LEN}s")

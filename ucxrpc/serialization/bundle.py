@@ -21,7 +21,7 @@ compact copy, while the message's bundle stays under :data:`MAX_TOTAL_BYTES`
 buffer is one ``torch.cat`` of its tensors, made at ``dumps``, except the
 one buffer of a bundle of one dtype over :data:`MAX_TENSOR_BYTES` (the
 transport's default inline threshold): that goes as a
-:class:`~ucxrpc.transport.gather.Gather` of its tensors, which UCX copies
+:class:`~ucxrpc.transport.wire.gather.Gather` of its tensors, which UCX copies
 from where they are, once, when the message is sent (:func:`_unjoined`).
 So a bundled tensor changed after ``dumps`` may travel as it was then or
 as it is at the send, as a large tensor (sent zero-copy) does; and a
@@ -59,9 +59,9 @@ from typing import Any, Callable
 
 import torch
 
-from ._tensor_codec import _CODE_SPECS, _COMPLEX_CODES, compacted
-from .errors import SerializationError
-from .transport.gather import Buffer, Gather
+from .tensors import _CODE_SPECS, _COMPLEX_CODES, compacted
+from ..errors import SerializationError
+from ..transport.wire.gather import Buffer, Gather
 
 __all__ = ["MARK", "MAX_TENSOR_BYTES", "MAX_TOTAL_BYTES", "RUN_MIN", "Packer", "Run",
            "storage_uses", "unpack", "with_runs"]
@@ -325,7 +325,7 @@ class Packer:
 def _unjoined(members: list[torch.Tensor], sizes: list[int], nbytes: int, code: int,
               large: bool) -> Gather | None:
     """``members`` (1-D, of dtype ``code``, ``sizes`` bytes each, ``nbytes``
-    in all) as a :class:`~.transport.gather.Gather`, sent from where they
+    in all) as a :class:`~ucxrpc.transport.wire.gather.Gather`, sent from where they
     are, or None where they are to be joined now: a bundle the transport would copy into
     its frame anyway (:data:`MAX_TENSOR_BYTES`, its default inline
     threshold, or less), or one whose bytes are not its values (lazily

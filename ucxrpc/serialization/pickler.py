@@ -22,7 +22,7 @@ Sparse, quantized, nested and other exotic tensors fall back to torch's own
 pickling (correct, not zero-copy).
 
 Small host tensors are the exception to zero-copy: copied into one buffer
-per dtype (a *bundle*, :mod:`ucxrpc._bundle`), they cost the transport one
+per dtype (a *bundle*, :mod:`ucxrpc.serialization.bundle`), they cost the transport one
 buffer instead of one each; a dict, list or tuple of them pickles as one
 call (a *run*).  The first few very small ones of a message (at most
 :data:`INBAND_MAX_TENSORS`, :data:`INBAND_MAX_BYTES` together) travel
@@ -38,7 +38,7 @@ number from a fixed table with the autograd flags; every other tensor as
 ``_rebuild_tensor(buffer, offset, dtype name, shape, stride, flags[, type])``.
 
 The rebuild functions, the dtype table and the receiving side live in
-:mod:`ucxrpc._tensor_codec`.
+:mod:`ucxrpc.serialization.tensors`.
 
 Buffer numbering: buffers are numbered in the order the pickle stream first
 refers to them.  Tensors name their buffer index explicitly (so shared storages
@@ -66,15 +66,14 @@ from typing import Any
 
 import torch
 
-from . import _bundle
-from ._tensor_codec import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER,
-                            _REQUIRES_GRAD, RUN_DICT, RUN_LIST, RUN_TUPLE, BundleUnpickler,
-                            GradCapture, _as_is, _bundled_run, _bundled_slot,
-                            _Loader, _device_name, _dtype_name, _rebuild_bundled,
-                            _rebuild_capture, _rebuild_inband, _rebuild_sparse_coo,
-                            _rebuild_tensor, _rebuild_vector, compacted)
-from .errors import SerializationError
-from .transport.gather import Buffer, Gather
+from . import bundle as _bundle
+from .tensors import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER, _REQUIRES_GRAD, RUN_DICT,
+                      RUN_LIST, RUN_TUPLE, BundleUnpickler, GradCapture, _as_is, _bundled_run,
+                      _bundled_slot, _Loader, _device_name, _dtype_name, _rebuild_bundled,
+                      _rebuild_capture, _rebuild_inband, _rebuild_sparse_coo, _rebuild_tensor,
+                      _rebuild_vector, compacted)
+from ..errors import SerializationError
+from ..transport.wire.gather import Buffer, Gather
 
 
 __all__ = ["BufferSpec", "GradCapture", "Pickled", "Serializer", "dumps", "loads"]
@@ -194,7 +193,7 @@ class Pickled:
     Attributes:
         payload: the pickle stream (protocol 5).
         buffers: 1-D contiguous ``torch.uint8`` tensors (CPU or CUDA), or a
-            bundle's :class:`~ucxrpc.transport.gather.Gather` of host
+            bundle's :class:`~ucxrpc.transport.wire.gather.Gather` of host
             tensors (the transport sends its parts as one buffer), in the
             order ``loads`` expects them back.
         cuda: whether any buffer is CUDA memory (device maps apply).
@@ -571,7 +570,7 @@ class Serializer:
             format allows 65535).
         dispatch: extra reducers by exact type.
         bundle: gather small host tensors into one buffer per dtype
-            (:mod:`ucxrpc._bundle`), the first few of them inside the pickle
+            (:mod:`ucxrpc.serialization.bundle`), the first few of them inside the pickle
             stream; off, each travels as its own buffer.
         inband_tensors, inband_bytes: how many small host tensors, and how
             many bytes of them, a message carries inside the pickle stream

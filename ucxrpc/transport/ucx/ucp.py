@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BrokenError
+from ...errors import BrokenError
 
 __all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "host_address", "library", "loaded_library"]
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import cudactx
+from . import context as cudactx
 
 __all__ = ["Way", "free", "take", "usable", "way"]
 
