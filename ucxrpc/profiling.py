@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextvars
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -67,7 +68,23 @@ _KINETO = ("Profiling a distributed call with the Kineto profiler will profile t
 
 def install(agent: RpcAgent) -> None:
     """At ``init_rpc``: this worker's legacy profiles become RPC-aware."""
+    _current[0] = weakref.ref(agent)
     _torch_profiler.install(agent.info.id)
+
+
+# The agent install() was last called with (a callee's, for its devices):
+# api imports this module, so it is handed over rather than asked of api;
+# weakly, so that a shut-down agent is not kept.
+_current: list[weakref.ref[RpcAgent] | None] = [None]
+
+
+def _agent() -> RpcAgent:
+    ref = _current[0]
+    agent = ref() if ref is not None else None
+    if agent is None:
+        raise RuntimeError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc "
+                           "first.")
+    return agent
 
 
 def rpc_key(mode: str, func: Any, me: str, to: str) -> str:
@@ -239,8 +256,6 @@ def _serve_async(settings: Settings, func: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> torch.futures.Future:
     """:func:`_serve` for an ``@async_execution`` function: the events go
     once its future completed (those of calls it made included)."""
-    from . import api  # api imports this module
-
     profile = CalleeProfile(settings)
     profile.start()
     try:
@@ -249,7 +264,7 @@ def _serve_async(settings: Settings, func: Any, args: tuple[Any, ...],
         profile.stop()
     # Knows this worker's devices: the reply leaves from a callback of out,
     # on streams that must follow the value's work (see serving._reply_future).
-    out = devices.future(api._current().devices)
+    out = devices.future(_agent().devices)
     if not isinstance(inner, torch._C.Future):
         out.set_exception(not_a_future(func, inner))
         return out

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ucxrpc.bench import build_parser, main
+from ucxrpc.bench import build_parser, main, compared
 from ucxrpc.bench.hosts import host_env
 
 LAUNCH = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
@@ -109,3 +109,11 @@ def test_busy_load_runs_busy_processes_and_ends_them():
         assert not os.path.exists(f"/proc/{pid}")
     with busy_load(0) as pids:
         assert pids == []
+
+
+def test_the_bench_compares_with_torch_and_raw_ucxx_unless_told_otherwise():
+    # The main job's figures are ratios to torch's agent (and raw UCX):
+    # without --compare both run beside ucxrpc.
+    assert compared(build_parser().parse_args([]).compare) == ["torch", "ucxx"]
+    assert compared(build_parser().parse_args(["--compare", "torch"]).compare) == ["torch"]
+    assert compared(build_parser().parse_args(["--compare", "none"]).compare) == []

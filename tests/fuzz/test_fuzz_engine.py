@@ -30,9 +30,10 @@ from tests.fuzz.frames import (FRAME, HANDSHAKE, Shot, as_array, classify, hands
                                rogue_corpus, tag_of)
 from ucxrpc.errors import FrameError
 from ucxrpc.transport.wire import auth, tags
-from ucxrpc.transport import engine
+
 from ucxrpc.transport.engine import Transport
 from ucxrpc.transport.pipe import OutState
+from ucxrpc.transport.pipe import Peer as PeerRecord
 from ucxrpc.transport.wire.frame import Kind, Limits
 from ucxrpc.transport.ucx.binding import Probe
 
@@ -133,7 +134,8 @@ class Peer:
             my_id=my_id, secret=SECRET, limits=limits,
             on_message=lambda peer, payload, bufs: self.messages.append((peer, bytes(payload))),
             on_frame_error=lambda peer, hint, exc: self.frame_errors.append((peer, hint, exc)),
-            on_broken=lambda peer, exc: self.broken.append((peer, exc)))
+            on_broken=lambda peer, exc: self.broken.append((peer, exc)),
+            worker=_FakeWorker, endpoint=_FakeEndpoint)
 
     @property
     def address(self) -> bytes:
@@ -150,8 +152,8 @@ class Pair:
         self.net = net
         self.w0 = Peer(0)
         self.w1 = Peer(1, limits1)
-        self.w0.tr.add_peer(1, "worker1", self.w1.address)
-        self.w1.tr.add_peer(0, "worker0", self.w0.address)
+        self.w0.tr.add_peer(PeerRecord(1, "worker1", self.w1.address))
+        self.w1.tr.add_peer(PeerRecord(0, "worker0", self.w0.address))
         self.peers = {self.w0.address: self.w0, self.w1.address: self.w1}
 
     def deliver_one(self, peer: Peer) -> bool:
@@ -202,8 +204,6 @@ def fake_net(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Net]:
     net = _Net()
     monkeypatch.setattr(_FakeWorker, "net", net, raising=False)
     monkeypatch.setattr(_FakeEndpoint, "net", net, raising=False)
-    monkeypatch.setattr(engine, "Worker", _FakeWorker)
-    monkeypatch.setattr(engine, "Endpoint", _FakeEndpoint)
     yield net
 
 
@@ -217,8 +217,8 @@ def pair(fake_net: _Net) -> Iterator[Pair]:
 
 def test_the_fake_network_carries_a_genuine_handshake(pair: Pair) -> None:
     pair.open()
-    assert pair.w1.tr._pipes[0].in_key is not None
-    assert pair.w0.tr._pipes[1].out_state is OutState.OPEN
+    assert pair.w1.tr._pipes[0].auth.in_key is not None
+    assert pair.w0.tr._pipes[1].out.state is OutState.OPEN
     assert pair.w0.counted() == pair.w1.counted() == 0
     pair.still_serving()
 
@@ -260,7 +260,7 @@ def _shoot(pair: Pair, shot: Shot) -> None:
     """Feed worker 1 one rogue frame and check what it may and may not do."""
     w1 = pair.w1
     pipe = w1.tr._pipes[0]
-    key, state = pipe.in_key, pipe.out_state
+    key, state = pipe.auth.in_key, pipe.out.state
     before = w1.counted()
     sent_before = len(pair.net.queues[pair.w0.address])
     w1.tr._rx.on_frame(shot.tag, as_array(shot.data))  # nothing may escape
@@ -272,7 +272,7 @@ def _shoot(pair: Pair, shot: Shot) -> None:
         assert (counted, challenges) == (1, 0), shot
     else:  # "ignored": see test_non_handshake_frames_on_the_handshake_tag_are_counted
         assert counted <= 1 and challenges == 0, shot
-    assert pipe.in_key == key and pipe.out_state is state, shot
+    assert pipe.auth.in_key == key and pipe.out.state is state, shot
     assert not w1.messages and not w1.frame_errors and not w1.broken, shot
 
 
@@ -387,7 +387,7 @@ def test_a_rogue_cannot_spoil_a_genuine_handshake(pair: Pair, at: int, name: str
     shot = {"hello": _forged_hello, "proof": _forged_proof, "challenge": _forged_challenge}[name]()
     _handshake_with_rogue(pair, at, shot, to_w0=name == "challenge")
     assert not pair.w0.broken, f"worker 0's pipe broke: {pair.w0.broken}"
-    assert pair.w1.tr._pipes[0].in_key is not None, "worker 0's genuine handshake was refused"
+    assert pair.w1.tr._pipes[0].auth.in_key is not None, "worker 0's genuine handshake was refused"
     assert pair.w1.messages == [(0, b"first")]
     pair.still_serving()
 

@@ -176,11 +176,11 @@ def _send_all(ep, tr, shots) -> None:
 
 
 def _rogue_transport(address: bytes):
-    from ucxrpc.transport import Transport
+    from ucxrpc.transport import Peer, Transport
 
     tr = Transport(my_id=4242, secret=b"not-the-secret", on_message=lambda *a: None,
                    on_frame_error=lambda *a: None, on_broken=lambda *a: None)
-    tr.add_peer(1, "worker1", address)
+    tr.add_peer(Peer(1, "worker1", address))
     tr.start()
     return tr, tr._endpoint(tr._pipes[1])
 

@@ -107,13 +107,13 @@ def _rogue(address_hex, claimed_id, store_port):
     """A process that knows worker1's UCX address but not the job secret."""
     import numpy as np
 
-    from ucxrpc.transport import Transport
+    from ucxrpc.transport import Peer, Transport
     from ucxrpc.transport.wire.tags import FRAME, HANDSHAKE, ID_SHIFT, KIND_SHIFT
     from ucxrpc.transport.wire.frame import Kind, encode, Limits
 
     tr = Transport(my_id=claimed_id, secret=b"not-the-secret", on_message=lambda *a: None,
                    on_frame_error=lambda *a: None, on_broken=lambda *a: None)
-    tr.add_peer(1, "worker1", bytes.fromhex(address_hex))
+    tr.add_peer(Peer(1, "worker1", bytes.fromhex(address_hex)))
     tr.start()
     ep = tr._endpoint(tr._pipes[1])
     garbage = [

@@ -78,8 +78,8 @@ def _forged(rank, world_size, init_method):
         rpc.rpc_sync("worker1", digest_and_echo, (t,))  # read; the peer lends a grant
         pipe = api._agent.transport._pipes[1]
         with pipe.lock:  # as a sender with a bug would: a grant the peer never lent
-            pipe.granted = {c: [(999_999, address) for _, address in free]
-                            for c, free in pipe.granted.items()}
+            pipe.grants.granted = {c: [(999_999, address) for _, address in free]
+                            for c, free in pipe.grants.granted.items()}
         try:
             rpc.rpc_sync("worker1", digest_and_echo, (t,))
             out["error"] = None

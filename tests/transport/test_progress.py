@@ -175,7 +175,7 @@ def test_a_sleep_that_times_out_is_no_event_to_poll_after(mode):
     # after each event.  A sleep that merely ran out is no event: counted as
     # one, an idle callee polled for spin_s after every SLEEP_S (10% of a
     # core at the defaults).  A wake() is one: a call was just sent.
-    lp = _Loop(progress.strategy(mode), awaited=lambda: True, spin_s=5.0)
+    lp = _Loop(progress.strategy(mode), awaited=lambda: progress.Why.AWAITED, spin_s=5.0)
     started = time.monotonic()
     lp.loop.start()
     try:
@@ -398,7 +398,7 @@ def test_ctrl_c_in_a_driving_main_thread_waits_for_the_turn_to_end():
         with pytest.raises(KeyboardInterrupt):
             lp.loop.drive(lambda: False)
         assert finished == ["turn"]  # raised after the turn, not inside it
-        assert lp.loop._driver is None  # and the loop was handed back
+        assert lp.loop.owner is progress.Owner.THREAD  # and the loop was handed back
         lp.fire()
         assert lp.seen.wait(10) and lp.seen_on == "test-progress"
     finally:
@@ -474,3 +474,58 @@ def test_close_with_a_large_transfer_in_flight(mode):
     r = res[0]["result"]
     assert r == "ok" or r.split(":")[0] in {"ClosedError", "BrokenError", "RpcError"}, r
     print(f"\n  {mode}: closed in {res[0]['close_s']:.2f} s; the call: {r}")
+
+
+# -- the one decision, and who turns the loop ------------------------------------
+
+@pytest.mark.parametrize(
+    ("strategy", "in_flight", "awaited", "idle_s", "expected"),
+    [
+        (progress.Polling(), True, progress.Why.NOTHING_DUE, 10.0, progress.Why.IN_FLIGHT),
+        (progress.Polling(), False, progress.Why.AWAITED, 0.0, progress.Why.AWAITED),
+        (progress.Polling(), False, progress.Why.AWAITED, 10.0, progress.Why.QUIET),
+        (progress.Polling(), False, progress.Why.COMPUTING, 0.0, progress.Why.COMPUTING),
+        (progress.Polling(), False, progress.Why.PEER_COPYING, 0.0, progress.Why.PEER_COPYING),
+        (progress.Blocking(), True, progress.Why.AWAITED, 0.0, progress.Why.BLOCKING),
+        (progress.Blocking(), False, progress.Why.NOTHING_DUE, 0.0, progress.Why.NOTHING_DUE),
+    ],
+)
+def test_whether_a_turn_polls_is_decided_in_one_place_with_its_reason(
+        strategy, in_flight, awaited, idle_s, expected) -> None:
+    lp = _Loop(strategy, awaited=lambda: awaited, spin_s=1.0)
+    lp.expect = in_flight
+    try:
+        assert lp.loop.decide(time.monotonic(), idle_s) is expected
+        assert lp.loop.info()["poll_decision"] == expected.value
+        assert (expected in progress.POLLS) == (expected in (progress.Why.IN_FLIGHT,
+                                                              progress.Why.AWAITED))
+    finally:
+        lp.close()
+
+
+def test_a_contended_core_refuses_what_is_expected() -> None:
+    adaptive = progress.Adaptive(late=1)
+    now = time.monotonic()
+    adaptive.yielded(now, 1.0)  # one yield that came back a second late: blocked a while
+    lp = _Loop(adaptive, awaited=lambda: progress.Why.AWAITED, spin_s=1.0)
+    try:
+        assert lp.loop.decide(now, 0.0) is progress.Why.CONTENDED
+    finally:
+        lp.close()
+
+
+def test_the_loop_changes_hands_only_as_the_table_allows() -> None:
+    lp = _Loop(progress.Polling())
+    loop, owner = lp.loop, progress.Owner
+    try:
+        assert loop.owner is owner.THREAD
+        assert loop._hand(owner.DRIVER, 1) and loop.owner is owner.DRIVER
+        assert not loop._hand(owner.DRIVER, 2)  # never from another driver
+        assert loop._hand(owner.LINGER) and loop.owner is owner.LINGER
+        assert not loop._hand(owner.THREAD, only_from=owner.DRIVER)  # not where it is
+        assert loop._hand(owner.THREAD, only_from=owner.LINGER) and loop.owner is owner.THREAD
+        assert loop._hand(owner.STOPPED)
+        assert not any(loop._hand(o) for o in owner)  # stopped is the end
+        assert loop.info()["owner"] == "stopped"
+    finally:
+        lp.close()

@@ -36,7 +36,7 @@ def _alloc(nbytes: int, phase: int) -> torch.Tensor:
 
 def _pipe(*, cma_out: bool = True, cma_in: bool = True) -> Pipe:
     pipe = Pipe(1, "worker1", b"")
-    pipe.cma_out, pipe.cma_in = cma_out, cma_in
+    pipe.cma.read_by_peer, pipe.cma.reads = cma_out, cma_in
     return pipe
 
 
@@ -64,7 +64,7 @@ def test_a_peer_is_lent_one_grant_per_class_from_huge_pages_to_the_largest():
     # 3 and 4 MiB share a class; 1 MiB is below huge pages, MAX_BYTES + 1 above the largest.
     assert [(name, kind) for name, kind, _ in sent] == [("worker1", Kind.GRANT)]
     (gid, nbytes, address), = _entries(sent[0][2])
-    assert nbytes == 4 * MIB and address == pipe.lent[gid].data_ptr()
+    assert nbytes == 4 * MIB and address == pipe.grants.lent[gid].data_ptr()
     assert ours.lent_bytes == 4 * MIB and ours.lent == 1
     ours.lend(pipe, [(4 * MIB, 0)])  # still lent, unused: nothing more
     assert len(sent) == 1
@@ -74,7 +74,7 @@ def test_nothing_is_lent_to_a_peer_that_never_showed_it_reaches_our_memory():
     sent = _Sent()
     ours, pipe = Grants(alloc=_alloc, send=sent), _pipe(cma_out=False)
     ours.lend(pipe, [(4 * MIB, 0)])
-    assert sent == [] and pipe.lent == {} and ours.lent_bytes == 0
+    assert sent == [] and pipe.grants.lent == {} and ours.lent_bytes == 0
 
 
 def test_a_worker_lends_at_most_total_bytes(monkeypatch):
@@ -86,7 +86,7 @@ def test_a_worker_lends_at_most_total_bytes(monkeypatch):
     ours.lend(second, [(4 * MIB, 0), (2 * MIB, 0)])
     assert ours.lent_bytes == 6 * MIB
     assert [len(_entries(p)) for _, _, p in sent] == [1, 1]
-    assert [t.numel() for t in second.lent.values()] == [2 * MIB]
+    assert [t.numel() for t in second.grants.lent.values()] == [2 * MIB]
 
 
 def test_a_grant_that_cannot_be_had_is_not_lent_and_not_counted():
@@ -96,7 +96,7 @@ def test_a_grant_that_cannot_be_had_is_not_lent_and_not_counted():
     sent = _Sent()
     ours, pipe = Grants(alloc=refuse, send=sent), _pipe()
     ours.lend(pipe, [(4 * MIB, 0)])
-    assert sent == [] and pipe.lent == {} and ours.lent_bytes == 0
+    assert sent == [] and pipe.grants.lent == {} and ours.lent_bytes == 0
 
 
 def test_a_grant_lent_on_a_broken_pipe_stays_out_of_use():
@@ -104,9 +104,9 @@ def test_a_grant_lent_on_a_broken_pipe_stays_out_of_use():
     sent.broken = True
     ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
     ours.lend(pipe, [(4 * MIB, 0)])
-    assert ours.lent == 0 and len(pipe.lent) == 1  # not sent, but possibly written: kept
+    assert ours.lent == 0 and len(pipe.grants.lent) == 1  # not sent, but possibly written: kept
     ours.retire(pipe)
-    assert pipe.lent == {} and ours.lent_bytes == 0
+    assert pipe.grants.lent == {} and ours.lent_bytes == 0
     assert ours.stats()["grant_bytes_retired"] == 4 * MIB
 
 
@@ -137,18 +137,18 @@ def test_grants_received_are_kept_by_class_and_picked_once():
     ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
     payload = struct.pack("<IQQ", 7, 4 * MIB, 0x1000) + struct.pack("<IQQ", 8, 16 * MIB, 0x9000)
     ours.on_frame(pipe, _grant_frame(payload))
-    assert pipe.granted == {4 * MIB: [(7, 0x1000)], 16 * MIB: [(8, 0x9000)]}
+    assert pipe.grants.granted == {4 * MIB: [(7, 0x1000)], 16 * MIB: [(8, 0x9000)]}
     assert grants.pick(pipe, 3 * MIB) == (7, 0x1000)
     assert grants.pick(pipe, 3 * MIB) is None
     assert grants.pick(pipe, 9 * MIB) == (8, 0x9000)
     ours.retire(pipe)
-    assert pipe.granted == {}
+    assert pipe.grants.granted == {}
 
 
 def test_grants_from_a_peer_we_cannot_reach_are_left_unused():
     ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe(cma_in=False)
     ours.on_frame(pipe, _grant_frame(struct.pack("<IQQ", 1, 4 * MIB, 0x1000)))
-    assert pipe.granted == {}
+    assert pipe.grants.granted == {}
 
 
 @pytest.mark.parametrize("payload, match", [
@@ -163,7 +163,7 @@ def test_a_malformed_grant_frame_is_refused_naming_what_is_wrong(payload, match)
     ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
     with pytest.raises(FrameError, match=match):
         ours.on_frame(pipe, _grant_frame(payload))
-    assert pipe.granted == {}
+    assert pipe.grants.granted == {}
 
 
 def test_written_descriptors_count_toward_the_message_and_name_host_memory_only():
@@ -197,4 +197,4 @@ def test_a_peer_that_lends_more_than_it_should_is_not_kept_beyond_a_few_per_clas
     ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
     for gid in range(10):
         ours.on_frame(pipe, _grant_frame(struct.pack("<IQQ", gid, 4 * MIB, 0x1000 + gid)))
-    assert len(pipe.granted[4 * MIB]) == grants._KEPT_PER_CLASS
+    assert len(pipe.grants.granted[4 * MIB]) == grants._KEPT_PER_CLASS

@@ -21,7 +21,7 @@ def _pipes() -> tuple[Pipe, Pipe]:
     """Worker 1's pipe to worker 2, and worker 2's pipe from worker 1."""
     out = Pipe(2, "worker2", b"addr2")
     inc = Pipe(1, "worker1", b"addr1")
-    out.out_state = OutState.HELLO_SENT  # as the engine sets it when it sends HELLO
+    out.move_to(OutState.HELLO_SENT)  # as the engine does when it sends HELLO
     return out, inc
 
 
@@ -34,10 +34,10 @@ def _open(out: Pipe, inc: Pipe, secret_1: bytes = SECRET, secret_2: bytes = SECR
 
 def test_a_full_handshake_gives_both_ends_one_key():
     out, inc = _pipes()
-    inc.in_seq = 7  # left from an earlier incarnation: restarts
+    inc.inbound.seq = 7  # left from an earlier incarnation: restarts
     key = _open(out, inc)
-    assert key == inc.in_key and len(key) == 32
-    assert inc.in_nonces == {} and inc.in_seq == 0
+    assert key == inc.auth.in_key and len(key) == 32
+    assert inc.auth.in_nonces == {} and inc.inbound.seq == 0
     # Fresh nonces: a second handshake gives another key.
     out2, inc2 = _pipes()
     assert _open(out2, inc2) != key
@@ -50,13 +50,13 @@ def test_a_wrong_secret_is_refused_on_both_sides():
         out, inc = _pipes()
         with pytest.raises(AuthenticationError, match="worker 2 failed authentication"):
             _open(out, inc, *secrets)
-        assert out.out_key == b"" and inc.in_key is None
+        assert out.auth.out_key == b"" and inc.auth.in_key is None
     # A PROOF that proves nothing (made without the secret).
     out, inc = _pipes()
     handshake.challenge(inc, memoryview(handshake.hello(out, 1)), SECRET, 2)
     with pytest.raises(AuthenticationError, match="worker1 failed authentication"):
         handshake.accept(inc, memoryview(b"p" * 32), SECRET, 2)
-    assert inc.in_key is None
+    assert inc.auth.in_key is None
 
 
 def test_refusals_name_what_was_wrong():
@@ -65,7 +65,7 @@ def test_refusals_name_what_was_wrong():
         handshake.challenge(inc, memoryview(handshake.hello(out, 3)), SECRET, 2)
     with pytest.raises(AuthenticationError, match="PROOF without HELLO"):
         handshake.accept(inc, memoryview(b"p" * 32), SECRET, 2)
-    out.out_state = OutState.OPEN
+    out.move_to(OutState.OPEN)
     with pytest.raises(AuthenticationError, match="unexpected CHALLENGE from worker2"):
         handshake.prove(out, memoryview(b"c" * 100), SECRET, 1)
 
@@ -78,6 +78,6 @@ def test_forged_hellos_do_not_spoil_a_genuine_handshake_and_proofs_do_not_replay
         handshake.challenge(inc, memoryview(handshake.hello(forger, 1)), SECRET, 2)
     proof, key = handshake.prove(out, memoryview(chal), SECRET, 1)
     handshake.accept(inc, memoryview(proof), SECRET, 2)
-    assert inc.in_key == key
+    assert inc.auth.in_key == key
     with pytest.raises(AuthenticationError, match="PROOF without HELLO"):
         handshake.accept(inc, memoryview(proof), SECRET, 2)  # replayed

@@ -11,6 +11,7 @@ from ucxrpc.agent.info import WorkerInfo
 from ucxrpc.agent.members import Members
 from ucxrpc.errors import AuthenticationError, BrokenError, ClosedError, PeerLeftError, RpcError
 from ucxrpc.agent.rendezvous import Member
+from ucxrpc.transport import Peer
 
 D = torch.device
 
@@ -19,11 +20,11 @@ class Recorder:
     """Stands in for the transport (peers added) and the agent (peers gone)."""
 
     def __init__(self) -> None:
-        self.peers: list[tuple] = []
+        self.peers: list[Peer] = []
         self.gone: list[tuple[int, BaseException]] = []
 
-    def add_peer(self, *args) -> None:
-        self.peers.append(args)
+    def add_peer(self, peer: Peer) -> None:
+        self.peers.append(peer)
 
     def on_gone(self, peer: int, err: BaseException) -> None:
         self.gone.append((peer, err))
@@ -52,8 +53,8 @@ def members(rec: Recorder) -> Members:
 
 def test_peers_go_to_the_transport_and_this_worker_does_not(members: Members,
                                                             rec: Recorder) -> None:
-    assert [p[:3] for p in rec.peers] == [(1, "w1", b"addr1"), (2, "w2", b"addr2")]
-    assert rec.peers[0][3:] == (False, 1 << 30, "life1", 101, "offer1")
+    assert rec.peers == [Peer(1, "w1", b"addr1", False, 1 << 30, "life1", 101, "offer1"),
+                         Peer(2, "w2", b"addr2", False, 1 << 30, "life2", 102, "offer2")]
     assert sorted(members.workers) == [0, 1, 2]
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from ucxrpc.serialization import envelope as wire
 from ucxrpc.agent import core
+from ucxrpc.transport.loop.progress import Why
 from ucxrpc.agent.core import RpcAgent
 
 
@@ -46,16 +47,16 @@ def test_a_reply_after_a_request_leaves_the_peer_expected():
     # message, the reply made it stop expecting the peer's next request, and
     # its loop slept in epoll once per exchange (benchmarks/runs/W.md).
     agent = _agent()
-    assert not RpcAgent._spin_while(agent)  # nobody called yet
+    assert RpcAgent._spin_while(agent) is Why.NOTHING_DUE  # nobody called yet
     _message(agent, wire.MsgKind.REQUEST, 7)
     assert len(agent.accepted) == 1
     _message(agent, wire.MsgKind.RESPONSE, 8)
-    assert RpcAgent._spin_while(agent)
+    assert RpcAgent._spin_while(agent) is Why.AWAITED
     agent._pool.busy = True  # a pool thread runs code: it needs the GIL
-    assert not RpcAgent._spin_while(agent)
+    assert RpcAgent._spin_while(agent) is Why.COMPUTING
 
 
 def test_a_request_long_ago_is_no_reason_to_poll():
     agent = _agent()
     agent._requested_at = time.monotonic() - 2 * core.CALLED_WITHIN_S
-    assert not RpcAgent._spin_while(agent)
+    assert RpcAgent._spin_while(agent) is Why.NOTHING_DUE

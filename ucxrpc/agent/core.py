@@ -28,7 +28,8 @@ from .pool import WorkerPool
 from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
 from ..serialization.pickler import Serializer
-from ..transport import SPIN_S, Limits, Transport
+from ..transport import SPIN_S, Limits, Peer, Transport
+from ..transport.loop.progress import Why
 from ..transport.wire.gather import Buffer, Gather
 from .calls import CallFuture, CallTable, SyncReply
 from .hooks import Hooks
@@ -330,8 +331,9 @@ class RpcAgent:
         assert isinstance(fut, torch.futures.Future)  # as made above for a wrapper
         return finish(fut)
 
-    def _spin_while(self) -> bool:
-        """Whether the progress thread may keep polling while idle.
+    def _spin_while(self) -> Why:
+        """Whether the progress thread may keep polling while idle
+        (:attr:`Why.AWAITED`), or why not.
 
         Polling holds the GIL between UCX calls: a thread running Python code
         (a user function, or the caller's own work between calls) gets it
@@ -340,8 +342,11 @@ class RpcAgent:
         pool thread runs code and a message is likely soon: a reply to a call
         in flight, or the next request of a peer that is calling us.
         """
-        return not self._pool.computing() and (
-            bool(self.calls) or time.monotonic() - self._requested_at < CALLED_WITHIN_S)
+        if self._pool.computing():
+            return Why.COMPUTING
+        if self.calls or time.monotonic() - self._requested_at < CALLED_WITHIN_S:
+            return Why.AWAITED
+        return Why.NOTHING_DUE
 
     def send_message(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
                      buffers: list[Buffer], targets: list[int] | None = None) -> None:
@@ -442,14 +447,12 @@ class RpcAgent:
         destination and refuse to pickle outside RPC."""
         return getattr(self._dest, "id", None)
 
-    def lookup_member(self, peer: int) -> tuple[str, bytes, bool, int, str | None, int,
-                                                str | None] | None:
+    def lookup_member(self, peer: int) -> Peer | None:
         """Where an unknown worker id lives, from its record in the store (the
         transport asks when such a worker opens a pipe to us)."""
         store = self.store
         m = None if store is None else rendezvous.find_member(store, peer)
-        return None if m is None else (m.name, m.address, m.cuda_direct, m.max_frame_bytes,
-                                       m.lifeline, m.pid, m.cma)
+        return None if m is None else m.peer()
 
     def _on_broken(self, peer: int, exc: BaseException) -> None:
         # The transport is made before the members, so it calls back here.

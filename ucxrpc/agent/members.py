@@ -28,14 +28,14 @@ import torch
 
 from .. import devices
 from ..errors import AuthenticationError, BrokenError, ClosedError, PeerLeftError, RpcError
+from ..transport import Peer
 from .rendezvous import Member
 from .info import WorkerInfo
 
 __all__ = ["AddPeer", "Members"]
 
-#: The transport's ``add_peer(id, name, address, cuda_direct,
-#: max_frame_bytes, lifeline, pid, cma)``.
-AddPeer = Callable[[int, str, bytes, bool, int | None, str | None, int | None, str | None], None]
+#: The transport's ``add_peer(peer)``.
+AddPeer = Callable[[Peer], None]
 
 
 class Members:
@@ -75,8 +75,7 @@ class Members:
             if theirs:
                 self.reverse_device_maps[m.rank] = {
                     dst: src for src, dst in devices.to_device_map(theirs).items()}
-            self._add_peer(m.rank, m.name, m.address, m.cuda_direct, m.max_frame_bytes,
-                           m.lifeline, m.pid, m.cma)
+            self._add_peer(m.peer())
             self._broken.pop(m.rank, None)
         wi = WorkerInfo(m.name, m.rank)
         self.workers[m.rank] = wi

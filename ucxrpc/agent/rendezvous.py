@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..transport import Peer
 from ..errors import AuthenticationError, RpcError, RpcTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,11 @@ class Member:
     max_frame_bytes: int = 1 << 30  # its limit: senders check it first
     lifeline: str | None = None  # where the kernel watches it for us (transport/watch/lifeline.py)
     cma: str | None = None  # how a peer on its host may read it by address (transport/hostmem/cma.py)
+
+    def peer(self) -> Peer:
+        """What the transport needs of this record to reach the worker."""
+        return Peer(self.rank, self.name, self.address, self.cuda_direct, self.max_frame_bytes,
+                    self.lifeline, self.pid, self.cma)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),

@@ -13,20 +13,37 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
 from .. import devices
-from ..serialization import envelope as wire
-from .pool import WorkerPool
 from ..errors import FrameError, RpcError, SerializationError
+from ..serialization import envelope as wire
+from ..serialization.pickler import Serializer
+from .info import WorkerInfo
+from .members import Members
+from .pool import WorkerPool
 from .remote_errors import describe_exception, not_a_future, undecodable_request, user_failure
 
-if TYPE_CHECKING:
-    from .core import RpcAgent
+__all__ = ["Served", "Server"]
 
-__all__ = ["Server"]
+
+class Served(Protocol):
+    """What the server uses of its agent (:class:`.core.RpcAgent` is one):
+    a protocol, so that the agent may own a server without a cycle."""
+
+    info: WorkerInfo
+    members: Members
+    serializer: Serializer
+    devices: list[torch.device]
+    counters: dict[str, int]
+
+    def dumps_for(self, dest: int, obj: Any) -> Any: ...
+
+    def send_message(self, peer: int, kind: wire.MsgKind, msg_id: int,
+                     body: bytes | memoryview, buffers: list[Any],
+                     targets: list[int] | None = None) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +56,7 @@ COPY_BODY_MAX = 4096
 class Server:
     """Runs and answers the requests that reach ``agent``, on ``pool``."""
 
-    def __init__(self, agent: RpcAgent, pool: WorkerPool) -> None:
+    def __init__(self, agent: Served, pool: WorkerPool) -> None:
         self._agent = agent
         self._pool = pool
         self._lock = threading.Lock()

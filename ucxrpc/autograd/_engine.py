@@ -35,7 +35,7 @@ from ..errors import DistAutogradError, RpcError
 from ..functions import _plain, async_execution
 from ._context import ContextTable, DistAutogradContext, Recv
 from ._pass import ROOTS, WorkerPass
-from ._recording import table
+from ._recording import BACKWARD, table
 
 logger = logging.getLogger(__name__)
 
@@ -316,3 +316,6 @@ def _log_lingering(agent: RpcAgent, context_id: int, failure: Failure | None) ->
     if failure is not None:
         logger.warning("%s: autograd context %d may linger on %s: %s", agent.info.name,
                        context_id, failure.worker, f"{failure.kind}: {failure.error}")
+
+
+BACKWARD.append(backward)  # for RRef.backward on an owner (_recording._dist_backward)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,13 +45,16 @@ def _hook(agent: RpcAgent) -> ContextTable:
     return tbl
 
 
+#: The engine's ``backward`` (``_engine.py`` registers it when it loads: it
+#: builds on this module, which so need not import it back).
+BACKWARD: list[Callable[[int, list[Any], bool], None]] = []
+
+
 def _dist_backward(context_id: int, roots: list[Any], retain_graph: bool) -> None:
     """Distributed backward, for ``RRef.backward`` run on the RRef's owner
     (the RRef layer sits below this package and reaches it through the
     agent's hooks)."""
-    from ._engine import backward  # the engine builds on this module
-
-    backward(context_id, roots, retain_graph)
+    BACKWARD[0](context_id, roots, retain_graph)
 
 
 def _debug_info(tbl: ContextTable) -> dict[str, int]:

@@ -66,6 +66,19 @@ def _sizes_arg(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: What runs beside the implementation under test when ``--compare`` is not
+#: given: torch's agent (what a user of torch's RPC comes to compare with)
+#: and raw ucxx (the ceiling; about 10 s on a 2-core host).
+DEFAULT_COMPARE = ("torch", "ucxx")
+
+
+def compared(compare: list[str] | None) -> list[str]:
+    """The implementations ``--compare`` asks for besides the one under test."""
+    if compare is None:
+        return list(DEFAULT_COMPARE)
+    return [c for c in compare if c != "none"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ucxrpc bench", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -76,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--impl", choices=("ucxrpc", "torch"), default="ucxrpc",
         help="implementation under test; ratio columns are it ÷ the others (default: ucxrpc)")
-    add("--compare", choices=("torch", "ucxx"), action="append", default=[],
-        help="also run torch's TensorPipe agent or the raw ucxx baseline (repeatable)")
+    add("--compare", choices=("torch", "ucxx", "none"), action="append", default=None,
+        help="also run torch's TensorPipe agent or the raw ucxx baseline (repeatable); "
+             "default: both, the ratio columns being what the bench is for; 'none': "
+             "the implementation under test alone")
     add("--sizes", type=_sizes_arg, default=None,
         help="message sizes for the bandwidth and latency-vs-size tests (see below)")
     add("--device", choices=("cpu", "cuda"), default="cpu",
@@ -225,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args: argparse.Namespace, cfg: WorkloadConfig, choices: Any, argv: list[str] | None,
            deadline: float, session: HostSession | None) -> int:
     """Rank 0 (or the only process): run everything, report, write files."""
-    impls = tuple(dict.fromkeys([args.impl] + list(args.compare)))
+    impls = tuple(dict.fromkeys([args.impl] + compared(args.compare)))
     series = build_series(impls, choices)
     runs = plan_runs(series, args.repeat)
     info = report.machine_info()

@@ -262,10 +262,11 @@ def _owner_handle(reg: Registry, rref_id: RRefId) -> RRef[Any]:
     e = reg.entry(rref_id)
     with reg.lock:
         h = e.handle() if e.handle is not None else None
-        if h is None:
-            h = RRef._make(reg.me, rref_id, None, confirmed=True)
-            e.handle = weakref.ref(h, reg.freer(rref_id))
-        return h
+        if isinstance(h, RRef):  # the registry holds handles as its protocol: ours are RRefs
+            return h
+        made: RRef[Any] = RRef._make(reg.me, rref_id, None, confirmed=True)
+        e.handle = weakref.ref(made, reg.freer(rref_id))
+        return made
 
 
 class _Proxy:

@@ -4,7 +4,7 @@ of forks, and backward from it; and the per-agent registry they share."""
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -13,10 +13,8 @@ from ..agent import RpcAgent, not_a_future
 from ..errors import RpcError, RRefError
 from ..functions import _plain, async_execution
 from .janitor import Janitor
-from .registry import ForkId, Registry, RRefId
+from .registry import ForkId, Handle, Registry, RRefId
 
-if TYPE_CHECKING:
-    from .handle import RRef
 
 __all__ = ["registry"]
 
@@ -132,7 +130,7 @@ def _owner_add_fork(rref_id: RRefId, fork_id: ForkId, holder: int) -> None:
 
 
 @_plain
-def _owner_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+def _owner_backward(rref: Handle, context_id: int, retain_graph: bool) -> None:
     reg = registry()
     value = reg.agent.wait(reg.entry(rref._rref_id).value)
     if not isinstance(value, torch.Tensor):

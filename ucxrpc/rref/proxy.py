@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import devices
 from ..functions import async_execution
 from .owner import copy_result, registry
+from .registry import Handle
 
-if TYPE_CHECKING:
-    from .handle import RRef
 
 __all__: list[str] = []
 
 
 @async_execution
-def _proxy_call(rref: RRef[Any], name: str, args: tuple[Any, ...],
+def _proxy_call(rref: Handle, name: str, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> torch.futures.Future:
     reg = registry()
     value = reg.entry(rref._rref_id).value
@@ -48,7 +47,7 @@ def _proxy_call(rref: RRef[Any], name: str, args: tuple[Any, ...],
 
 
 @async_execution
-def _invoke_method(rref: RRef[Any], name: str, args: tuple[Any, ...],
+def _invoke_method(rref: Handle, name: str, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> torch.futures.Future:
     """``rref.remote().name(...)`` on the owner: the new RRef's value is the
     method's result, or its future's value for an ``@async_execution``

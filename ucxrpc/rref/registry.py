@@ -8,23 +8,35 @@ import logging
 import queue
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from .. import devices
 from ..agent import RpcAgent
 
-if TYPE_CHECKING:
-    from .handle import RRef
-
-__all__ = ["ForkId", "Owned", "RRefId", "Registry", "new_id"]
+__all__ = ["ForkId", "Handle", "Owned", "RRefId", "Registry", "new_id"]
 
 logger = logging.getLogger(__name__)
 
 RRefId = tuple[int, int]   # (creating worker, number)
 ForkId = tuple[int, int]   # (worker that made the fork, number)
 _ids = itertools.count(0)  # one counter for RRef and fork ids, from 0, as torch's
+
+
+class Handle(Protocol):
+    """What the owner's side uses of an RRef (:class:`.handle.RRef`): its id,
+    and, for a proxy's call, its value here and a proxy of its own.  A
+    protocol, so that what the RRef calls (owner.py, proxy.py) need not
+    import the RRef."""
+
+    _rref_id: RRefId
+
+    def local_value(self) -> Any: ...
+
+    def remote(self, timeout: float = -1.0) -> Any: ...
+
+    def rpc_sync(self, timeout: float = -1.0) -> Any: ...
 
 
 def new_id(me: int) -> tuple[int, int]:
@@ -46,7 +58,7 @@ class Owned:
     def __init__(self, devs: list[torch.device]) -> None:
         self.value: torch.futures.Future = devices.future(devs)
         self.forks: dict[ForkId, int] = {}
-        self.handle: weakref.ref[RRef[Any]] | None = None
+        self.handle: weakref.ref[Handle] | None = None
 
 
 class Registry:

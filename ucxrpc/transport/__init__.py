@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .engine import MAX_WORKER_ID, SPIN_S, Transport
+from .pipe import Peer
 from .wire.frame import Limits
 
-__all__ = ["Transport", "Limits", "MAX_WORKER_ID", "SPIN_S"]
+__all__ = ["Transport", "Limits", "MAX_WORKER_ID", "Peer", "SPIN_S"]

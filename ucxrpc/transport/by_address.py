@@ -75,7 +75,7 @@ class ByAddress:
     def accepted(self, pipe: Pipe) -> None:
         """The peer's frames to us authenticated: if it offered to be read
         by address, try, and tell it whether we can."""
-        if pipe.cma_offer is None or pipe.cma_in:
+        if pipe.cma.offer is None or pipe.cma.reads:
             return
         # Only where UCX itself reaches the peer through shared memory: two
         # network namespaces of one kernel, say, talk over TCP, and a job
@@ -89,12 +89,12 @@ class ByAddress:
             logger.info("large buffers from %s travel through UCX, which reaches it without "
                         "shared memory", pipe.name)
             return
-        why = cma.probe(pipe.cma_pid, pipe.cma_offer)
+        why = cma.probe(pipe.cma.pid, pipe.cma.offer)
         if why is not None:
             logger.info("large buffers from %s travel through UCX: reading its memory by "
                         "address failed (%s)", pipe.name, why)
             return
-        pipe.cma_in = True
+        pipe.cma.reads = True
         try:
             self._send(pipe, b"", [], Kind.CMA_OK)
         except Exception as exc:  # the pipe broke meanwhile
@@ -109,21 +109,21 @@ class ByAddress:
                              f"{frame.payload.nbytes}-byte payload; it carries none")
         if frame.kind is Kind.CMA_OK and self._offered:
             with pipe.lock:
-                pipe.cma_out = True
+                pipe.cma.read_by_peer = True
 
     def read_done(self, pipe: Pipe) -> None:
         """We read (or gave up on) buffers of the peer's, up to its frame
-        ``pipe.read_through``: the next frame we send it says so (the
+        ``pipe.cma.read_through``: the next frame we send it says so (the
         reply, mostly), or, if none went within :data:`ACK_DELAY_S`, a
         CMA_DONE frame the loop sends when it next finds nothing to do."""
-        if pipe.ack_sent < pipe.read_through:
+        if pipe.cma.ack_sent < pipe.cma.read_through:
             self._due.setdefault(pipe, time.monotonic())
 
     def send_due(self) -> None:
         """Send what no frame carried within :data:`ACK_DELAY_S`."""
         due = time.monotonic() - ACK_DELAY_S
         for pipe, since in list(self._due.items()):
-            if pipe.ack_sent >= pipe.read_through:
+            if pipe.cma.ack_sent >= pipe.cma.read_through:
                 del self._due[pipe]  # a frame carried it
             elif since <= due:
                 del self._due[pipe]
@@ -132,7 +132,7 @@ class ByAddress:
     def send_ack(self, pipe: Pipe) -> None:
         """A CMA_DONE frame to ``pipe`` if our word on its buffers is not
         yet there (the loop's, or closing's once the loop stopped)."""
-        if pipe.ack_sent >= pipe.read_through:
+        if pipe.cma.ack_sent >= pipe.cma.read_through:
             return
         try:
             self._send(pipe, b"", [], Kind.CMA_DONE)
@@ -145,11 +145,11 @@ class ByAddress:
         """The peer is done with our buffers of frames up to ``ack``: let
         them go."""
         with pipe.lock:
-            if ack > pipe.out_seq:
+            if ack > pipe.out.seq:
                 raise FrameError(f"{pipe.name} acknowledged our frame {ack}, but we sent "
-                                 f"{pipe.out_seq}")
-            pipe.acked = ack
-            held = pipe.cma_held
+                                 f"{pipe.out.seq}")
+            pipe.cma.acked = ack
+            held = pipe.cma.held
             while held:
                 seq = next(iter(held))  # in the order sent
                 if seq > ack:
@@ -157,5 +157,5 @@ class ByAddress:
                 del held[seq]
             if not held:
                 self._sender.holding.discard(pipe)
-            if pipe.cma_split_seq <= ack:
+            if pipe.cma.split_seq <= ack:
                 self._sender.holding_split.discard(pipe)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
@@ -46,7 +45,7 @@ from .wire.gather import Buffer
 from .grants import Grants
 from .handshake import Handshake
 from .liveness import Liveness
-from .pipe import OutState, Pipe, cuda_path
+from .pipe import OutState, Peer, Pipe, Shared, cuda_path
 from .hostmem.pool import HostPool
 from .receive import Allocator, OnFrameError, OnMessage, Receiver
 from .send import Sender
@@ -100,14 +99,17 @@ class Transport:
             before it sleeps in epoll.
         spin_while: polling holds the GIL between UCX calls, which starves
             a thread running Python code: idle polling stops as soon as this
-            returns False (call :meth:`wake` when it may turn True again).
+            returns anything but :attr:`.progress.Why.AWAITED` (the reason
+            why; call :meth:`wake` when it may poll again).
         host_timeout: seconds a peer's host may leave TCP keepalive on its
             lifeline unanswered (a vanished host, a partition) before its
             pipe breaks.  A live process's kernel answers for it, however
             busy or stopped the process is.
         cuda_devices: the CUDA devices this worker declared; where a GPU is
             usable, the first one's context (else the current device's) is
-            made current for UCX (:mod:`.cudactx`).
+            made current for UCX (:mod:`.cuda.context`).
+        worker, endpoint: the UCX worker and endpoint classes
+            (:mod:`.ucx.binding`'s; a test hands in its own, a fake network).
 
     Raises:
         ValueError: a bad ``UCXRPC_DEVICE_PATH`` (:func:`.ucx.device_path`)
@@ -119,9 +121,12 @@ class Transport:
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
                  allocator: Allocator | None = None,
                  progress_mode: progress.Mode | str = progress.Mode.ADAPTIVE,
-                 spin_s: float = SPIN_S, spin_while: Callable[[], bool] | None = None,
+                 spin_s: float = SPIN_S,
+                 spin_while: Callable[[], progress.Why] | None = None,
                  host_timeout: float = 10.0,
-                 cuda_devices: Sequence[torch.device | str | int] = ()) -> None:
+                 cuda_devices: Sequence[torch.device | str | int] = (),
+                 worker: Callable[..., Worker] = Worker,
+                 endpoint: Callable[..., Endpoint] = Endpoint) -> None:
         if not 0 <= my_id <= MAX_WORKER_ID:
             raise ValueError(f"worker id {my_id} out of range [0, {MAX_WORKER_ID}]")
         self.my_id = my_id
@@ -131,10 +136,9 @@ class Transport:
         self.limits = limits
         self.pool = HostPool()
         self._alloc = allocator or self._default_alloc
-        # Dynamic membership: add_peer's arguments after the id for a worker
-        # id we have no pipe for, or None; asked when such a worker says HELLO.
-        self.on_unknown_peer: Callable[[int], tuple[str, bytes, bool, int, str | None,
-                                                    int | None, str | None] | None] | None = None
+        #: Dynamic membership: what a worker id we have no pipe for published,
+        #: or None; asked when such a worker says HELLO.
+        self.on_unknown_peer: Callable[[int], Peer | None] | None = None
         self._data_spins = 8
         self._transports = transports
         self._cuda_device = cudactx.wanted_device(cuda_devices, transports)
@@ -142,7 +146,8 @@ class Transport:
         self.cuda_context = self._make_cuda_current()
         # Any process with a usable GPU may send CUDA memory: its own device
         # maps' tensors, and replies along a caller's map reversed.
-        self._worker = Worker(transports, host_timeout,
+        self._endpoint_class = endpoint
+        self._worker = worker(transports, host_timeout,
                               device_memory=self._cuda_device is not None,
                               device_path=device_path())
         self.address = self._worker.address
@@ -157,38 +162,37 @@ class Transport:
         memory_way = self._memory_way() if takes_device else bounce.Way.AS_IS
         self._bounce = memory_way is bounce.Way.BOUNCED
         self.cuda_direct = takes_device and memory_way is not bounce.Way.STAGED
-        self._pipes: dict[int, Pipe] = {}
-        self._tasks: deque[Callable[[], None]] = deque()
-        self._inflight: deque[tuple[Request, Any]] = deque()
+        #: The containers the parts below share (:class:`.pipe.Shared` says
+        #: who changes which).
+        self._shared = shared = Shared()
+        self._pipes = shared.pipes
+        self._tasks = shared.tasks
+        self._inflight = shared.inflight
+        self._watch = shared.watch
         self._sender = Sender(my_id=my_id, limits=limits,
-                              host_as_device=self._host_as_device, inflight=self._inflight,
+                              host_as_device=self._host_as_device, inflight=shared.inflight,
                               wake=self.wake, failed=self._send_failed,
                               contended=self._contended, bounce=self._bounce)
         self._by_address = ByAddress(sender=self._sender, send=self._send_or_queue,
                                      endpoint=self._endpoint,
                                      offered=self.cma_offer is not None)
-        # Requests in flight, with what each belongs to: a pipe (a frame we
-        # sent) or a message being received (receive.py).  Changed in place
-        # only: the receiver holds it too.
-        self._watch: list[tuple[Request, Any]] = []
         self._handshake = Handshake(my_id=my_id, secret=secret, limits=limits,
                                     sender=self._sender, endpoint=self._endpoint,
-                                    watch=self._watch, fail=self._break,
+                                    watch=shared.watch, fail=self._break,
                                     accepted=self._by_address.accepted)
         alloc_read = (self.pool.alloc if allocator is None
                       else lambda n, _phase: self._alloc(n, -1))
         self._grants = Grants(alloc=alloc_read, send=self._send_or_queue)
-        self._rx = Receiver(worker=self._worker, limits=limits, pipes=self._pipes,
-                            watch=self._watch, alloc=self._alloc, alloc_read=alloc_read,
+        self._rx = Receiver(worker=self._worker, limits=limits, shared=shared,
+                            alloc=self._alloc, alloc_read=alloc_read,
                             host_as_device=self._host_as_device, cuda_direct=self.cuda_direct,
                             on_message=on_message, on_frame_error=on_frame_error,
-                            on_handshake=self._handshake.on_frame, adopt=self._adopt,
-                            on_read=self._by_address.read_done,
-                            on_ack=self._by_address.on_ack, on_cma=self._by_address.on_frame,
-                            grants=self._grants, bounce=self._bounce)
+                            adopt=self._adopt, handshake=self._handshake,
+                            by_address=self._by_address, grants=self._grants,
+                            bounce=self._bounce)
         self._closing = False
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
-                                  host_timeout=host_timeout, pipes=self._pipes,
+                                  host_timeout=host_timeout, pipes=shared.pipes,
                                   fail=self._break)
         #: What peers need to watch this process's lifeline (published).
         self.lifeline = self._liveness.address
@@ -206,36 +210,27 @@ class Transport:
         self._liveness.start()
         self._loop.start()
 
-    def add_peer(self, peer_id: int, name: str, address: bytes,
-                 cuda_direct: bool = False, max_frame_bytes: int | None = None,
-                 lifeline: str | None = None, pid: int | None = None,
-                 cma_offer: str | None = None) -> None:
-        """Register a peer; its pipe opens on first use (ours or theirs).
-
-        ``cuda_direct``: the peer's :attr:`cuda_direct`, as it published it;
-        ``max_frame_bytes``: its limit, checked before sending (a frame over
-        it would be dropped unread, with nobody to tell); ``lifeline``: its
-        :attr:`lifeline` (without one, only UCX errors tell of its death);
-        ``pid`` and ``cma_offer``: its process and :attr:`cma_offer` (with
-        them, a peer on this host may exchange large buffers by address).
-        A peer known under another address (a worker that left and joined
-        again) gets a new pipe; the old one's failures are ignored.
-        """
-        old = self._pipes.get(peer_id)
-        if old is not None and old.address == address:
+    def add_peer(self, peer: Peer) -> None:
+        """Register ``peer`` (what it published: :class:`.pipe.Peer`); its
+        pipe opens on first use (ours or theirs).  A peer known under
+        another address (a worker that left and joined again) gets a new
+        pipe; the old one's failures are ignored."""
+        old = self._pipes.get(peer.id)
+        if old is not None and old.address == peer.address:
             return
-        pipe = Pipe(peer_id, name, address, lifeline)
-        pipe.direct = self.cuda_direct and cuda_direct
-        if max_frame_bytes is not None:
-            pipe.peer_max_frame = max_frame_bytes
-        if self.cma_offer is not None and pid:
-            pipe.cma_pid = pid
-            pipe.cma_offer = cma.parse(cma_offer)
-        self._pipes[peer_id] = pipe
+        pipe = Pipe(peer.id, peer.name, peer.address, peer.lifeline)
+        pipe.direct = self.cuda_direct and peer.cuda_direct
+        if peer.max_frame_bytes is not None:
+            pipe.out.peer_max_frame = peer.max_frame_bytes
+        if self.cma_offer is not None and peer.pid:
+            pipe.cma.pid = peer.pid
+            pipe.cma.offer = cma.parse(peer.cma_offer)
+        self._pipes[peer.id] = pipe
         if old is not None:
             self._liveness.forget(old)
             with old.lock:
-                old.out_state = OutState.CLOSED  # its endpoint dies with the process
+                if not old.closed:  # its endpoint dies with the process
+                    old.move_to(OutState.CLOSED)
 
     def check(self, peer_id: int) -> None:
         """Make sure the kernel watches ``peer_id`` for us (its lifeline is
@@ -272,19 +267,19 @@ class Transport:
                        buffers: Sequence[Buffer], kind: Kind, hint: int = 0,
                        devices: list[int] | None = None) -> None:
         with pipe.lock:
-            if pipe.out_state is OutState.OPEN:
+            if pipe.out.state is OutState.OPEN:
                 self._sender.send(pipe, payload, buffers, kind, hint, devices)
                 return
-            if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
+            if pipe.out.state in (OutState.BROKEN, OutState.CLOSED):
                 raise self._pipe_error(pipe)
             # Checked before queueing, as _send_locked's encode would: a
             # message queued behind the handshake is encoded later, with
             # nobody left to tell.
             check_limits(len(payload), len(buffers), sum(b.nbytes for b in buffers),
-                         self.limits, pipe.peer_max_frame, pipe.name)
-            pipe.backlog.append((payload, buffers, kind, hint, devices))
-            if pipe.out_state is OutState.NEW:
-                pipe.out_state = OutState.HELLO_SENT
+                         self.limits, pipe.out.peer_max_frame, pipe.name)
+            pipe.out.backlog.append((payload, buffers, kind, hint, devices))
+            if pipe.out.state is OutState.NEW:
+                pipe.move_to(OutState.HELLO_SENT)
                 self._call_soon(lambda: self._start_handshake(pipe))
 
     def pipe_info(self, peer_id: int | None = None) -> list[dict[str, Any]]:
@@ -297,15 +292,15 @@ class Transport:
             lanes = pipe.ep.transports()
             transports = {t for t, _ in lanes}
             out.append({
-                "peer": pipe.name, "peer_id": pid, "state": pipe.out_state.value,
-                "authenticated_in": pipe.in_key is not None,
+                "peer": pipe.name, "peer_id": pid, "state": pipe.out.state.value,
+                "authenticated_in": pipe.auth.in_key is not None,
                 "transports": sorted(transports),
                 "lanes": [{"transport": t, "device": d} for t, d in lanes],
                 "cuda_path": cuda_path(pipe.direct, transports).value,
                 "lifeline": self._liveness.state(pipe),
                 # Large host buffers read out of the sender's memory (cma.py).
-                "by_address": {"in": pipe.cma_in, "out": pipe.cma_out},
-                "messages_sent": pipe.sent, "messages_received": pipe.received,
+                "by_address": {"in": pipe.cma.reads, "out": pipe.cma.read_by_peer},
+                "messages_sent": pipe.out.sent, "messages_received": pipe.inbound.received,
             })
         return out
 
@@ -327,11 +322,11 @@ class Transport:
         self._loop.stop()
         for pipe in self._pipes.values():
             with pipe.lock:
-                if pipe.outbox:  # before the endpoint closes
+                if pipe.out.outbox:  # before the endpoint closes
                     self._sender.flush(pipe)
                 # Closing an endpoint whose peer already failed crashed ucxx.
-                if pipe.out_state is not OutState.BROKEN:
-                    pipe.out_state = OutState.CLOSED
+                if not pipe.closed:
+                    pipe.move_to(OutState.CLOSED)
                     if pipe.ep is not None:
                         pipe.ep.close()
         end = time.monotonic() + 0.05
@@ -357,7 +352,7 @@ class Transport:
             def failed(exc: BaseException, p: Pipe = pipe) -> None:
                 self._call_soon(functools.partial(self._break, p, exc))
 
-            pipe.ep = Endpoint(self._worker, pipe.address, failed)
+            pipe.ep = self._endpoint_class(self._worker, pipe.address, failed)
             pipe.fifo = canary.uses_fifo(pipe.ep.transports())
         return pipe.ep
 
@@ -374,17 +369,19 @@ class Transport:
 
     # ---------------------------------------------------------- the loop's
 
-    def _awaited(self, spin_while: Callable[[], bool] | None) -> bool:
-        """Whether polling for a message pays: not while a peer copies what
-        we sent it by address in two halves, on two threads (a polling
-        thread here would take a core that copy runs on: 16 MiB one-way on a
-        quiet host, p50 2.0-4.0 ms polling, 1.7-2.5 ms not).  A read in one
-        call leaves the peer's other core free, and its reply (which says
-        the read is done) is then taken at once.  Nor while a peer may
-        write into our memory in two halves (grants.py), for the same
-        reason."""
-        return (not self._sender.holding_split and not self._grants.split_write_due()
-                and (spin_while is None or spin_while()))
+    def _awaited(self, spin_while: Callable[[], progress.Why] | None) -> progress.Why:
+        """Whether polling for a message pays (:attr:`.progress.Why.AWAITED`),
+        or why not: not while a peer copies what we sent it by address in
+        two halves, on two threads (a polling thread here would take a core
+        that copy runs on: 16 MiB one-way on a quiet host, p50 2.0-4.0 ms
+        polling, 1.7-2.5 ms not).  A read in one call leaves the peer's
+        other core free, and its reply (which says the read is done) is then
+        taken at once.  Nor while a peer may write into our memory in two
+        halves (grants.py), for the same reason.  Then the agent's word
+        (``spin_while``)."""
+        if self._sender.holding_split or self._grants.split_write_due():
+            return progress.Why.PEER_COPYING
+        return progress.Why.AWAITED if spin_while is None else spin_while()
 
     def _contended(self) -> bool:
         """Whether the loop may not poll now (a contended core, or the
@@ -406,7 +403,7 @@ class Transport:
             logger.exception("looking up worker id %d failed", sender)
             return pipe
         if found is not None:
-            self.add_peer(sender, *found)
+            self.add_peer(found)
         return self._pipes.get(sender)
 
     # ------------------------------------------------------------ the loop
@@ -534,19 +531,19 @@ class Transport:
         """Fail ``pipe`` for good (once; any thread).  ``orderly``: the peer
         shut down, nothing went wrong."""
         with pipe.lock:
-            if pipe.out_state in (OutState.BROKEN, OutState.CLOSED):
+            if pipe.out.state in (OutState.BROKEN, OutState.CLOSED):
                 return
-            pipe.out_state = OutState.BROKEN
+            pipe.move_to(OutState.BROKEN)
             pipe.error = exc
-            pipe.in_key = None
-            pipe.backlog.clear()
-            pipe.outbox.clear()
-            pipe.outbox_bytes = 0
-            pipe.cma_held.clear()  # its process is gone or will never read them
+            pipe.auth.in_key = None
+            pipe.out.backlog.clear()
+            pipe.out.outbox.clear()
+            pipe.out.outbox_bytes = 0
+            pipe.cma.held.clear()  # its process is gone or will never read them
             self._grants.retire(pipe)
             self._sender.holding.discard(pipe)
             self._sender.holding_split.discard(pipe)
-            pipe.cma_in = pipe.cma_out = False
+            pipe.cma.reads = pipe.cma.read_by_peer = False
         if self._pipes.get(pipe.peer_id) is not pipe:
             return  # replaced: the worker came back under a new address
         (logger.info if orderly else logger.warning)("pipe to %s broke: %s", pipe.name, exc)
@@ -560,7 +557,7 @@ class Transport:
             logger.exception("on_broken handler failed")
 
     def _pipe_error(self, pipe: Pipe) -> BaseException:
-        if pipe.out_state is OutState.CLOSED:
+        if pipe.out.state is OutState.CLOSED:
             return ClosedError(f"pipe to {pipe.name} is closed")
         if isinstance(pipe.error, AuthenticationError):
             return pipe.error
@@ -589,12 +586,12 @@ class Transport:
         return {"refused_frames": self._rx.refused, "frame_errors": self._rx.frame_errors,
                 **self._sender.stats(), "bytes_read_by_address": self._rx.read_bytes,
                 # Peers whose buffers we read and have not yet said so.
-                "acknowledgements_held": sum(p.ack_sent < p.read_through
+                "acknowledgements_held": sum(p.cma.ack_sent < p.cma.read_through
                                              for p in list(self._pipes.values())),
                 "acknowledgements_sent_alone": self._by_address.sent_alone,
                 **self._grants.stats(),
                 # Peers whose last frame said their loop may not poll.
-                "peers_busy": sum(p.peer_busy for p in list(self._pipes.values())),
+                "peers_busy": sum(p.inbound.peer_busy for p in list(self._pipes.values())),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
                 **self._liveness.stats(), "progress": self._loop.info(),
                 "cuda_context": self.cuda_context,

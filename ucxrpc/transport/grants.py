@@ -92,7 +92,7 @@ def pick(pipe: Pipe, nbytes: int) -> tuple[int, int] | None:
     """A grant of ``pipe``'s peer for a buffer of ``nbytes``, as (id,
     address), taken so that no other message uses it; None if it lent us
     none of that class (under the pipe's lock)."""
-    free = pipe.granted.get(size_class(nbytes))
+    free = pipe.grants.granted.get(size_class(nbytes))
     return free.pop() if free else None
 
 
@@ -125,14 +125,14 @@ class Grants:
         the address in its page of its own buffer, which a copy runs
         fastest matching): lend it memory for the next of each class it
         lacks, in one GRANT frame."""
-        if not pipe.cma_out:  # it never showed it can reach our memory
+        if not pipe.cma.read_by_peer:  # it never showed it can reach our memory
             return
         entries = []
         with pipe.lock:
             for nbytes, phase in sizes:
                 cls = size_class(nbytes)
                 if (nbytes < MIN_BYTES or cls > MAX_BYTES
-                        or any(b.numel() == cls for b in pipe.lent.values())):
+                        or any(b.numel() == cls for b in pipe.grants.lent.values())):
                     continue
                 with self._lock:
                     if self.lent_bytes + cls > TOTAL_BYTES:
@@ -145,7 +145,7 @@ class Grants:
                     logger.debug("no %d-byte grant for %s: %s", cls, pipe.name, exc)
                     continue
                 gid = next(self._ids)
-                pipe.lent[gid] = buf
+                pipe.grants.lent[gid] = buf
                 if cls >= SPLIT_BYTES:
                     self._split_until = time.monotonic() + SPLIT_QUIET_S
                 entries.append(_ENTRY.pack(gid, cls, buf.data_ptr()))
@@ -178,7 +178,7 @@ class Grants:
                 buffer is larger than the grant.
         """
         with pipe.lock:
-            buf = pipe.lent.pop(d.arg, None)
+            buf = pipe.grants.lent.pop(d.arg, None)
         if buf is None:
             raise FrameError(f"{pipe.name} says it wrote buffer {i} into grant {d.arg}, which "
                              "this worker did not lend it or saw used already")
@@ -207,21 +207,21 @@ class Grants:
                 raise FrameError(f"{pipe.name} lent a {nbytes}-byte grant at {address:#x}: "
                                  f"grants are powers of two from {MIN_BYTES} to {MAX_BYTES} "
                                  "bytes")
-        if not pipe.cma_in:
+        if not pipe.cma.reads:
             logger.debug("grants from %s left unused: we do not reach its memory", pipe.name)
             return
         with pipe.lock:
             for gid, nbytes, address in entries:
-                free = pipe.granted.setdefault(nbytes, [])
+                free = pipe.grants.granted.setdefault(nbytes, [])
                 if len(free) < _KEPT_PER_CLASS:
                     free.append((gid, address))
 
     def retire(self, pipe: Pipe) -> None:
         """``pipe`` broke (under its lock): what it lent stays out of use
         until the transport closes, and what it was lent is forgotten."""
-        lent = list(pipe.lent.values())
-        pipe.lent.clear()
-        pipe.granted.clear()
+        lent = list(pipe.grants.lent.values())
+        pipe.grants.lent.clear()
+        pipe.grants.granted.clear()
         self._give_back(sum(b.numel() for b in lent))
         self._retired.extend(lent)
 

@@ -38,8 +38,8 @@ PENDING = 8
 
 def hello(pipe: Pipe, my_id: int) -> bytes:
     """Our HELLO's payload, with a fresh nonce kept for the CHALLENGE."""
-    pipe.out_nonce = auth.new_nonce()
-    return auth.hello(my_id, pipe.out_nonce)
+    pipe.auth.out_nonce = auth.new_nonce()
+    return auth.hello(my_id, pipe.auth.out_nonce)
 
 
 def challenge(pipe: Pipe, payload: memoryview, secret: bytes, my_id: int) -> bytes:
@@ -49,36 +49,36 @@ def challenge(pipe: Pipe, payload: memoryview, secret: bytes, my_id: int) -> byt
     if claimed != x:
         raise AuthenticationError(f"HELLO claims worker {claimed} on worker {x}'s tag")
     ny = auth.new_nonce()
-    pipe.in_nonces[ny] = nx
-    if len(pipe.in_nonces) > PENDING:
-        del pipe.in_nonces[next(iter(pipe.in_nonces))]
+    pipe.auth.in_nonces[ny] = nx
+    if len(pipe.auth.in_nonces) > PENDING:
+        del pipe.auth.in_nonces[next(iter(pipe.auth.in_nonces))]
     return auth.challenge(secret, x, my_id, nx, ny)
 
 
 def prove(pipe: Pipe, payload: memoryview, secret: bytes, my_id: int) -> tuple[bytes, bytes]:
     """Our PROOF for the peer's CHALLENGE, and the key our frames carry."""
-    if pipe.out_state is not OutState.HELLO_SENT:
+    if pipe.out.state is not OutState.HELLO_SENT:
         raise AuthenticationError(f"unexpected CHALLENGE from {pipe.name}")
-    x, y, nx = my_id, pipe.peer_id, pipe.out_nonce
+    x, y, nx = my_id, pipe.peer_id, pipe.auth.out_nonce
     ny = auth.check_challenge(secret, payload, x, y, nx)
     return auth.proof(secret, x, y, nx, ny), auth.session_key(secret, x, y, nx, ny)
 
 
 def accept(pipe: Pipe, payload: memoryview, secret: bytes, my_id: int) -> None:
     """Check the peer's PROOF; its frames are then checked with the key."""
-    if not pipe.in_nonces:
+    if not pipe.auth.in_nonces:
         raise AuthenticationError(f"PROOF without HELLO from a peer claiming to be {pipe.name}")
     x, y = pipe.peer_id, my_id
-    for ny, nx in reversed(pipe.in_nonces.items()):
+    for ny, nx in reversed(pipe.auth.in_nonces.items()):
         if auth.proof_matches(secret, payload, x, y, nx, ny):
             break
     else:
         raise AuthenticationError(f"a peer claiming to be {pipe.name} failed authentication "
                                   "(wrong job secret or replayed handshake)")
-    pipe.in_nonces.clear()
-    pipe.in_key = auth.session_key(secret, x, y, nx, ny)
-    pipe.in_seq = 0
-    pipe.read_through = pipe.ack_sent = 0  # they count the peer's frames, which start again
+    pipe.auth.in_nonces.clear()
+    pipe.auth.in_key = auth.session_key(secret, x, y, nx, ny)
+    pipe.inbound.seq = 0
+    pipe.cma.read_through = pipe.cma.ack_sent = 0  # they count the peer's frames, which start again
 
 
 class Handshake:
@@ -123,7 +123,7 @@ class Handshake:
         except AuthenticationError as exc:
             # Our HELLO was answered by something that cannot prove the
             # secret: nothing we queued for this peer can ever go.
-            if pipe.out_state is OutState.HELLO_SENT:
+            if pipe.out.state is OutState.HELLO_SENT:
                 self._fail(pipe, exc)
             raise
 
@@ -150,9 +150,11 @@ class Handshake:
     def _open(self, pipe: Pipe, key: bytes) -> None:
         """Our direction is authenticated: send what waited for it."""
         with pipe.lock:
-            pipe.out_key = key
-            pipe.out_state = OutState.OPEN
-            backlog, pipe.backlog = pipe.backlog, []
+            if pipe.closed:  # broken meanwhile: what waited was failed with it
+                return
+            pipe.auth.out_key = key
+            pipe.move_to(OutState.OPEN)
+            backlog, pipe.out.backlog = pipe.out.backlog, []
             for payload, buffers, kind, hint, devices in backlog:
                 try:
                     self._sender.send(pipe, payload, buffers, kind, hint, devices)

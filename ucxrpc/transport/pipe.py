@@ -1,19 +1,39 @@
 """A pipe: both directions to one peer, and a message being received.
 
-A pipe's outgoing side is a small state machine (:class:`OutState`): NEW
-until first used, HELLO_SENT while our handshake is answered, OPEN once the
-peer proved it holds the job secret, BROKEN when the peer or network failed
-(the error is kept and raised for every later send), CLOSED when we closed
-it.  The incoming side is authenticated when ``in_key`` is set.  All fields
-are guarded by ``lock`` where several threads reach them (sending); the
-rest belong to the progress thread.
+A pipe's fields are grouped into records, each owned by the module that
+changes it, and each used either under ``Pipe.lock`` (anything a sending
+thread reaches) or by the thread turning the progress loop only (the
+progress thread, or a caller driving it; never two at once):
+
+==================  =============================  =====================================
+record              owner                          guarded by
+==================  =============================  =====================================
+``pipe.out``        send.py (and engine.py)        ``lock``; ``state`` moves through
+                                                   :meth:`Pipe.move_to` only
+``pipe.auth``       handshake.py                   ``lock`` for ``out_key``; the loop
+                                                   for the incoming side
+``pipe.inbound``    receive.py                     the loop
+``pipe.cma``        by_address.py (hostmem/cma)    ``lock`` for what senders read;
+                                                   the loop writes
+``pipe.grants``     grants.py                      ``lock``
+==================  =============================  =====================================
+
+The outgoing side is a small state machine (:class:`OutState`): NEW until
+first used, HELLO_SENT while our handshake is answered, OPEN once the peer
+proved it holds the job secret, BROKEN when the peer or network failed (the
+error is kept and raised for every later send), CLOSED when we closed it
+(or a new incarnation of the peer replaced this pipe).  :data:`_OUT_MOVES`
+lists the moves.  The incoming side is authenticated once ``auth.in_key``
+is set.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -24,7 +44,8 @@ from .wire.frame import Frame, Kind
 from .wire.gather import Buffer
 from .ucx.binding import Endpoint, Request
 
-__all__ = ["CudaPath", "Incoming", "OutState", "Piece", "Pipe", "cuda_path"]
+__all__ = ["Auth", "BadMove", "ByAddressState", "CudaPath", "Inbound", "Incoming", "Lending", "Out",
+           "OutState", "Peer", "Piece", "Pipe", "Shared", "cuda_path"]
 
 
 class CudaPath(enum.Enum):
@@ -57,12 +78,123 @@ def cuda_path(direct: bool, transports: set[str]) -> CudaPath:
     return CudaPath.GPU_DIRECT if "cuda_ipc" in transports else CudaPath.UCX_STAGED
 
 
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """What a peer published about itself, as a pipe to it needs it: its
+    id and name, its UCX worker address, whether its UCX takes device
+    memory (``cuda_direct``), its ``max_frame_bytes`` (checked before
+    sending: a frame over it would be dropped unread, with nobody to tell),
+    its lifeline address (without one, only UCX errors tell of its death),
+    and its process and by-address offer (``pid``, ``cma_offer``: with
+    them, a peer on this host may exchange large buffers by address)."""
+
+    id: int
+    name: str
+    address: bytes
+    cuda_direct: bool = False
+    max_frame_bytes: int | None = None
+    lifeline: str | None = None
+    pid: int | None = None
+    cma_offer: str | None = None
+
+
 class OutState(enum.Enum):
     NEW = "new"
     HELLO_SENT = "hello-sent"
     OPEN = "open"
     BROKEN = "broken"
     CLOSED = "closed"
+
+
+#: The moves of a pipe's outgoing side (:meth:`Pipe.move_to`).  A NEW pipe
+#: may close unused (a peer joining again at a new address replaces it).
+_OUT_MOVES: dict[OutState, frozenset[OutState]] = {
+    OutState.NEW: frozenset({OutState.HELLO_SENT, OutState.BROKEN, OutState.CLOSED}),
+    OutState.HELLO_SENT: frozenset({OutState.OPEN, OutState.BROKEN, OutState.CLOSED}),
+    OutState.OPEN: frozenset({OutState.BROKEN, OutState.CLOSED}),
+    OutState.BROKEN: frozenset(),
+    OutState.CLOSED: frozenset(),
+}
+
+
+class BadMove(AssertionError):
+    """A pipe was moved to a state its table does not allow from where it
+    is: a bug in ucxrpc, never the peer's doing."""
+
+
+@dataclass(slots=True)
+class Out:
+    """Our direction (send.py's and engine.py's; under ``Pipe.lock``)."""
+
+    state: OutState = OutState.NEW
+    seq: int = 0                    # the last frame's sequence number
+    #: Messages that waited for the handshake.
+    backlog: list[tuple[bytes | memoryview, Sequence[Buffer], Kind, int,
+                        list[int] | None]] = field(default_factory=list)
+    #: Small messages waiting for the frame in flight (batch.py), and that
+    #: frame's send request until the loop saw it complete.
+    outbox: list[np.ndarray] = field(default_factory=list)
+    outbox_bytes: int = 0  # batch.BASE + batch.cost() of each, once not empty
+    last_frame: Request | None = None
+    peer_max_frame: int = 1 << 62  # the receiver's max_frame_bytes, if known
+    sent: int = 0
+
+
+@dataclass(slots=True)
+class Auth:
+    """The handshake's keys (handshake.py's)."""
+
+    out_key: bytes = b""   # our direction's MAC key, once the peer proved itself
+    out_nonce: bytes = b""
+    #: Handshakes answered and not yet proved, ny -> nx: several, so that a
+    #: forged HELLO or PROOF cannot spoil a genuine one in progress.
+    in_nonces: dict[bytes, bytes] = field(default_factory=dict)
+    in_key: bytes | None = None  # the peer's direction's key, once we proved ourselves
+
+
+@dataclass(slots=True)
+class Inbound:
+    """The peer's direction, as the loop receives it (receive.py's)."""
+
+    seq: int = 0              # the last frame taken, for replays
+    received: int = 0         # messages delivered
+    #: Whether the peer's loop could not poll when it sent its last frame
+    #: (frame.py: ``busy``): large buffers go to it by address sooner.
+    peer_busy: bool = False
+
+
+@dataclass(slots=True)
+class ByAddressState:
+    """Reading by address (hostmem/cma.py; by_address.py's): the peer's
+    process and published offer (``offer`` None: not on this host, or this
+    side does not read by address); whether we read its REMOTE buffers (we
+    probed it and sent CMA_OK: ``reads``), whether it reads ours (it sent
+    CMA_OK: ``read_by_peer``); our buffers it has not yet acknowledged, by
+    the sequence number of their frame, in order (``held``), and the last of
+    those frames it reads in two halves (``split_seq``, cma.SPLIT_BYTES)."""
+
+    pid: int = 0
+    offer: cma.Offer | None = None
+    reads: bool = False
+    read_by_peer: bool = False
+    held: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    split_seq: int = 0
+    #: The peer's frames whose REMOTE buffers we are done with, up to this
+    #: sequence number (set after the reads, on the loop), and how far the
+    #: last frame we sent acknowledged them (frame.py: ``ack``).
+    read_through: int = 0
+    ack_sent: int = 0
+    #: How far the peer acknowledged ours (the highest ``ack`` it sent).
+    acked: int = 0
+
+
+@dataclass(slots=True)
+class Lending:
+    """Grants (grants.py's): our memory lent to the peer, by grant id, and
+    the peer's lent to us, (id, address) by size class."""
+
+    lent: dict[int, torch.Tensor] = field(default_factory=dict)
+    granted: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 class Pipe:
@@ -77,54 +209,56 @@ class Pipe:
         self.watched = False      # its lifeline is (being) connected
         self.ep: Endpoint | None = None
         self.direct = False  # device memory goes to UCX as is (else: staged)
-        self.lock = threading.Lock()
-        self.out_state = OutState.NEW
-        self.out_key = b""
-        self.out_seq = 0
-        self.out_nonce = b""
-        self.backlog: list[tuple[bytes | memoryview, Sequence[Buffer], Kind, int,
-                                 list[int] | None]] = []
-        # Small messages waiting for the frame in flight (batch.py), and
-        # that frame's send request until the loop saw it complete.
-        self.outbox: list[np.ndarray] = []
-        self.outbox_bytes = 0  # batch.BASE + batch.cost() of each, once not empty
-        self.last_frame: Request | None = None
-        # Handshakes answered and not yet proved, ny -> nx: several, so that a
-        # forged HELLO or PROOF cannot spoil a genuine one in progress.
-        self.in_nonces: dict[bytes, bytes] = {}
-        self.peer_max_frame = 1 << 62  # the receiver's max_frame_bytes, if known
         self.fifo: bool | None = None  # whether it reaches us through a shared-memory FIFO
-        # Reading by address (cma.py): the peer's process and published offer
-        # (None: not on this host, or this side does not read by address);
-        # whether we read its REMOTE buffers (we probed it and sent CMA_OK),
-        # whether it reads ours (it sent CMA_OK); our buffers it has not yet
-        # acknowledged, by the sequence number of their frame, in order, and
-        # the last of those frames it reads in two halves (cma.SPLIT_BYTES).
-        self.cma_pid = 0
-        self.cma_offer: cma.Offer | None = None
-        self.cma_in = False
-        self.cma_out = False
-        self.cma_held: dict[int, list[torch.Tensor]] = {}
-        self.cma_split_seq = 0
-        # Grants (grants.py): our memory lent to the peer, by grant id, and
-        # the peer's lent to us, (id, address) by size class.
-        self.lent: dict[int, torch.Tensor] = {}
-        self.granted: dict[int, list[tuple[int, int]]] = {}
-        # The peer's frames whose REMOTE buffers we are done with, up to this
-        # sequence number (set after the reads, on the loop), and how far the
-        # last frame we sent acknowledged them (frame.py: ``ack``).
-        self.read_through = 0
-        self.ack_sent = 0
-        # How far the peer acknowledged ours (the highest ``ack`` it sent).
-        self.acked = 0
-        # Whether the peer's loop could not poll when it sent its last frame
-        # (frame.py: ``state``): large buffers go to it by address sooner.
-        self.peer_busy = False
-        self.in_key: bytes | None = None
-        self.in_seq = 0
+        self.lock = threading.Lock()
+        self.out = Out()
+        self.auth = Auth()
+        self.inbound = Inbound()
+        self.cma = ByAddressState()
+        self.grants = Lending()
         self.error: BaseException | None = None
-        self.sent = 0
-        self.received = 0
+
+    def move_to(self, state: OutState) -> None:
+        """Move the outgoing side to ``state`` (under ``lock``).
+
+        Raises:
+            BadMove: the move is not in :data:`_OUT_MOVES`.
+        """
+        if state not in _OUT_MOVES[self.out.state]:
+            raise BadMove(f"pipe to {self.name}: {self.out.state.value} -> {state.value} is "
+                          "not a move of its outgoing side")
+        self.out.state = state
+
+    @property
+    def closed(self) -> bool:
+        """Whether our direction is over (broken or closed)."""
+        return self.out.state is OutState.BROKEN or self.out.state is OutState.CLOSED
+
+
+@dataclass(slots=True)
+class Shared:
+    """The containers the transport's parts share, each changed in place by
+    whoever this table names (so every part holds the same objects):
+
+    ==============  ============================================  =================
+    container       who changes it                                 on which thread
+    ==============  ============================================  =================
+    ``pipes``       the transport (adds, replaces); others read    any, under the GIL
+    ``watch``       the receiver, the handshake (append); the      the loop's
+                    loop (takes what completed)
+    ``inflight``    the sender (appends what it left in flight)    any, under a pipe's
+                    ; the loop moves it to ``watch``               ``lock``
+    ``tasks``       anyone (appends); the loop (runs them)         any
+    ==============  ============================================  =================
+    """
+
+    #: By peer id.
+    pipes: dict[int, Pipe] = field(default_factory=dict)
+    #: Requests in flight, with what each belongs to: a pipe (a frame we
+    #: sent), a message being received (receive.py), or None (drained).
+    watch: list[tuple[Request, Any]] = field(default_factory=list)
+    inflight: deque[tuple[Request, Any]] = field(default_factory=deque)
+    tasks: deque[Callable[[], None]] = field(default_factory=deque)
 
 
 class Incoming:

@@ -6,7 +6,7 @@ their size, after their claimed size and sender were judged worth it
 is and on which device, and a receive is posted for each straight into its
 final memory (staged device buffers through pinned host chunks,
 :mod:`.staging`), or, where it came by address, read out of the sender's
-memory at once (:mod:`.cma`; acknowledged through ``on_read``), or, where
+memory at once (:mod:`.hostmem.cma`; acknowledged through ``by_address``), or, where
 its sender wrote it into memory we lent it, taken from there
 (:mod:`.grants`).  Distinct tags per buffer let concurrent large messages
 on one pipe proceed side by side.  A BATCH frame (:mod:`.batch`) is taken
@@ -31,8 +31,10 @@ from .hostmem import cma
 from .cuda import staging
 from .wire.frame import (PACKED, PREFIX, REMOTE, STAGED, WRITTEN, BufferDesc, Frame, Kind, Limits,
                          decode, peek_kind, peek_seq)
+from .by_address import ByAddress
 from .grants import Grants
-from .pipe import Incoming, Piece, Pipe
+from .handshake import Handshake
+from .pipe import Incoming, Piece, Pipe, Shared
 from .hostmem.pool import PAGE
 from .wire.tags import HANDSHAKE, HINT_MASK, data_tag, kind_of, sender_of
 from .ucx.binding import Request, Worker
@@ -59,62 +61,54 @@ class Receiver:
     Args:
         worker: the UCX worker to probe and receive on.
         limits: this side's limits.
-        pipes: the transport's pipes by peer id (read, never changed here).
-        watch: the loop's list of requests in flight; data receives go
-            there as ``(request, Incoming | Piece | None)``, and the loop
-            hands each back to :meth:`completed`.
+        shared: the transport's pipes (read, never changed here) and the
+            loop's list of requests in flight, where data receives go as
+            ``(request, Incoming | Piece | None)``; the loop hands each back
+            to :meth:`completed`.
         alloc: ``(nbytes, device)`` → memory for a data buffer.
         alloc_read: ``(nbytes, phase)`` → host memory for a buffer read by
             address, starting at ``phase`` in its page where it can (as
-            the sender's does: see :meth:`.pool.HostPool.alloc`).
-        host_as_device: the debug switch of :mod:`.staging`.
+            the sender's does: see :meth:`.hostmem.pool.HostPool.alloc`).
+        host_as_device: the debug switch of :mod:`.cuda.staging`.
         cuda_direct: whether this side's UCX takes device memory.
         bounce: device buffers sent directly land in buffers CUDA IPC can
-            share, then are copied into their own (:mod:`.bounce`).
+            share, then are copied into their own (:mod:`.cuda.bounce`).
         on_message: ``(peer_id, payload, buffers)`` per complete message.
         on_frame_error: ``(peer_id, hint, error)`` for an authenticated
             peer's message that could not be taken (a limit, a failed
             allocation or receive).
-        on_handshake: ``(pipe, frame)`` for a decoded handshake frame; may
-            raise AuthenticationError or FrameError, which are counted here.
         adopt: ``(sender, pipe)`` → the pipe for a HELLO from a worker id
             without one (dynamic membership), or ``pipe`` unchanged.
-        on_read: ``(pipe)`` once the REMOTE buffers of the peer's frame
-            were read (or given up on) and the frame handed on (or
-            dropped): ``pipe.read_through`` says which frame, and the peer
-            may let them go.
-        on_ack: ``(pipe, ack)`` for a frame acknowledging more of ours
-            than any before it (``pipe.acked``).
-        on_cma: ``(pipe, frame)`` for a CMA_OK or CMA_DONE frame.
+        handshake: takes the handshake frames
+            (:meth:`.handshake.Handshake.on_frame`; AuthenticationError
+            and FrameError it raises are counted here).
+        by_address: told when the REMOTE buffers of a peer's frame were read
+            (``read_done``), of a frame acknowledging more of ours than any
+            before it (``on_ack``), and of CMA_OK / CMA_DONE frames
+            (``on_frame``).
         grants: what this worker lends peers to write into, and what they
             lent it (GRANT frames).
     """
 
-    def __init__(self, *, worker: Worker, limits: Limits, pipes: dict[int, Pipe],
-                 watch: list[tuple[Request, Any]], alloc: Allocator,
+    def __init__(self, *, worker: Worker, limits: Limits, shared: Shared, alloc: Allocator,
                  alloc_read: Callable[[int, int], torch.Tensor], host_as_device: bool,
                  cuda_direct: bool, on_message: OnMessage, on_frame_error: OnFrameError,
-                 on_handshake: Callable[[Pipe, Frame], None],
-                 adopt: Callable[[int, Pipe | None], Pipe | None],
-                 on_read: Callable[[Pipe], None], on_ack: Callable[[Pipe, int], None],
-                 on_cma: Callable[[Pipe, Frame], None], grants: Grants,
-                 bounce: bool = False) -> None:
+                 adopt: Callable[[int, Pipe | None], Pipe | None], handshake: Handshake,
+                 by_address: ByAddress, grants: Grants, bounce: bool = False) -> None:
         self._worker = worker
         self._bounce = bounce
         self.limits = limits
-        self._pipes = pipes
-        self._watch = watch
+        self._pipes = shared.pipes
+        self._watch = shared.watch
         self._alloc = alloc
         self._alloc_read = alloc_read
         self._host_as_device = host_as_device
         self._cuda_direct = cuda_direct
         self._on_message = on_message
         self._on_frame_error = on_frame_error
-        self._on_handshake = on_handshake
+        self._handshake = handshake
         self._adopt = adopt
-        self._on_read = on_read
-        self._on_ack = on_ack
-        self._on_cma = on_cma
+        self._by_address = by_address
         self._grants = grants
         self.read_bytes = 0
         #: Frames being received: (request, buffer, tag, length, why dropped).
@@ -176,7 +170,7 @@ class Receiver:
         pipe = self._pipes.get(sender_of(tag))
         if pipe is None:
             return "from an unknown worker id"
-        if pipe.in_key is None and not pipe.in_nonces:
+        if pipe.auth.in_key is None and not pipe.auth.in_nonces:
             return "from a peer that has not authenticated"
         return None
 
@@ -204,8 +198,8 @@ class Receiver:
             return
         try:
             if kind == HANDSHAKE:
-                self._on_handshake(pipe, decode(buf, None, self.limits))
-            elif pipe.in_key is None:
+                self._handshake.on_frame(pipe, decode(buf, None, self.limits))
+            elif pipe.auth.in_key is None:
                 self.refused += 1
                 logger.warning("refused an unauthenticated frame claiming to be from %s "
                                "(seq %s)", pipe.name, peek_seq(buf))
@@ -221,20 +215,20 @@ class Receiver:
     # ----------------------------------------------------------- messages
 
     def _message_frame(self, pipe: Pipe, buf: np.ndarray, hint: int) -> None:
-        assert pipe.in_key is not None
-        frame = decode(buf, pipe.in_key, self.limits)
-        if frame.seq <= pipe.in_seq:
-            raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.in_seq})")
-        pipe.in_seq = frame.seq
-        pipe.peer_busy = frame.busy
-        if frame.ack > pipe.acked:
-            self._on_ack(pipe, frame.ack)
+        assert pipe.auth.in_key is not None
+        frame = decode(buf, pipe.auth.in_key, self.limits)
+        if frame.seq <= pipe.inbound.seq:
+            raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.inbound.seq})")
+        pipe.inbound.seq = frame.seq
+        pipe.inbound.peer_busy = frame.busy
+        if frame.ack > pipe.cma.acked:
+            self._by_address.on_ack(pipe, frame.ack)
         if frame.kind is Kind.BATCH:
             self._batch(pipe, buf, frame)
             return
         if frame.kind is not Kind.MESSAGE:
             if frame.kind is Kind.CMA_OK or frame.kind is Kind.CMA_DONE:
-                self._on_cma(pipe, frame)
+                self._by_address.on_frame(pipe, frame)
             elif frame.kind is Kind.GRANT:
                 self._grants.on_frame(pipe, frame)
             return  # PING and PONG: once liveness checks, now unused
@@ -266,7 +260,7 @@ class Receiver:
             else:
                 bufs.append(self._post(msg, i, d))
         if read:  # before delivering: a reply sent meanwhile carries the word
-            pipe.read_through = frame.seq
+            pipe.cma.read_through = frame.seq
         if large is not None and msg.error is None:
             # Before delivering too: the grant is to be there before the
             # peer's next buffer, which may follow the reply at once.
@@ -274,7 +268,7 @@ class Receiver:
         if msg.waiting == 0:
             self._deliver(msg)
         if read:
-            self._on_read(pipe)
+            self._by_address.read_done(pipe)
 
     def _post(self, msg: Incoming, i: int, d: BufferDesc) -> torch.Tensor:
         """Post the receives of buffer ``i`` of ``msg``; what it lands in."""
@@ -316,11 +310,11 @@ class Receiver:
         if msg.error is not None:
             return torch.empty(0, dtype=torch.uint8)
         try:
-            if not pipe.cma_in:
+            if not pipe.cma.reads:
                 raise FrameError(f"{pipe.name} sent buffer {i} by address, but this worker "
                                  "never offered to read it by address")
             target = self._alloc_read(d.nbytes, d.inline_offset % PAGE)
-            cma.read(pipe.cma_pid, target.data_ptr(), d.inline_offset, d.nbytes)
+            cma.read(pipe.cma.pid, target.data_ptr(), d.inline_offset, d.nbytes)
         except OSError as exc:
             msg.error = BrokenError(f"reading buffer {i} ({d.nbytes} bytes) out of "
                                     f"{pipe.name}'s memory failed: {exc.strerror or exc}")
@@ -348,7 +342,7 @@ class Receiver:
         if frame.total <= self.limits.max_message_bytes:
             return False
         self.frame_errors += 1
-        pipe.received += 1
+        pipe.inbound.received += 1
         self._on_frame_error(pipe.peer_id, hint, FrameError(
             f"message of {frame.total} bytes exceeds max_message_bytes="
             f"{self.limits.max_message_bytes}"))
@@ -375,8 +369,8 @@ class Receiver:
         they do not sit in UCX's unexpected queue; their errors are ignored.
         Those sent by address are not read, and are let go."""
         if any(d.flags == REMOTE for d in frame.buffers):
-            pipe.read_through = frame.seq
-            self._on_read(pipe)
+            pipe.cma.read_through = frame.seq
+            self._by_address.read_done(pipe)
         for i, d in enumerate(frame.buffers):
             if d.flags == WRITTEN:  # used all the same: the grant goes back to the pool
                 try:
@@ -408,7 +402,7 @@ class Receiver:
             self._deliver(owner)
 
     def _deliver(self, msg: Incoming) -> None:
-        msg.pipe.received += 1
+        msg.pipe.inbound.received += 1
         buffers = msg.buffers
         if msg.error is None and msg.frame.delivered >= 0:
             try:

@@ -51,7 +51,7 @@ def _host_views(buffers: Sequence[Buffer]) -> list[tuple[int, memoryview | None,
 def _least_by_address(pipe: Pipe, busy: bool) -> int:
     """The smallest host buffer sent to ``pipe``'s peer by address: sooner
     where this loop (``busy``) or the peer's may not poll."""
-    return cma.BUSY_MIN_BYTES if busy or pipe.peer_busy else cma.MIN_BYTES
+    return cma.BUSY_MIN_BYTES if busy or pipe.inbound.peer_busy else cma.MIN_BYTES
 
 
 class Sender:
@@ -106,18 +106,18 @@ class Sender:
         Raises:
             FrameError: it breaks a limit, this side's or the peer's.
         """
-        if pipe.outbox or pipe.last_frame is not None:  # else nothing to wait for
+        if pipe.out.outbox or pipe.out.last_frame is not None:  # else nothing to wait for
             if kind is Kind.MESSAGE and self._batchable(payload, buffers):
                 if self._queue_small(pipe, payload, buffers, hint):
                     return
-            elif pipe.outbox:
+            elif pipe.out.outbox:
                 self.flush(pipe)  # what waits goes first
         out = None
         busy = self._contended()
         remote = None
-        if pipe.cma_out:
+        if pipe.cma.read_by_peer:
             buffers, remote = self._by_address(pipe, kind, buffers, busy)
-        if remote is not None and pipe.granted:
+        if remote is not None and pipe.grants.granted:
             remote = self._write(pipe, buffers, remote)
         if remote is None and buffers and staging.needed(buffers, self._host_as_device):
             # Planned as tensors: a bundle's parts joined (a Gather beside
@@ -129,29 +129,29 @@ class Sender:
         # Where staged or packed, the receiver allocates on the device each
         # descriptor names; REMOTE ways (by address) come only without them.
         views, ways = (_host_views(buffers), remote) if out is None else (out.views, out.ways)
-        ack = pipe.read_through  # read once: the loop may move it on meanwhile
-        frame, separate = encode(kind, pipe.out_seq + 1, payload, views, pipe.out_key,
-                                 self.limits, ways, pipe.peer_max_frame, ack=ack, busy=busy)
+        ack = pipe.cma.read_through  # read once: the loop may move it on meanwhile
+        frame, separate = encode(kind, pipe.out.seq + 1, payload, views, pipe.auth.out_key,
+                                 self.limits, ways, pipe.out.peer_max_frame, ack=ack, busy=busy)
         if out is not None:
             self.staged_bytes += out.staged_bytes
             self.packed_buffers += out.packed
-        if frame.nbytes > pipe.peer_max_frame:  # its header alone: inlining stays within
+        if frame.nbytes > pipe.out.peer_max_frame:  # its header alone: inlining stays within
             raise FrameError(f"frame of {frame.nbytes} bytes exceeds max_frame_bytes="
-                             f"{pipe.peer_max_frame} of the receiver ({pipe.name})")
-        pipe.out_seq += 1
-        seq = pipe.out_seq
+                             f"{pipe.out.peer_max_frame} of the receiver ({pipe.name})")
+        pipe.out.seq += 1
+        seq = pipe.out.seq
         assert pipe.ep is not None
         held = [b for b, way in zip(buffers, remote)  # tensors: REMOTE ones are never Gathers
                 if way[0] == REMOTE and isinstance(b, torch.Tensor)] if remote else None
         if held:  # before the frame: its acknowledgement may come at once
-            pipe.cma_held[seq] = held
+            pipe.cma.held[seq] = held
             self.read_buffers += len(held)
             self.holding.add(pipe)
             if any(b.numel() >= cma.SPLIT_BYTES for b in held):
-                pipe.cma_split_seq = seq
+                pipe.cma.split_seq = seq
                 self.holding_split.add(pipe)
         sent = pipe.ep.tag_send(frame, self._frame_base | hint)
-        pipe.ack_sent = ack
+        pipe.cma.ack_sent = ack
         reqs: list[tuple[Request, Pipe]] = [(sent, pipe)]
         try:
             for i in separate:
@@ -163,24 +163,24 @@ class Sender:
         finally:  # what went out is watched, whatever failed after it
             if out is not None:
                 self.bounced_bytes += out.bounced_bytes
-            pipe.sent += 1
+            pipe.out.sent += 1
             self._track(pipe, reqs, sent)
 
     def flush(self, pipe: Pipe) -> None:
         """Send ``pipe``'s outbox as one BATCH frame (under its lock)."""
-        frames, pipe.outbox = pipe.outbox, []
-        pipe.outbox_bytes = 0
-        if not frames or pipe.out_state is not OutState.OPEN:
+        frames, pipe.out.outbox = pipe.out.outbox, []
+        pipe.out.outbox_bytes = 0
+        if not frames or pipe.out.state is not OutState.OPEN:
             return
         assert pipe.ep is not None
-        ack = pipe.read_through
-        frame, _ = encode(Kind.BATCH, pipe.out_seq + 1, batch.pack(frames), [], pipe.out_key,
-                          self.limits, peer_max_frame=pipe.peer_max_frame, ack=ack,
+        ack = pipe.cma.read_through
+        frame, _ = encode(Kind.BATCH, pipe.out.seq + 1, batch.pack(frames), [], pipe.auth.out_key,
+                          self.limits, peer_max_frame=pipe.out.peer_max_frame, ack=ack,
                           busy=self._contended())
-        pipe.out_seq += 1
+        pipe.out.seq += 1
         sent = pipe.ep.tag_send(frame, self._frame_base)
-        pipe.ack_sent = ack
-        pipe.sent += len(frames)
+        pipe.cma.ack_sent = ack
+        pipe.out.sent += len(frames)
         self.batches += 1
         self.batched_messages += len(frames)
         self._track(pipe, [(sent, pipe)], sent)
@@ -190,12 +190,12 @@ class Sender:
         the pipe's last frame, what waited behind it goes now.  (Senders
         read ``last_frame``, not the request, which would drop the GIL in
         ucxx and queue behind whoever holds it.)"""
-        if req is not pipe.last_frame:
+        if req is not pipe.out.last_frame:
             return
         with pipe.lock:
-            if req is pipe.last_frame:
-                pipe.last_frame = None
-                if pipe.outbox:
+            if req is pipe.out.last_frame:
+                pipe.out.last_frame = None
+                if pipe.out.outbox:
                     self.flush(pipe)
 
     def stats(self) -> dict[str, int]:
@@ -207,7 +207,7 @@ class Sender:
                 "buffers_sent_as_parts": self.gathered_buffers,
                 # Not yet acknowledged: what peers still may read.
                 "buffers_held_for_peers": sum(len(b) for pipe in list(self.holding)
-                                              for b in list(pipe.cma_held.values()))}
+                                              for b in list(pipe.cma.held.values()))}
 
     def _by_address(self, pipe: Pipe, kind: Kind, buffers: Sequence[Buffer], busy: bool
                     ) -> tuple[Sequence[Buffer], list[tuple[int, int, int]] | None]:
@@ -256,7 +256,7 @@ class Sender:
                 continue
             gid, there = grant
             try:
-                cma.write(pipe.cma_pid, there, address, n)
+                cma.write(pipe.cma.pid, there, address, n)
             except OSError as exc:
                 # The peer is gone (its pipe breaks by the lifeline) or its
                 # grant is not mapped: it reads this one by address instead.
@@ -288,16 +288,16 @@ class Sender:
         then sent, and the caller sends the message alone."""
         # The hint rides where a frame has its sequence number.
         inner, separate = encode(Kind.MESSAGE, hint, payload, _host_views(buffers), b"", self.limits,
-                                 peer_max_frame=pipe.peer_max_frame, seal=False)
-        cap = min(batch.MAX_BYTES, pipe.peer_max_frame, self.limits.max_frame_bytes) - 256
+                                 peer_max_frame=pipe.out.peer_max_frame, seal=False)
+        cap = min(batch.MAX_BYTES, pipe.out.peer_max_frame, self.limits.max_frame_bytes) - 256
         if separate or inner.nbytes > cap:
             self.flush(pipe)
             return False
-        if (pipe.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes) > cap:
+        if (pipe.out.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes) > cap:
             self.flush(pipe)
-        pipe.outbox_bytes = (pipe.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes)
-        pipe.outbox.append(inner)
-        if len(pipe.outbox) >= batch.MAX_MESSAGES or pipe.last_frame is None:
+        pipe.out.outbox_bytes = (pipe.out.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes)
+        pipe.out.outbox.append(inner)
+        if len(pipe.out.outbox) >= batch.MAX_MESSAGES or pipe.out.last_frame is None:
             self.flush(pipe)
         return True
 
@@ -313,12 +313,12 @@ class Sender:
                     # Before the loop can see it: a frame the loop saw
                     # complete before it became last_frame would stay
                     # last_frame, and small messages would wait for it.
-                    pipe.last_frame = r
+                    pipe.out.last_frame = r
                 self._inflight.append((r, owner))
                 waking = True
                 continue
             if r is frame:
-                pipe.last_frame = None  # it left at once: nothing waits behind it
+                pipe.out.last_frame = None  # it left at once: nothing waits behind it
             if (err := r.error()) is not None:
                 self._failed(pipe, err)
         if waking:

@@ -33,9 +33,26 @@ before while the progress thread takes over again.
 
 The loop itself knows nothing of frames or pipes: the transport hands it a
 ``turn`` (one round of work; True if anything happened), ``in_flight``
-(data is moving: poll), ``awaited`` (a reply or request is likely soon: poll
-for up to ``spin_s`` after the last event) and ``pending`` (work queued for
-the loop: do not sleep).  UCX progress and epoll waits run without the GIL.
+(data is moving: poll), ``awaited`` (whether a reply or request is likely
+soon, as a :class:`Why`: poll for up to ``spin_s`` after the last event) and
+``pending`` (work queued for the loop: do not sleep).  UCX progress and
+epoll waits run without the GIL.
+
+Two pieces of state say everything about the loop at a glance, both in
+``_get_debug_info()["progress"]``:
+
+* **Who turns it** (:class:`Owner`), moved only by
+  :meth:`ProgressThread._hand`, checked against :data:`_MOVES`: the
+  progress thread; a driver; the progress thread parked for
+  :data:`LINGER_S` after a driver left with nothing left to do (its
+  caller is likely back at once); or stopped.
+* **Whether a turn may poll, and why** (:class:`Why`), decided in one
+  place, :meth:`ProgressThread.decide`, from its inputs in this order: data
+  in flight; whether a message is due (idle for less than ``spin_s``, and
+  the transport's ``awaited``: no peer copying our memory on two cores,
+  no pool thread running user code, a call in flight or a peer calling us
+  lately); then the strategy's word (a contended core, or the blocking
+  mode, may not poll).
 """
 
 from __future__ import annotations
@@ -50,8 +67,8 @@ from typing import Any, Callable
 
 from .interrupts import SigintGuard
 
-__all__ = ["Adaptive", "Blocking", "Mode", "Polling", "ProgressThread", "Strategy", "guard",
-           "mode_of", "strategy", "unguard"]
+__all__ = ["POLLS", "Adaptive", "Blocking", "Mode", "Owner", "Polling", "ProgressThread",
+           "Strategy", "Why", "guard", "mode_of", "strategy", "unguard"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +128,45 @@ class Mode(enum.Enum):
     BLOCKING = "blocking"
 
 
+class Why(enum.Enum):
+    """Why a turn of the loop polls, or why it sleeps in epoll instead
+    (:meth:`ProgressThread.decide`).  The first two poll."""
+
+    IN_FLIGHT = "data in flight"
+    AWAITED = "a reply or request is due"
+    QUIET = "nothing came for spin_s"
+    CONTENDED = "another thread or process wants this core (adaptive back-off)"
+    BLOCKING = "the blocking mode never polls"
+    COMPUTING = "a pool thread runs user code (polling would take its GIL)"
+    PEER_COPYING = "a peer copies our memory in two halves on two cores"
+    NOTHING_DUE = "no call in flight and no peer calling lately"
+
+
+#: The reasons that poll; the rest sleep in epoll.
+POLLS = frozenset({Why.IN_FLIGHT, Why.AWAITED})
+
+
+class Owner(enum.Enum):
+    """Who turns the loop (:meth:`ProgressThread._hand` moves it)."""
+
+    THREAD = "progress thread"
+    DRIVER = "a waiting caller"
+    LINGER = "progress thread, parked after a driver left"
+    STOPPED = "stopped"
+
+
+#: The moves :meth:`ProgressThread._hand` allows.  A driver takes the loop
+#: from the progress thread, turning or lingering, never from another
+#: driver; it gives it back at once (work left, or it gave up) or lets the
+#: progress thread linger; stopping ends everything.
+_MOVES: dict[Owner, frozenset[Owner]] = {
+    Owner.THREAD: frozenset({Owner.DRIVER, Owner.STOPPED}),
+    Owner.LINGER: frozenset({Owner.DRIVER, Owner.THREAD, Owner.STOPPED}),
+    Owner.DRIVER: frozenset({Owner.THREAD, Owner.LINGER, Owner.STOPPED}),
+    Owner.STOPPED: frozenset(),
+}
+
+
 class Strategy:
     """When the loop may poll an idle worker instead of sleeping.
 
@@ -120,6 +176,8 @@ class Strategy:
     """
 
     mode: Mode
+    #: What :meth:`may_poll` saying no means.
+    refusal = Why.CONTENDED
 
     def may_poll(self, now: float) -> bool:
         """Whether to poll the next turn, given that a message is expected."""
@@ -134,6 +192,7 @@ class Strategy:
 
 class Blocking(Strategy):
     mode = Mode.BLOCKING
+    refusal = Why.BLOCKING
 
     def may_poll(self, now: float) -> bool:
         return False
@@ -230,7 +289,7 @@ class ProgressThread:
         in_flight: whether data is moving (sends or receives incomplete).
         awaited: whether a message is likely soon (a reply to a call in
             flight, say), so that polling for ``spin_s`` after the last
-            event pays; None: always.
+            event pays: :attr:`Why.AWAITED`, or why not; None: always.
         spin_s: how long after the last event an awaited message is polled for.
         pending: whether work waits for the loop, so it must not sleep.
         arm: arms the worker's event fd; False if events are already there.
@@ -245,7 +304,7 @@ class ProgressThread:
     """
 
     def __init__(self, *, name: str, progress: Callable[[], None], turn: Callable[[], bool],
-                 in_flight: Callable[[], bool], awaited: Callable[[], bool] | None,
+                 in_flight: Callable[[], bool], awaited: Callable[[], Why] | None,
                  spin_s: float, pending: Callable[[], bool],
                  arm: Callable[[], bool], fd: int, strategy: Strategy,
                  on_stall: Callable[[float, float], None],
@@ -262,7 +321,6 @@ class ProgressThread:
         self._on_stall = on_stall
         self._sleeping = False         # the progress thread waits in _sleep
         self._driver_sleeping = False  # a driver waits in _sleep
-        self._stopping = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._epoll.register(fd, select.EPOLLIN)
@@ -275,10 +333,13 @@ class ProgressThread:
         self._park_poll = select.epoll()
         self._park_poll.register(self._park_fd, select.EPOLLIN)
         self._baton = threading.Lock()  # held for a turn, by whoever turns
-        self._driver_lock = threading.Lock()
-        self._driver: int | None = None  # the driving thread's ident
-        self._driver_left = 0.0
-        self._parked = False
+        self._owner_lock = threading.Lock()  # held to move _owner (_hand)
+        self._owner = Owner.THREAD
+        self._driver: int | None = None  # the driving thread's ident, while Owner.DRIVER
+        self._driver_left = 0.0          # when the last driver left
+        self._parked = False             # the progress thread waits in _park
+        #: The last answer of :meth:`decide` (for debug info; read unlocked).
+        self.last_why = Why.QUIET
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._release_on_exit = False
         self._sigint_counted = False
@@ -293,6 +354,50 @@ class ProgressThread:
         """Whether the caller runs on this thread."""
         return threading.current_thread() is self._thread
 
+    @property
+    def _stopping(self) -> bool:
+        return self._owner is Owner.STOPPED
+
+    @property
+    def owner(self) -> Owner:
+        """Who turns the loop now."""
+        return self._owner
+
+    def _hand(self, to: Owner, driver: int | None = None, *, only_from: Owner | None = None
+              ) -> bool:
+        """Move the loop to ``to`` (``driver``: the driving thread's ident)
+        if :data:`_MOVES` allows it from where it is (and it is at
+        ``only_from``, where given); whether it moved.  The one place
+        ownership changes."""
+        with self._owner_lock:
+            was = self._owner
+            if to not in _MOVES[was] or (only_from is not None and was is not only_from):
+                return False
+            if was is Owner.DRIVER:
+                self._driver_left = time.monotonic()
+            self._driver = driver if to is Owner.DRIVER else None
+            self._owner = to
+            return True
+
+    def decide(self, now: float, idle_s: float) -> Why:
+        """Whether the next turn may poll, and why (:data:`POLLS` poll):
+        data in flight; else a message due (idle under ``spin_s``, and what
+        ``awaited`` says); then the strategy, which may refuse to poll what
+        is expected.  The answer is kept in :attr:`last_why`."""
+        why = self._expected(idle_s)
+        if why in POLLS and not self.strategy.may_poll(now):
+            why = self.strategy.refusal
+        self.last_why = why
+        return why
+
+    def _expected(self, idle_s: float) -> Why:
+        """Whether a message is expected (in flight or due), and why not."""
+        if self._in_flight():
+            return Why.IN_FLIGHT
+        if idle_s >= self._spin_s:
+            return Why.QUIET
+        return Why.AWAITED if self._awaited is None else self._awaited()
+
     def start(self) -> None:
         self._sigint_counted = _sigint.install()
         self._thread.start()
@@ -301,7 +406,7 @@ class ProgressThread:
         """Stop the loop and wait up to ``timeout`` for its turn to end;
         idempotent.  Requests still in flight stay with UCX (the transport
         closes them); from the loop's own thread it returns at once."""
-        self._stopping = True
+        self._hand(Owner.STOPPED)
         self.wake(force=True)
         if self._thread.is_alive() and not self.current:
             self._thread.join(timeout)
@@ -334,7 +439,7 @@ class ProgressThread:
         try:
             if self._sleeping or self._driver_sleeping or force:
                 os.eventfd_write(self._wake_fd, 1)
-            if self._parked and (self._driver is None or force):
+            if self._parked and (self._owner is not Owner.DRIVER or force):
                 os.eventfd_write(self._park_fd, 1)
         except OSError:  # closed: the loop is gone
             pass
@@ -346,8 +451,9 @@ class ProgressThread:
             pass
 
     def info(self) -> dict[str, Any]:
-        return {**self.strategy.info(), "turns": self.turns, "sleeps": self.sleeps,
-                "arm_busy": self.arm_busy, "drives": self.drives,
+        return {**self.strategy.info(), "owner": self._owner.value,
+                "poll_decision": self.last_why.value, "turns": self.turns,
+                "sleeps": self.sleeps, "arm_busy": self.arm_busy, "drives": self.drives,
                 "driven_turns": self.driven_turns}
 
     def drive(self, done: Callable[[], bool]) -> bool:
@@ -367,24 +473,22 @@ class ProgressThread:
             return False
         _turning.on = True  # first: nothing below may be cut short by Ctrl-C
         try:
-            with self._driver_lock:
-                if self._driver is not None:
-                    return False
-                self._driver = threading.get_ident()
+            if not self._hand(Owner.DRIVER, threading.get_ident()):
+                return False  # another thread drives, or the loop stopped
             self.drives += 1
             handed_back = True
             try:
                 reached = self._drive(done)
-                handed_back = not reached or self._expecting(0.0) or self._pending()
+                handed_back = (not reached or self._expected(0.0) in POLLS
+                               or self._pending())
                 return reached
             finally:
-                self._driver_left = time.monotonic()
-                self._driver = None
                 # Parked, the progress thread lingers (LINGER_S) unless
                 # woken: a driver that gave up, or left work behind, hands
-                # the loop back at once.  (It reads _driver after setting
-                # _parked, and we read _parked after clearing _driver, so
+                # the loop back at once.  (It reads the owner after setting
+                # _parked, and we read _parked after moving the owner, so
                 # one of us sees the other.)
+                self._hand(Owner.THREAD if handed_back else Owner.LINGER)
                 if handed_back and self._parked:
                     self._unpark()
         finally:
@@ -416,11 +520,12 @@ class ProgressThread:
                 last_event = now
                 continue
             idle = now - last_event
-            if not self._expecting(idle):
-                return False
-            if self.strategy.may_poll(now):
+            why = self.decide(now, idle)
+            if why in POLLS:
                 self._yield(now)
                 continue
+            if why is not self.strategy.refusal:
+                return False  # nothing expected: the progress thread takes over
             self._driver_sleeping = True
             try:
                 # Until the awaited message is overdue; data in flight keeps
@@ -443,10 +548,12 @@ class ProgressThread:
     def _loop(self) -> None:
         checked = last_event = time.monotonic()
         while not self._stopping:
-            if self._driver is not None:
+            if self._owner is Owner.DRIVER:
                 self._park()
                 checked = last_event = time.monotonic()
                 continue
+            if self._owner is Owner.LINGER:  # a driver left while this thread turned
+                self._hand(Owner.THREAD, only_from=Owner.LINGER)
             self.turns += 1
             with self._baton:
                 busy = self._one_turn()
@@ -459,7 +566,7 @@ class ProgressThread:
             if busy:
                 last_event = now
                 continue  # more may be there: look again before anything else
-            if self._expecting(now - last_event) and self.strategy.may_poll(now):
+            if self.decide(now, now - last_event) in POLLS:
                 self._yield(now)
                 continue
             self._sleeping = True
@@ -489,9 +596,9 @@ class ProgressThread:
         it left, unless woken."""
         self._parked = True
         try:
-            while not self._stopping and (
-                    self._driver is not None
-                    or time.monotonic() - self._driver_left < LINGER_S):
+            while self._owner is Owner.DRIVER or (
+                    self._owner is Owner.LINGER
+                    and time.monotonic() - self._driver_left < LINGER_S):
                 if self._park_poll.poll(LINGER_S):
                     break  # woken: work for the loop
         finally:
@@ -500,6 +607,7 @@ class ProgressThread:
                 os.eventfd_read(self._park_fd)
             except BlockingIOError:
                 pass
+        self._hand(Owner.THREAD, only_from=Owner.LINGER)  # a new driver keeps it
 
     def _yield(self, now: float) -> None:
         # Give the core to whoever wants it, and learn whether anyone did
@@ -507,10 +615,6 @@ class ProgressThread:
         before = time.monotonic()
         os.sched_yield()
         self.strategy.yielded(now, time.monotonic() - before)
-
-    def _expecting(self, idle_s: float) -> bool:
-        return self._in_flight() or (idle_s < self._spin_s and (self._awaited is None
-                                                                 or self._awaited()))
 
     def _sleep(self, now: float, timeout: float) -> bool:
         """Wait in epoll for UCX or :meth:`wake`, up to ``timeout``; the

@@ -20,8 +20,9 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from ...errors import BrokenError, ConnectError
+from ...errors import BrokenError
 from ..wire.gather import Gather
+from .failures import endpoint_closed, endpoint_failed, open_failed, request_failed
 from .environment import _NEED_CUDA_COPY, environment_problem, ucx_environment
 from .ucp import ucp
 
@@ -77,9 +78,7 @@ class UcxxRequest:
         try:
             self.req.check_error()
         except Exception as exc:  # any ucxx error: the peer or pipe broke
-            err = BrokenError(f"UCX request failed: {exc}")
-            err.__cause__ = exc
-            return err
+            return request_failed(str(exc), cause=exc)
         return None
 
 
@@ -135,7 +134,7 @@ class Endpoint:
             addr = ucx.UCXAddress.create_from_buffer(address)
             self._ep = worker.raw.create_endpoint_from_worker_address(addr, True)
         except Exception as exc:
-            raise ConnectError(f"cannot open a UCX endpoint: {exc}") from exc
+            raise open_failed(exc) from exc
         self._ucx = ucx
         self._Array = worker.Array
         self._ucp = ucp()
@@ -146,14 +145,14 @@ class Endpoint:
     @staticmethod
     def _closed(on_error: Callable[[BaseException], None], *args: Any) -> None:
         status = args[0] if args else "closed"
-        on_error(BrokenError(f"UCX endpoint failed: {status}"))
+        on_error(endpoint_failed(status))
 
     def tag_send(self, buf: Any, tag: int) -> Request:
         """Send ``buf`` with ``tag``: host arrays, a :class:`.Gather`'s parts
         and (by default) CUDA tensors directly, the rest through ucxx.  Only while open (callers
         hold the pipe's lock, as :meth:`close`'s callers do)."""
         if not self._handle:
-            raise BrokenError("UCX endpoint already closed")
+            raise endpoint_closed()
         if type(buf) is Gather:
             return self._ucp.send_iov(self._handle, buf.iov, tag, buf)
         arr = _host_array(buf)

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import BrokenError
+from .failures import request_failed
 
 __all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "host_address", "library", "loaded_library"]
 
@@ -223,8 +224,7 @@ class Ucp:
         self._cuda_param_address = ctypes.addressof(self._cuda_param)
 
     def failure(self, status: int) -> BrokenError:
-        return BrokenError(f"UCX request failed: {self._status_string(status).decode()} "
-                           f"(status {status})")
+        return request_failed(self._status_string(status).decode(), status)
 
     def _outcome(self, ptr: int | None, keep: Any) -> UcpRequest | _Completed:
         if ptr is None:
