@@ -6,7 +6,7 @@ hand-off to a thread asleep on another core costs that core's wake-up.  On a
 VM with idle vCPUs that wake-up goes through the hypervisor, and on the
 16-vCPU GPU machine a host no-op took 258-370 µs for ucxrpc and 669 µs for
 torch, against 66 and ~190 µs on a busy 2-core VM
-(../shared/reviews/gpu-percall-2026-11-28.md).  This prints, as one JSON
+(benchmarks/runs/AH.md).  This prints, as one JSON
 object, round trips (p50 / p90 µs) of:
 
 * ``threads_event``: two threads of one process, each waking the other

@@ -8,7 +8,7 @@ context managers under an ``ExitStack``, ``_get_device_index``, and
 ``torch.cuda.is_available`` reading the environment on every request.  On
 an H200 that was ~100 µs of a 16 MiB call's ~415 µs of the caller's own
 work, and ~50 µs per request on the callee
-(../shared/reviews/gpu-percall-2026-11-28.md).  These are the C calls those
+(benchmarks/RESULTS.md, "CUDA per-call budget"; benchmarks/runs/AH.md).  These are the C calls those
 helpers end in, bound once.
 
 This is the one module that uses torch's private CUDA bindings

@@ -75,7 +75,7 @@ class RpcAgent:
         self.options = options
         self.store = store
         self.info = WorkerInfo(name, rank)
-        self.world_size = world_size  # None: dynamic membership (see _membership)
+        self.world_size = world_size  # None: dynamic membership (see agent/membership.py)
         self.serializer = Serializer(max_buffers=options.max_buffers)
         self._ids = itertools.count(1)
         #: The calls this worker waits for, and their deadlines.

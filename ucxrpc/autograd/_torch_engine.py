@@ -5,7 +5,7 @@ autograd API.  ``torch.autograd.backward`` checks each gradient's shape
 with ``torch.fx.experimental.symbolic_shapes`` (``_make_grads``), and the
 first such check in a process imports it, with sympy: 0.3 s here (488
 modules) and ~6 s on a GPU machine's first distributed backward
-(../shared/reviews/gpu-percall-2026-11-28.md), a cost torch's own C++
+(benchmarks/runs/AH.md), a cost torch's own C++
 distributed engine never pays.  The gradients a distributed pass hands its
 local part are ours (they came over the wire for tensors this worker
 sent), so a plain shape check does, and the engine runs straight away.

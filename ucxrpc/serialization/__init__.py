@@ -2,7 +2,8 @@
 
 * :mod:`.pickler`: pickle protocol 5 with tensors out of band
   (:class:`Serializer`, :class:`Pickled`, :class:`GradCapture`), the sending
-  side and the message's five wire forms of a tensor (its docstring).
+  side and the wire forms a tensor takes (its docstring and
+  :mod:`.tensors`: in-band, vector, tensor, bundled, sparse, torch's own).
 * :mod:`.tensors`: those forms' rebuild functions, the dtype table and the
   receiving side.
 * :mod:`.bundle`: small host tensors packed one buffer per dtype.

@@ -62,8 +62,11 @@ def decode(payload: memoryview) -> tuple[Header, memoryview]:
 def hint(kind: MsgKind, msg_id: int) -> int:
     """The transport's per-frame hint for a message: its kind and id.
 
-    It rides in the frame's tag, so a receiver that cannot take a frame (too
-    large) can still answer the request or fail the call it belongs to.
+    It rides in the frame's tag.  The receiver acts on it only for a frame
+    it authenticated: a message over ``max_message_bytes`` is answered (the
+    request refused, or the call failed) by the id here; a frame it will not
+    even read (over ``max_frame_bytes``, or from a stranger) is dropped,
+    since its tag is only a claim (transport/receive.py, ``dropped``).
     """
     return (msg_id << 3) | kind
 

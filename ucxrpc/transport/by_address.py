@@ -1,12 +1,12 @@
 """Reading by address, per pipe: whether a peer reads us (and we it), and
 the word that buffers were read.
 
-:mod:`.cma` reads another process's memory; this module keeps the pipes'
+:mod:`.hostmem.cma` reads another process's memory; this module keeps the pipes'
 side of it.  When a peer's frames authenticate and it offered to be read
 (:meth:`ByAddress.accepted`), we probe it and tell it so (CMA_OK): from then
 on it sends us large host buffers as their address alone (:mod:`.send`),
 and must keep them until we say we read them.  That word is every frame's
-``ack`` (:mod:`.frame`): it rides on the reply, mostly; one that no frame
+``ack`` (:mod:`.wire.frame`): it rides on the reply, mostly; one that no frame
 carried within :data:`ACK_DELAY_S` goes alone in a CMA_DONE frame, sent by
 the loop when it finds nothing else to do (:meth:`ByAddress.send_due`).
 The peer's word on ours lets our held buffers go (:meth:`ByAddress.on_ack`).

@@ -1,14 +1,14 @@
 """Pipes to peers over one UCX worker, and the loop that progresses them.
 
-Tags (:mod:`.tags`) say what a tag message is and whom it claims to come from.
+Tags (:mod:`.wire.tags`) say what a tag message is and whom it claims to come from.
 
 Peer death is the kernel's verdict, never silence's: each pipe that opens
-also connects a lifeline to the peer's lifeline port (:mod:`.lifeline`), which
+also connects a lifeline to the peer's lifeline port (:mod:`.watch.lifeline`), which
 the peer's kernel closes when its process ends, and which its kernel keeps
 answering while the process is merely busy or stopped.  A silent peer's
 calls fail by their own timeouts, in the agent, as in torch.
 
-Progress: one thread per transport turns the loop of :mod:`.progress`,
+Progress: one thread per transport turns the loop of :mod:`.loop.progress`,
 whose strategy (``progress=``; adaptive by default) decides when it polls
 an idle worker and when it sleeps in epoll; a thread waiting for a message
 may turn it itself (:meth:`Transport.drive`).  Senders call UCX directly from
@@ -16,11 +16,11 @@ their own thread (no hand-off on the send path; :mod:`.send`) and wake the
 loop only when a send is left in flight.
 
 Parts of their own: the handshake (:mod:`.handshake`), sending and
-batching (:mod:`.send`, :mod:`.batch`), receiving (:mod:`.receive`),
+batching (:mod:`.send`, :mod:`.wire.batch`), receiving (:mod:`.receive`),
 reading by address and writing into lent memory (:mod:`.by_address`,
-:mod:`.cma`, :mod:`.grants`), liveness, lifelines and the shared-memory
+:mod:`.hostmem.cma`, :mod:`.grants`), liveness, lifelines and the shared-memory
 queue check (:mod:`.liveness`), pipes (:mod:`.pipe`) and the loop
-(:mod:`.progress`).  This module is the context that holds them together:
+(:mod:`.loop.progress`).  This module is the context that holds them together:
 the pipes (adding, opening, breaking, closing) and the loop's turn.
 """
 
@@ -81,9 +81,11 @@ OnBroken = Callable[[int, BaseException], None]
 class Transport:
     """Authenticated, framed messages to peers over UCX.
 
-    Thread-safety: :meth:`send` may be called from any thread; callbacks run
-    on the progress thread, or on a thread in :meth:`drive`, and must not
-    block.
+    Thread-safety: :meth:`send` may be called from any thread.
+    ``on_message`` and ``on_frame_error`` run on the thread turning the loop
+    (the progress thread, or a thread in :meth:`drive`); ``on_broken`` there
+    too, or on the lifeline thread when the kernel cut a peer's lifeline
+    (``_break`` runs on any thread).  None may block.
 
     Args:
         my_id: this worker's id (< 65536), carried in every tag.
@@ -94,12 +96,12 @@ class Transport:
             passed to :meth:`send`, so the caller can answer that message.
         on_broken: ``(peer_id, error)`` once when a pipe fails.
         progress_mode: the progress thread's strategy
-            (:class:`.progress.Mode` or its name).
+            (:class:`.loop.progress.Mode` or its name).
         spin_s: how long the progress thread may poll after the last event
             before it sleeps in epoll.
         spin_while: polling holds the GIL between UCX calls, which starves
             a thread running Python code: idle polling stops as soon as this
-            returns anything but :attr:`.progress.Why.AWAITED` (the reason
+            returns anything but :attr:`.loop.progress.Why.AWAITED` (the reason
             why; call :meth:`wake` when it may poll again).
         host_timeout: seconds a peer's host may leave TCP keepalive on its
             lifeline unanswered (a vanished host, a partition) before its
@@ -370,7 +372,7 @@ class Transport:
     # ---------------------------------------------------------- the loop's
 
     def _awaited(self, spin_while: Callable[[], progress.Why] | None) -> progress.Why:
-        """Whether polling for a message pays (:attr:`.progress.Why.AWAITED`),
+        """Whether polling for a message pays (:attr:`.loop.progress.Why.AWAITED`),
         or why not: not while a peer copies what we sent it by address in
         two halves, on two threads (a polling thread here would take a core
         that copy runs on: 16 MiB one-way on a quiet host, p50 2.0-4.0 ms
@@ -471,11 +473,11 @@ class Transport:
 
     def drive(self, done: Callable[[], bool]) -> bool:
         """Progress on the calling thread until ``done()`` holds (True) or
-        polling stops paying (:meth:`.progress.ProgressThread.drive`):
+        polling stops paying (:meth:`.loop.progress.ProgressThread.drive`):
         messages are then handled, and callbacks run, on the caller's
         thread.  Where UCX may move CUDA memory, the thread first gets a
         CUDA context if it has none (UCX's CUDA transports work through the
-        calling thread's: :func:`.cudactx.ensure_current`); where it cannot,
+        calling thread's: :func:`.cuda.context.ensure_current`); where it cannot,
         the progress thread keeps the work (False)."""
         if self._cuda_device is not None:
             try:

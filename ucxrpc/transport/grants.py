@@ -1,8 +1,8 @@
 """Grants: memory a receiver lends its peer to write large buffers into.
 
-Reading by address (:mod:`.cma`) makes the kernel pin the *sender's* pages
+Reading by address (:mod:`.hostmem.cma`) makes the kernel pin the *sender's* pages
 one at a time.  A user's tensor sits on 4 KiB pages, while ucxrpc's receive
-buffers sit on huge ones (:mod:`.pool`), so the sender writing into the
+buffers sit on huge ones (:mod:`.hostmem.pool`), so the sender writing into the
 receiver's buffer copies twice as fast as the receiver reading the
 sender's: 16 MiB in two halves 0.68 against 1.42 ms, 4 MiB 0.15 against
 0.30 (benchmarks/runs/AA.md).  A writer has to know where to write
@@ -10,9 +10,9 @@ before its frame goes, though, or the message pays a round trip.  So a
 receiver that read a large buffer of a peer's lends it, in a GRANT frame,
 a buffer of that size class for the next one (:meth:`Grants.lend`), and
 lends another each time one is used.  A sender holding a grant of the right
-class writes its buffer into it (:func:`.cma.write`, below the GIL, before
+class writes its buffer into it (:func:`.hostmem.cma.write`, below the GIL, before
 the frame leaves) and names the grant in the buffer's descriptor (WRITTEN,
-:mod:`.frame`); the receiver hands that memory up as the buffer
+:mod:`.wire.frame`); the receiver hands that memory up as the buffer
 (:meth:`Grants.take`).  Neither side copies anything more, and the sender
 need not hold its buffer until the receiver says it read it.
 
@@ -66,7 +66,7 @@ MAX_BYTES = 64 << 20
 #: Most memory one worker lends at a time, to all its peers.
 TOTAL_BYTES = 256 << 20
 #: How long after lending memory for a buffer that its writer copies in two
-#: halves (on two threads, :data:`.cma.SPLIT_BYTES`) this side's loop does not
+#: halves (on two threads, :data:`.hostmem.cma.SPLIT_BYTES`) this side's loop does not
 #: poll for messages: a polling thread would take a core that copy runs on
 #: (16 MiB one-way on a quiet host: the write took 1.0-1.1 ms with the
 #: receiver polling, 0.6 alone).  The loop's own poll window (engine.SPIN_S):
@@ -101,7 +101,7 @@ class Grants:
 
     Args:
         alloc: ``(nbytes, phase)`` → host memory (the receive pool's, on
-            huge pages from :data:`.pool.HUGE`).
+            huge pages from :data:`.hostmem.pool.HUGE`).
         send: sends a frame on a pipe (the GRANT frames).
     """
 

@@ -1,7 +1,7 @@
 """The handshake: what each frame changes on a pipe, what goes back, and
 the pipe opening once our direction is proved.
 
-:mod:`.auth` defines the messages and their MACs; this module keeps the
+:mod:`.wire.auth` defines the messages and their MACs; this module keeps the
 per-pipe protocol state on :class:`.pipe.Pipe`:
 
 * our direction: :func:`hello` starts it (HELLO_SENT), :func:`prove`

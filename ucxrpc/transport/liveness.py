@@ -2,10 +2,10 @@
 
 Two verdicts break pipes, neither from silence:
 
-* a peer's lifeline (:mod:`.lifeline`) is cut: its kernel closed the
+* a peer's lifeline (:mod:`.watch.lifeline`) is cut: its kernel closed the
   connection (the process ended) or stopped answering TCP keepalive (the
   host vanished).  A busy or stopped process's kernel keeps answering.
-* our shared-memory receive queue is stuck (:mod:`.canary`), after a peer
+* our shared-memory receive queue is stuck (:mod:`.watch.canary`), after a peer
   died mid-copy into it: every pipe whose peer reaches us through it is
   broken for good.
 

@@ -5,11 +5,11 @@ their size, after their claimed size and sender were judged worth it
 (anyone can send to a worker).  A frame then says how big each data buffer
 is and on which device, and a receive is posted for each straight into its
 final memory (staged device buffers through pinned host chunks,
-:mod:`.staging`), or, where it came by address, read out of the sender's
+:mod:`.cuda.staging`), or, where it came by address, read out of the sender's
 memory at once (:mod:`.hostmem.cma`; acknowledged through ``by_address``), or, where
 its sender wrote it into memory we lent it, taken from there
 (:mod:`.grants`).  Distinct tags per buffer let concurrent large messages
-on one pipe proceed side by side.  A BATCH frame (:mod:`.batch`) is taken
+on one pipe proceed side by side.  A BATCH frame (:mod:`.wire.batch`) is taken
 apart into the messages it holds.
 
 Handshake frames are handed to the transport (``on_handshake``), which

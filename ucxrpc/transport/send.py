@@ -1,15 +1,15 @@
 """The sending side of a transport: frames onto a pipe's endpoint.
 
 A message is one frame (small buffers inline) and one tag message per
-separate buffer (:mod:`.frame`); CUDA buffers go GPU-direct, staged through
-host chunks, or packed (:mod:`.staging`); large host buffers to a peer that
-reads us by address go as their address alone (:mod:`.cma`), held until
+separate buffer (:mod:`.wire.frame`); CUDA buffers go GPU-direct, staged through
+host chunks, or packed (:mod:`.cuda.staging`); large host buffers to a peer that
+reads us by address go as their address alone (:mod:`.hostmem.cma`), held until
 the peer says it read them, or, where the peer lent us memory for them
 (:mod:`.grants`), are written into it before their frame goes.  Every
-frame says how far this side read the peer's (``ack``, :mod:`.frame`).  A
+frame says how far this side read the peer's (``ack``, :mod:`.wire.frame`).  A
 small message sent while the pipe's previous frame is still in flight
 waits in the pipe's outbox and leaves with the others as one BATCH frame
-(:mod:`.batch`).
+(:mod:`.wire.batch`).
 
 Every request left in flight goes to ``inflight`` for the progress loop to
 watch; the loop tells :meth:`Sender.frame_left` when a pipe's last frame
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 def _host_views(buffers: Sequence[Buffer]) -> list[tuple[int, memoryview | None, int]]:
-    """What :func:`.frame.encode` takes for host buffers (a Gather's parts
+    """What :func:`.wire.frame.encode` takes for host buffers (a Gather's parts
     are not one block of memory: never inline)."""
     return [(b.numel(), None if isinstance(b, Gather) else b.numpy().data, -1) for b in buffers]
 
@@ -67,7 +67,7 @@ class Sender:
         failed: ``(pipe, error)`` for a send that failed at once (the pipe
             breaks; called later, not under its lock).
         contended: whether this worker's loop may not poll now (every
-            frame says so to the peer; :data:`.cma.BUSY_MIN_BYTES`).
+            frame says so to the peer; :data:`.hostmem.cma.BUSY_MIN_BYTES`).
     """
 
     def __init__(self, *, my_id: int, limits: Limits, host_as_device: bool,
@@ -212,8 +212,8 @@ class Sender:
     def _by_address(self, pipe: Pipe, kind: Kind, buffers: Sequence[Buffer], busy: bool
                     ) -> tuple[Sequence[Buffer], list[tuple[int, int, int]] | None]:
         """``buffers`` and the frame's ways when some of them are to be read
-        by address (host buffers of :data:`.cma.MIN_BYTES` or more, of
-        :data:`.cma.BUSY_MIN_BYTES` where this loop (``busy``) or the peer's
+        by address (host buffers of :data:`.hostmem.cma.MIN_BYTES` or more, of
+        :data:`.hostmem.cma.BUSY_MIN_BYTES` where this loop (``busy``) or the peer's
         may not poll, in a message without device buffers), else None; a
         bundle read by address is joined first (the peer reads one block)."""
         if kind is not Kind.MESSAGE or self._host_as_device:

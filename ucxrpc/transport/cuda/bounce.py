@@ -3,7 +3,7 @@ makes none.
 
 With expandable segments or the ``cudaMallocAsync`` backend, torch's device
 memory is of a kind UCX's ``cuda_ipc`` cannot export
-(:func:`.cudactx.ipc_shareable`).  Rather than stage such tensors through
+(:func:`.context.ipc_shareable`).  Rather than stage such tensors through
 host memory (5 GB/s on an H200 where a device copy moves 2 TB/s), a sender
 copies each device buffer into one of these on a side stream and hands UCX
 that, and a receiver lands each in one and copies it into the tensor torch

@@ -4,7 +4,7 @@ A CUDA buffer normally travels as one tag message from device memory to
 device memory, and UCX picks the path (cuda_ipc / NVLink on one node,
 GPUDirect RDMA across nodes, its own pipelined cuda_copy otherwise).  Two
 things change that, both decided by the sender and written into the frame
-(see :mod:`.frame`):
+(see :mod:`..wire.frame`):
 
 * **Staging.**  When either end's UCX has no CUDA transport (``transports=``
   without ``cuda``, or a build without it), UCX must never see a device

@@ -3,7 +3,7 @@ sender's memory by the receiver (``process_vm_readv``), one copy in all.
 
 Why: with peer-failure handling on, UCX offers no CMA lane (its rendezvous
 then needs memory domains that can revoke a peer's access, which CMA's
-cannot: ucx.py), so within a host it copies large messages twice, fragment
+cannot: ucx/environment.py), so within a host it copies large messages twice, fragment
 by fragment through a shared-memory FIFO, and both processes must keep
 turning their loops for every fragment.  On a busy host each of those
 turns waits for a scheduler slice.  Here the receiver copies the whole
@@ -11,7 +11,7 @@ buffer in one system call, below the GIL, while the sender sleeps; a
 sender that dies meanwhile makes the call fail (``ESRCH``, ``EFAULT``), so
 peer failure needs nothing from UCX.  TensorPipe's CMA channel works so.
 
-How a pipe comes to use it (engine.py): every worker publishes
+How a pipe comes to use it (by_address.py): every worker publishes
 :func:`offer` (its kernel, PID namespace and user, and the address of a
 random token in its memory).  Once a peer's frames to us authenticate, we
 read its token (:func:`probe`): that proves that the kernel lets us read
@@ -45,7 +45,7 @@ from ..ucx.environment import INTRA_EAGER_MAX
 __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read", "write"]
 
 #: Host buffers from this size travel by address where a pipe allows it:
-#: where ucxrpc has UCX switch to rendezvous within a host (ucx.py, in a
+#: where ucxrpc has UCX switch to rendezvous within a host (ucx/environment.py, in a
 #: process without a GPU), from which UCX needs a round of handshakes
 #: anyway and then both processes turning their loops for every fragment.
 #: Beside a busy process, 2 MiB went 20-45% faster by address (one-way 3.38

@@ -1,6 +1,6 @@
 """Reusable host receive buffers.
 
-A freshly allocated large buffer is page-fault bound (UCX-NOTES pitfall 3:
+A freshly allocated large buffer is page-fault bound (docs/ucx-notes.md, pitfall 3:
 about 2.5 GB/s here, where memcpy runs at 17+ GB/s), which is what holds
 torch's agent near 1-2 GB/s for large tensors.  Buffers of at least
 ``min_bytes`` come from per-size-class free lists instead; a buffer goes back

@@ -5,7 +5,7 @@ is sent; this module is the UCX side, since only ``transport/`` imports ucxx).
 One UCX context and worker per process, an endpoint made from the peer's
 worker address (with peer-failure error handling on, as ucxrpc's are), tag
 send/receive, and the caller polling ``worker.progress()`` — the fastest
-progress strategy on a small host (UCX-NOTES pitfall 2) — yielding the CPU
+progress strategy on a small host (docs/ucx-notes.md, pitfall 2) — yielding the CPU
 every few hundred empty spins.  ucxx is imported only inside :class:`Pair`,
 after :func:`prepare_environment`, because UCX reads ``UCX_*`` once at load
 (pitfall 7).

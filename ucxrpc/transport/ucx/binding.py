@@ -41,7 +41,7 @@ _retired: list[Any] = []
 
 
 def as_array_source(buf: torch.Tensor | np.ndarray | bytes | bytearray | memoryview) -> Any:
-    """What ucxx's ``Array`` accepts for ``buf`` (UCX-NOTES pitfall 6)."""
+    """What ucxx's ``Array`` accepts for ``buf`` (docs/ucx-notes.md, pitfall 6)."""
     if isinstance(buf, torch.Tensor):
         if buf.device.type == "cpu":
             return buf.numpy()

@@ -130,7 +130,7 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
     ``WARN_UNUSED_ENV_VARS``) once, there and then.
 
     Shared memory only works with endpoint error handling when
-    ``UCX_MM_ERROR_HANDLING=y`` (UCX-NOTES pitfall 1); without it UCX falls
+    ``UCX_MM_ERROR_HANDLING=y`` (docs/ucx-notes.md, pitfall 1); without it UCX falls
     back to TCP over loopback.  UCX's keepalive checks what a peer's kernel
     or hardware answers (a TCP segment acknowledged, a shared-memory peer's
     process still there), never the peer's own code, so a busy peer passes;

@@ -9,9 +9,9 @@ calls, and their receives are posted here too: posting one through ucxx
 took ~10 µs of the receiver's frame handling (benchmarks/runs/Z.md).  CUDA
 buffers take them too (:meth:`Ucp.send_device`, :meth:`Ucp.tag_recv_device`),
 each request saying its memory is CUDA memory, so UCX does not detect the
-type of every buffer (its memory-type cache is off: ucx.py); through ucxx a
+type of every buffer (its memory-type cache is off: environment.py); through ucxx a
 16 MiB buffer's send cost the caller ~130 µs on an H200
-(../shared/reviews/gpu-percall-2026-11-28.md), with a Python ``Array`` read
+(benchmarks/runs/AH.md), with a Python ``Array`` read
 from ``__cuda_array_interface__``.  Empty buffers go through ucxx.
 
 Two rules keep it safe beside ucxx:
