@@ -16,7 +16,8 @@ Starting, watching and stopping the processes is :mod:`ucxrpc._launch`'s
 own lives here: the error types, the failure grace, and the stack dumps
 (faulthandler in every child, on :data:`_DUMP_SIGNAL` from the parent).
 
-Rules for targets (they run in a fresh interpreter, torch already imported):
+Rules for targets, and for a group's setups and scenarios (they run in a
+fresh interpreter, torch already imported):
 
 * a target is a module-level function of an importable module (not a lambda,
   not a nested function, not a bound method);
@@ -26,6 +27,18 @@ Rules for targets (they run in a fresh interpreter, torch already imported):
   ``ucxx`` reads and sets ``UCX_*`` variables).
 
 Ports come from :func:`free_port`, which binds port 0; never guess them.
+
+``worker_group(setup, world_size)`` is the same start, once for a whole
+test module: a pytest fixture whose :class:`WorkerGroup` keeps its ranks up
+(``setup``, a generator function, brings each up before its ``yield`` and
+down after it) and runs one scenario per test on rank 0,
+``group.run(scenario, *args)``: a test module of a dozen scenarios pays
+one start-up, not a dozen.  A scenario that raises fails its test with its
+traceback; a rank that dies, or a scenario still running at its deadline
+(its stacks are dumped first), fails it too; after any of those the next
+scenario gets a freshly started group, so one failure hides nothing and
+leaks into nothing.  ``check=``, run on rank 0 after each scenario that
+passed, fails a scenario that left the group unfit for the next one.
 
 Only the standard library and ``ucxrpc._launch`` (standard library only) are
 imported here, so that a child's start-up costs what its target's module
@@ -41,9 +54,13 @@ import multiprocessing
 import os
 import pickle
 import signal
+import socket
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from multiprocessing.connection import (Client, Connection, answer_challenge,
+                                        deliver_challenge)
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -53,8 +70,10 @@ from ucxrpc._launch import (Outcome, Ranks, free_port, load_target, spawn, start
 
 __all__ = [
     "FAILURE_GRACE_S",
+    "ScenarioFailed",
     "WorkerError",
     "WorkerFailed",
+    "WorkerGroup",
     "WorkerTimeout",
     "child_pids",
     "forkserver_pid",
@@ -63,6 +82,7 @@ __all__ = [
     "run_workers",
     "spawn_worker",
     "stop_worker",
+    "worker_group",
 ]
 
 #: After one rank fails, how long the others get to finish or fail on their
@@ -310,7 +330,300 @@ def child_pids(pid: int | None = None) -> list[int]:
 
 
 # --------------------------------------------------------------------------
-# Parent side.
+# A group of ranks kept up across the tests of a module.
+
+
+class ScenarioFailed(WorkerError):
+    """A scenario raised on rank 0 (or passed and then failed the group's
+    check); the ranks are still up.
+
+    Attributes:
+        scenario: the scenario's name.
+        text: what rank 0 reported: the formatted traceback.
+    """
+
+    def __init__(self, scenario: str, text: str, *, after: bool = False) -> None:
+        self.scenario = scenario
+        self.text = text
+        what = ("passed, then the group's check failed: it left the group unfit for the "
+                "next scenario" if after else "failed on rank 0")
+        super().__init__(f"scenario {scenario} {what}\n--- rank 0 ---\n{text.rstrip()}")
+
+
+class WorkerGroup:
+    """``world_size`` ranks started once and kept up, running scenarios on rank 0.
+
+    Each rank runs ``setup(rank, world_size, init_method, *args)``, a
+    generator function that yields once: before the ``yield`` it brings the
+    rank up (``init_rpc``, say), after it it takes the rank down
+    (``rpc.shutdown()``).  Between the two, rank 0 runs what :meth:`run`
+    sends it, one scenario at a time, on its main thread; the other ranks
+    wait (their agents serve on their own threads).  The ranks are started
+    as :func:`run_workers` starts them (forked from the forkserver, ``env``
+    applied first, faulthandler on, tied to this process) under one shared
+    start-up deadline, and stopped by pid whatever happens.
+
+    After a scenario fails (raised, failed ``check``, killed a rank, or
+    hung past its deadline) the ranks are stopped and the next :meth:`run`
+    starts a fresh group: one failure neither hides nor taints the next
+    scenario.  A group that could not start is not started again: every
+    later :meth:`run` raises that first failure at once.
+
+    Args:
+        setup: a module-level generator function of an importable module.
+        world_size: number of ranks, ``0 .. world_size - 1``.
+        args: extra arguments for ``setup``; they must pickle.
+        env: environment entries set in every rank before ``setup``'s module
+            is imported.
+        check: a module-level function run on rank 0 with no arguments after
+            each scenario that passed; if it raises, that scenario fails
+            (:class:`ScenarioFailed`) and the group is started afresh.
+        start_timeout: the deadline, in seconds, shared by all ranks to be
+            up (``setup`` run to its ``yield``).
+        stop_timeout: the deadline, in seconds, for all ranks to run the
+            rest of ``setup`` and exit at :meth:`close`.
+    """
+
+    def __init__(self, setup: Callable[..., Generator[object, None, None]], world_size: int, *,
+                 args: tuple[Any, ...] = (), env: dict[str, str] | None = None,
+                 check: Callable[[], object] | None = None, start_timeout: float = 45.0,
+                 stop_timeout: float = 30.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self._setup = target_ref(setup)
+        self._check = None if check is None else target_ref(check)
+        self.world_size = world_size
+        self._args = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
+        self._env = env
+        self._start_timeout = start_timeout
+        self._stop_timeout = stop_timeout
+        self._ranks: Ranks | None = None
+        self._conns: list[Connection] = []
+        self._listener: socket.socket | None = None
+        self._stack_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._start_failure: WorkerError | None = None
+        #: How many times ranks were started (a restart after a failure counts).
+        self.starts = 0
+
+    # -- the parent's calls
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The ranks' pids, in rank order; empty while no group is up."""
+        return [] if self._ranks is None else [p.pid for p in self._ranks.procs]
+
+    def run(self, scenario: Callable[..., object], *args: Any, timeout: float = 60.0) -> object:
+        """Run ``scenario(*args)`` on rank 0 and return what it returned.
+
+        Starts the group first if it is not up (the first scenario, or the
+        one after a failure).
+
+        Args:
+            scenario: a module-level function of an importable module.
+            args: its arguments; they and its return value must pickle.
+            timeout: seconds the scenario (and the group's check) may run.
+
+        Raises:
+            ScenarioFailed: it raised on rank 0, or the check failed after it.
+            WorkerFailed: a rank died meanwhile, or the group did not start.
+            WorkerTimeout: it was still running at the deadline (the stacks
+                of every rank are in the error).
+        """
+        ref = target_ref(scenario)
+        payload = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
+        if self._start_failure is not None:
+            raise self._start_failure
+        if self._ranks is None:
+            self._start()
+        deadline = time.monotonic() + timeout
+        try:
+            status, data = self._ask(ref, payload, deadline, timeout)
+            if status == _ERROR:
+                raise ScenarioFailed(ref[1], data)
+            value = pickle.loads(data)
+            if self._check is not None:
+                status, data = self._ask(self._check, pickle.dumps(()), deadline, timeout)
+                if status == _ERROR:
+                    raise ScenarioFailed(ref[1], data, after=True)
+            return value
+        except BaseException:
+            self._kill()  # the next scenario gets a fresh group
+            raise
+
+    def close(self) -> None:
+        """Take every rank down through the rest of ``setup`` and stop them.
+
+        Idempotent.  Raises :class:`WorkerFailed` (or :class:`WorkerTimeout`)
+        when a rank failed on its way down; the processes are stopped anyway.
+        """
+        if self._ranks is None:
+            return
+        ranks, stack_dir = self._ranks, self._stack_dir
+        assert stack_dir is not None
+        try:
+            for conn in self._conns:
+                try:
+                    conn.send((_STOP,))
+                except OSError:
+                    pass  # that rank is gone: its outcome says why
+            _collect(ranks, time.monotonic() + self._stop_timeout, self._stop_timeout,
+                     Path(stack_dir.name))
+        finally:
+            self._kill()
+
+    # -- inside
+
+    def _start(self) -> None:
+        self.starts += 1
+        authkey = os.urandom(16)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(_POLL_S)
+        self._stack_dir = tempfile.TemporaryDirectory(prefix="ucxrpc-group-")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        module_name, qualname = self._setup
+        try:
+            self._ranks = start(
+                _serve_rank,
+                [(module_name, qualname, rank, self.world_size, init_method, self._args,
+                  self._stack_dir.name, self._listener.getsockname(), authkey)
+                 for rank in range(self.world_size)],
+                env=self._env,
+                names=[f"group-rank{rank}" for rank in range(self.world_size)],
+                method=START_METHOD,
+            )
+            self._conns = self._await_ready(authkey, time.monotonic() + self._start_timeout)
+        except WorkerError as exc:
+            self._start_failure = exc
+            self._kill()
+            raise
+        except BaseException:
+            self._kill()
+            raise
+
+    def _await_ready(self, authkey: bytes, deadline: float) -> list[Connection]:
+        """Every rank's connection, in rank order, once each said it is up
+        (as multiprocessing's Listener accepts, with a deadline)."""
+        assert self._ranks is not None and self._stack_dir is not None
+        assert self._listener is not None
+        conns: dict[int, Connection] = {}
+        while len(conns) < self.world_size:
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                pass
+            else:
+                sock.setblocking(True)
+                conn = Connection(sock.detach())
+                deliver_challenge(conn, authkey)
+                answer_challenge(conn, authkey)
+                if conn.poll(max(0.0, deadline - time.monotonic())):
+                    conns[conn.recv()] = conn
+                else:
+                    conn.close()
+            self._ranks.poll()
+            if any(out.error is not None or not out.running for out in self._ranks.outcomes):
+                self._raise_broken("while starting")
+            if time.monotonic() >= deadline:
+                waiting = [r for r in range(self.world_size) if r not in conns]
+                stacks = _dump_stacks(self._ranks.procs, waiting, Path(self._stack_dir.name))
+                for conn in conns.values():
+                    conn.close()
+                raise WorkerTimeout(waiting, stacks, self._start_timeout)
+        return [conns[rank] for rank in range(self.world_size)]
+
+    def _ask(self, ref: tuple[str, str], payload: bytes, deadline: float,
+             timeout: float) -> tuple[str, Any]:
+        """Have rank 0 run ``ref`` and return its (status, data) reply."""
+        assert self._ranks is not None and self._stack_dir is not None
+        conn = self._conns[0]
+        try:
+            conn.send((_RUN, ref[0], ref[1], payload))
+        except OSError:
+            self._raise_broken(f"when asked to run {ref[1]}")
+        gone = False
+        while True:
+            if gone:
+                time.sleep(_POLL_S)
+            else:
+                try:
+                    if conn.poll(_POLL_S):
+                        reply: tuple[str, Any] = conn.recv()
+                        return reply
+                except (EOFError, OSError):
+                    gone = True  # rank 0 is gone: its outcome will say why
+            self._ranks.poll()
+            if any(out.error is not None or not out.running for out in self._ranks.outcomes):
+                self._raise_broken(f"while running {ref[1]}")
+            if time.monotonic() >= deadline:
+                stacks = _dump_stacks(self._ranks.procs, list(range(self.world_size)),
+                                      Path(self._stack_dir.name))
+                raise WorkerTimeout([0], stacks, timeout)
+
+    def _raise_broken(self, when: str) -> None:
+        """Raise :class:`WorkerFailed` for a group a rank of which ended or failed."""
+        assert self._ranks is not None and self._stack_dir is not None
+        outcomes = self._ranks.collect(FAILURE_GRACE_S, failure_grace=0.0)
+        stack_dir = Path(self._stack_dir.name)
+        failures = {out.rank: f"({when}) " + (_with_own_stacks(out, stack_dir)
+                                               if out.error is not None else
+                                               f"process exited with code {out.exitcode}")
+                    for out in outcomes if out.error is not None or not out.running}
+        running = [out.rank for out in outcomes if out.running]
+        stopped = _dump_stacks(self._ranks.procs, running, stack_dir) if running else {}
+        raise WorkerFailed(failures, stopped=stopped)
+
+    def _kill(self) -> None:
+        """Stop every rank by pid and drop the group (idempotent)."""
+        ranks, self._ranks = self._ranks, None
+        conns, self._conns = self._conns, []
+        listener, self._listener = self._listener, None
+        stack_dir, self._stack_dir = self._stack_dir, None
+        try:
+            if ranks is not None:
+                ranks.stop()
+        finally:
+            for conn in conns:
+                conn.close()
+            if listener is not None:
+                listener.close()
+            if stack_dir is not None:
+                stack_dir.cleanup()
+
+
+def worker_group(setup: Callable[..., Generator[object, None, None]], world_size: int, *,
+                 args: tuple[Any, ...] = (), env: dict[str, str] | None = None,
+                 check: Callable[[], object] | None = None, start_timeout: float = 45.0,
+                 stop_timeout: float = 30.0) -> Any:
+    """A module-scoped pytest fixture giving a :class:`WorkerGroup`.
+
+    Assign it to a module-level name; that name is the fixture's::
+
+        ranks = worker_group(_two_rpc_workers, 2)
+
+        def test_a_call_comes_back(ranks):
+            assert ranks.run(_call_and_check) == 3
+
+    The ranks start when the module's first scenario runs and are taken
+    down (the rest of ``setup``) after its last test; a failure there is an
+    error of that test.  The arguments are :class:`WorkerGroup`'s.  Tests
+    using it start processes: mark them ``processes``.
+    """
+    import pytest  # here: a worker imports this module, and needs no pytest
+
+    @pytest.fixture(scope="module")
+    def group() -> Iterator[WorkerGroup]:
+        workers = WorkerGroup(setup, world_size, args=args, env=env, check=check,
+                              start_timeout=start_timeout, stop_timeout=stop_timeout)
+        try:
+            yield workers
+        finally:
+            workers.close()
+
+    return group
+
+
+# --------------------------------------------------------------------------
+# Parent side: outcomes and stacks.
 
 
 def _collect(ranks: Ranks, deadline: float, timeout: float, stack_dir: Path) -> list[object]:
@@ -419,6 +732,54 @@ def _run_rank(
     faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
     target = load_target(module_name, qualname)
     return target(rank, world_size, init_method, *pickle.loads(payload))
+
+
+_RUN = "run"
+_STOP = "stop"
+_OK = "ok"
+_ERROR = "error"
+
+
+def _serve_rank(
+    module_name: str,
+    qualname: str,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    payload: bytes,
+    stack_dir: str,
+    address: tuple[str, int],
+    authkey: bytes,
+) -> None:
+    """One rank of a :class:`WorkerGroup`: up, serve the parent's requests, down."""
+    stack_file = open(_stack_file(stack_dir, rank), "w")  # noqa: SIM115
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
+    setup = load_target(module_name, qualname)
+    steps = setup(rank, world_size, init_method, *pickle.loads(payload))
+    next(steps)  # up
+    with Client(address, authkey=authkey) as conn:
+        conn.send(rank)
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return  # the parent is gone, and this process with it
+            if message[0] == _STOP:
+                break
+            _, scenario_module, scenario_name, scenario_payload = message
+            try:
+                scenario = load_target(scenario_module, scenario_name)
+                value = scenario(*pickle.loads(scenario_payload))
+                reply = (_OK, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+            except BaseException:
+                reply = (_ERROR, traceback.format_exc())
+            conn.send(reply)
+    try:  # down
+        next(steps)
+    except StopIteration:
+        return
+    raise RuntimeError(f"{module_name}.{qualname} must yield exactly once")
 
 
 def _run_single(module_name: str, qualname: str, payload: bytes) -> None:

@@ -5,7 +5,7 @@ torch 2.13 profiles RPC only under the legacy profiler
 (``torch.autograd.profiler_legacy.profile``): its agent records no RPC
 under Kineto (``torch.profiler.profile``, and ``torch.autograd.profiler.profile``,
 which is Kineto too).  What ucxrpc needs from it, all checked against the
-pinned torch by ``tests/unit/test_torch_profiler.py``:
+pinned torch by ``tests/test_torch_profiler.py``:
 
 * ``torch.autograd._profiler_enabled`` and ``torch._C._autograd._profiler_type``:
   whether a profiler is on in this thread, and which (torch's ``rpc.api``

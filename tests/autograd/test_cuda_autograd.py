@@ -17,7 +17,7 @@ from torch import nn
 from tests.rpc._gpu import SPIN, checksum
 from tests.workers import run_workers
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.processes, pytest.mark.gpu, pytest.mark.timeout(180)]
 
 MAPS = {0: {"worker1": {0: 0}}, 1: {"worker0": {0: 0}}}
 

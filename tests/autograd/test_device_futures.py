@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch._jit_internal import _extract_tensors
 
-from tests.workers import run_workers
+from tests.workers import worker_group
 from ucxrpc.autograd._recording import _Reply
 from ucxrpc.serialization.pickler import GradCapture, Serializer
 
@@ -97,54 +97,99 @@ def _extracting(devs):
     return _Extracting()
 
 
-def _rrefs_and_autograd(rank, world_size, init_method):
+def _extracting_workers(rank, world_size, init_method):
+    """A group's rank: every call's future extracts, as on a CUDA worker."""
     import ucxrpc as rpc
-    import ucxrpc.autograd as dist_autograd
     from ucxrpc import devices
-    from ucxrpc.nn import RemoteModule
-    from ucxrpc.optim import DistributedOptimizer
 
-    devices.future = _extracting  # every call's future extracts, as on a CUDA worker
+    devices.future = _extracting
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                  rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method))
-    if rank == 0:
-        # A reply of RRefs (the RemoteModule's parameters) completes its future.
-        rm = RemoteModule("worker1/cpu", torch.nn.Linear, args=(3, 2))
-        params = rm.remote_parameters()
-        assert len(params) == 2 and all(isinstance(p, rpc.RRef) for p in params)
-        t = torch.arange(4.0)
-        owned = rpc.RRef(t)
-        made = rpc.remote("worker1", torch.add, (t, 1))
-        # As torch's own RRefs: an RRef holds no tensor of the value it is in.
-        assert _same(_extract_tensors([*params, owned, made, t]), [t])
-        assert torch.equal(made.to_here(), t + 1)
-        # A user pickling one to send it somewhere is still refused.
-        with pytest.raises(RuntimeError, match="only be pickled inside an RPC"):
-            pickle.dumps(params[0])
-        with pytest.raises(RuntimeError, match="only be pickled inside an RPC"):
-            pickle.dumps(owned, protocol=pickle.HIGHEST_PROTOCOL)
-        # Nor does a RemoteModule (its module lives on the owner).
-        assert _same(_extract_tensors({"model": rm, "t": t}), [t])
-        with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
-            pickle.dumps(rm)
-        # Every RPC made inside a context answers with a _Reply.
-        x = torch.randn(5, dtype=torch.float64, requires_grad=True)
-        with dist_autograd.context() as ctx:
-            y = rpc.rpc_sync("worker1", torch.mul, (x, 3.0))
-            fut = rpc.rpc_async("worker1", torch.mul, (x, 2.0))
-            z = fut.wait()
-            dist_autograd.backward(ctx, [(y * y).sum() + z.sum()])
-            g = dist_autograd.get_gradients(ctx)[x]
-        assert torch.allclose(g, 18 * x.detach() + 2)
-        # Owner values (the module, its optimizer) are extracted when set too.
-        opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.5)
-        before = params[0].to_here()
-        with dist_autograd.context() as ctx:
-            dist_autograd.backward(ctx, [rm(torch.ones(1, 3)).sum()])
-            opt.step(ctx)
-        assert torch.allclose(params[0].to_here(), before - 0.5)
+    yield
     rpc.shutdown()
 
 
-def test_rrefs_and_autograd_replies_in_extracting_futures():
-    run_workers(_rrefs_and_autograd, 2, timeout=100)
+pair = worker_group(_extracting_workers, 2)
+
+
+def _rrefs_hold_no_tensor():
+    import ucxrpc as rpc
+    from ucxrpc.nn import RemoteModule
+
+    # A reply of RRefs (the RemoteModule's parameters) completes its future.
+    rm = RemoteModule("worker1/cpu", torch.nn.Linear, args=(3, 2))
+    params = rm.remote_parameters()
+    assert len(params) == 2 and all(isinstance(p, rpc.RRef) for p in params)
+    t = torch.arange(4.0)
+    owned = rpc.RRef(t)
+    made = rpc.remote("worker1", torch.add, (t, 1))
+    # As torch's own RRefs: an RRef holds no tensor of the value it is in.
+    assert _same(_extract_tensors([*params, owned, made, t]), [t])
+    assert torch.equal(made.to_here(), t + 1)
+    # A user pickling one to send it somewhere is still refused.
+    with pytest.raises(RuntimeError, match="only be pickled inside an RPC"):
+        pickle.dumps(params[0])
+    with pytest.raises(RuntimeError, match="only be pickled inside an RPC"):
+        pickle.dumps(owned, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@pytest.mark.processes
+def test_a_reply_of_rrefs_completes_and_an_rref_holds_no_tensor(pair):
+    pair.run(_rrefs_hold_no_tensor)
+
+
+def _remote_module_holds_no_tensor():
+    from ucxrpc.nn import RemoteModule
+
+    # Nor does a RemoteModule (its module lives on the owner).
+    rm = RemoteModule("worker1/cpu", torch.nn.Linear, args=(3, 2))
+    t = torch.arange(4.0)
+    assert _same(_extract_tensors({"model": rm, "t": t}), [t])
+    with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
+        pickle.dumps(rm)
+
+
+@pytest.mark.processes
+def test_a_remote_module_holds_no_tensor_and_is_not_pickled(pair):
+    pair.run(_remote_module_holds_no_tensor)
+
+
+def _replies_in_a_context():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # Every RPC made inside a context answers with a _Reply.
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", torch.mul, (x, 3.0))
+        fut = rpc.rpc_async("worker1", torch.mul, (x, 2.0))
+        z = fut.wait()
+        dist_autograd.backward(ctx, [(y * y).sum() + z.sum()])
+        g = dist_autograd.get_gradients(ctx)[x]
+    assert torch.allclose(g, 18 * x.detach() + 2)
+
+
+@pytest.mark.processes
+def test_autograd_replies_complete_extracting_futures(pair):
+    pair.run(_replies_in_a_context)
+
+
+def _owner_values():
+    import ucxrpc.autograd as dist_autograd
+    from ucxrpc.nn import RemoteModule
+    from ucxrpc.optim import DistributedOptimizer
+
+    # Owner values (the module, its optimizer) are extracted when set too.
+    rm = RemoteModule("worker1/cpu", torch.nn.Linear, args=(3, 2))
+    params = rm.remote_parameters()
+    opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.5)
+    before = params[0].to_here()
+    with dist_autograd.context() as ctx:
+        dist_autograd.backward(ctx, [rm(torch.ones(1, 3)).sum()])
+        opt.step(ctx)
+    assert torch.allclose(params[0].to_here(), before - 0.5)
+
+
+@pytest.mark.processes
+def test_owner_values_are_extracted_when_set(pair):
+    pair.run(_owner_values)

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from tests.workers import run_workers
+from tests.workers import run_workers, worker_group
 from ucxrpc.functions import async_execution
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 TOL = dict(rtol=1e-9, atol=1e-12)  # float64 throughout: the same ops, the same results
 
@@ -122,129 +122,245 @@ def _wait_contexts_zero(rpc, workers, timeout=10.0):
     return counts
 
 
-# -- 2 workers: the cases, one after the other -------------------------------------
+# -- 2 workers kept up: one case per test -------------------------------------------
 
-def _two_workers(rank, world_size, init_method):
+_WORLD: dict[str, int] = {}
+
+
+def _workers_up(rank, world_size, init_method):
+    """A group's rank: up as ``worker{rank}`` until the module's last test."""
     import ucxrpc as rpc
-    import ucxrpc.autograd as dist_autograd
 
+    _WORLD["size"] = world_size
     _init(rank, world_size, init_method)
-    if rank == 0:
-        w1 = "worker1"
-        # torch's design-doc example; t2 does not require grad
-        t1, t2, t4 = seeded(1, 3, 3), seeded(2, 3, 3, grad=False), seeded(4, 3, 3)
-        with dist_autograd.context() as ctx:
-            t3 = rpc.rpc_sync(w1, add, (t1, t2))
-            loss = (t3 * t4).sum()
-            dist_autograd.backward(ctx, [loss])
-            grads = dist_autograd.get_gradients(ctx)
-            assert set(map(id, grads)) == {id(t1), id(t4)}
-            ref = local_grads(lambda a, b: ((a + t2) * b).sum(), t1, t4)
-            assert close(grads[t1], ref[0]) and close(grads[t4], ref[1])
-            assert t1.grad is None and t4.grad is None  # never .grad
-        assert ctx >> 48 == 0
-
-        # the callee's own parameters, an input that does not require grad
-        x = seeded(5, 4, 3, grad=False)
-        with dist_autograd.context() as ctx:
-            out = rpc.rpc_sync(w1, linear_here, (x,))
-            dist_autograd.backward(ctx, [out.tanh().sum()])
-            remote = rpc.rpc_sync(w1, param_grads, (ctx, ["w1", "b1"]))
-            assert dist_autograd.get_gradients(ctx) == {}
-        ref = local_grads(lambda w, b: (x @ w + b).tanh().sum(), seeded(11, 3, 3), seeded(12, 3))
-        assert close(remote[0], ref[0]) and close(remote[1], ref[1])
-
-        # an output used twice
-        x = seeded(6, 5)
-        with dist_autograd.context() as ctx:
-            y = rpc.rpc_sync(w1, exp_of, (x,))
-            dist_autograd.backward(ctx, [(y * y).sum() + y.mean()])
-            g = dist_autograd.get_gradients(ctx)[x]
-        assert close(g, local_grads(lambda a: (a.exp() ** 2).sum() + a.exp().mean(), x)[0])
-
-        # an intermediate sent twice: its local graph is shared by two sends
-        w = seeded(7, 5)
-        with dist_autograd.context() as ctx:
-            h = (w * x).exp()
-            y1 = rpc.rpc_sync(w1, torch.sin, (h,))
-            y2 = rpc.rpc_async(w1, torch.cos, (h,)).wait()
-            dist_autograd.backward(ctx, [(y1 * y2).sum()])
-            gw, gx = (dist_autograd.get_gradients(ctx)[t] for t in (w, x))
-        ref = local_grads(lambda a, b: ((a * b).exp().sin() * (a * b).exp().cos()).sum(), w, x)
-        assert close(gw, ref[0]) and close(gx, ref[1])
-
-        # retain_graph: a second backward accumulates
-        with dist_autograd.context() as ctx:
-            loss = rpc.rpc_sync(w1, exp_of, (x * w,)).sum()
-            dist_autograd.backward(ctx, [loss], retain_graph=True)
-            dist_autograd.backward(ctx, [loss], retain_graph=True)
-            g = dist_autograd.get_gradients(ctx)[w]
-        assert close(g, 2 * local_grads(lambda a: (x * a).exp().sum(), w)[0])
-
-        # a chain back to the caller (worker0 -> worker1 -> worker0), and a self call
-        with dist_autograd.context() as ctx:
-            loss = rpc.rpc_sync(w1, call_back, (x * w,)).sum() + \
-                rpc.rpc_sync("worker0", torch.mul, (w, w)).sum()
-            dist_autograd.backward(ctx, [loss])
-            g = dist_autograd.get_gradients(ctx)[w]
-        assert close(g, local_grads(lambda a: (x * a * 3.0).sin().sum() + (a * a).sum(), w)[0])
-
-        # @async_execution callee
-        with dist_autograd.context() as ctx:
-            y = rpc.rpc_sync(w1, async_double, (w,))
-            dist_autograd.backward(ctx, [y.sum()])
-            assert close(dist_autograd.get_gradients(ctx)[w], torch.full_like(w, 2.0))
-
-        # remote(), to_here() and RRef.backward, in a context and without.
-        # (Each pass in a context of its own: as torch's FAST mode, a pass
-        # waits for every send of its context, and the second root here
-        # does not reach the first's.)
-        with dist_autograd.context() as ctx:
-            r = rpc.remote(w1, call_back, (w,))
-            dist_autograd.backward(ctx, [r.to_here().sum()])
-            g = dist_autograd.get_gradients(ctx)[w]
-            assert close(g, local_grads(lambda a: (a * 3.0).sin().sum(), w)[0])
-        with dist_autograd.context() as ctx:
-            loss_rref = rpc.remote(w1, sum_sq, (w,))
-            loss_rref.backward(ctx)
-            assert close(dist_autograd.get_gradients(ctx)[w], 2 * w.detach())
-        # Local autograd (no context id) is the owner's alone, as in torch;
-        # on the owner it accumulates into .grad there.
-        with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id'"):
-            rpc.remote(w1, own_loss).backward()
-        rpc.rpc_sync(w1, backward_own_loss)
-        assert close(rpc.rpc_sync(w1, own_grad, ("w1",)), 2 * seeded(11, 3, 3).detach())
-
-        # misuse: torch's messages
-        with pytest.raises(RuntimeError, match="Could not find autograd context with id: 424242"):
-            dist_autograd.get_gradients(424242)
-        with dist_autograd.context() as ctx:
-            with pytest.raises(RuntimeError, match="Already have an autograd context id"):
-                with dist_autograd.context():
-                    pass
-            y = rpc.rpc_sync(w1, exp_of, (w,))
-            with pytest.raises(RuntimeError, match="all roots need to be scalar"):
-                dist_autograd.backward(ctx, [y])
-            # torch's checks, in its order and words
-            for bad in ((ctx, None), (None, [y.sum()]), (ctx, [y.sum(), 1.0]),
-                        (ctx, [y.sum()], "yes")):
-                with pytest.raises(TypeError, match="(?s)incompatible function arguments.*"
-                                                    "(context_id|roots|retain_graph)"):
-                    dist_autograd.backward(*bad)
-            with pytest.raises(RuntimeError, match="No tensors provided for gradient"):
-                dist_autograd.backward(ctx, [])
-            with pytest.raises(RuntimeError, match="requires_grad not set on root"):
-                dist_autograd.backward(ctx, [torch.rand(3, 3)])
-            with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
-                dist_autograd.backward(ctx, [torch.rand(1, requires_grad=True)])
-        with pytest.raises(RuntimeError, match="Could not find autograd context"):
-            dist_autograd.backward(ctx, [y.sum()])
-        assert _wait_contexts_zero(rpc, ["worker0", "worker1"]) == [0, 0]
+    yield
     rpc.shutdown()
 
 
-def test_two_workers_gradients_match_local():
-    run_workers(_two_workers, 2, timeout=100)
+def _no_context_left():
+    """After each case: every context it made is gone, on every worker."""
+    import ucxrpc as rpc
+
+    workers = [f"worker{r}" for r in range(_WORLD["size"])]
+    assert _wait_contexts_zero(rpc, workers) == [0] * len(workers)
+
+
+pair = worker_group(_workers_up, 2, check=_no_context_left)
+trio = worker_group(_workers_up, 3, check=_no_context_left)
+
+
+def _design_doc_example():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # torch's design-doc example; t2 does not require grad
+    t1, t2, t4 = seeded(1, 3, 3), seeded(2, 3, 3, grad=False), seeded(4, 3, 3)
+    with dist_autograd.context() as ctx:
+        t3 = rpc.rpc_sync("worker1", add, (t1, t2))
+        loss = (t3 * t4).sum()
+        dist_autograd.backward(ctx, [loss])
+        grads = dist_autograd.get_gradients(ctx)
+        assert set(map(id, grads)) == {id(t1), id(t4)}
+        ref = local_grads(lambda a, b: ((a + t2) * b).sum(), t1, t4)
+        assert close(grads[t1], ref[0]) and close(grads[t4], ref[1])
+        assert t1.grad is None and t4.grad is None  # never .grad
+    assert ctx >> 48 == 0
+
+
+def test_torchs_design_doc_example(pair):
+    pair.run(_design_doc_example)
+
+
+def _callee_parameters():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # the callee's own parameters, an input that does not require grad
+    x = seeded(5, 4, 3, grad=False)
+    with dist_autograd.context() as ctx:
+        out = rpc.rpc_sync("worker1", linear_here, (x,))
+        dist_autograd.backward(ctx, [out.tanh().sum()])
+        remote = rpc.rpc_sync("worker1", param_grads, (ctx, ["w1", "b1"]))
+        assert dist_autograd.get_gradients(ctx) == {}
+    ref = local_grads(lambda w, b: (x @ w + b).tanh().sum(), seeded(11, 3, 3), seeded(12, 3))
+    assert close(remote[0], ref[0]) and close(remote[1], ref[1])
+
+
+def test_the_callees_own_parameters_get_gradients(pair):
+    pair.run(_callee_parameters)
+
+
+def _output_used_twice():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    x = seeded(6, 5)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", exp_of, (x,))
+        dist_autograd.backward(ctx, [(y * y).sum() + y.mean()])
+        g = dist_autograd.get_gradients(ctx)[x]
+    assert close(g, local_grads(lambda a: (a.exp() ** 2).sum() + a.exp().mean(), x)[0])
+
+
+def test_an_output_used_twice(pair):
+    pair.run(_output_used_twice)
+
+
+def _intermediate_sent_twice():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # an intermediate sent twice: its local graph is shared by two sends
+    x, w = seeded(6, 5), seeded(7, 5)
+    with dist_autograd.context() as ctx:
+        h = (w * x).exp()
+        y1 = rpc.rpc_sync("worker1", torch.sin, (h,))
+        y2 = rpc.rpc_async("worker1", torch.cos, (h,)).wait()
+        dist_autograd.backward(ctx, [(y1 * y2).sum()])
+        gw, gx = (dist_autograd.get_gradients(ctx)[t] for t in (w, x))
+    ref = local_grads(lambda a, b: ((a * b).exp().sin() * (a * b).exp().cos()).sum(), w, x)
+    assert close(gw, ref[0]) and close(gx, ref[1])
+
+
+def test_an_intermediate_sent_twice(pair):
+    pair.run(_intermediate_sent_twice)
+
+
+def _retain_graph():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # retain_graph: a second backward accumulates
+    x, w = seeded(6, 5), seeded(7, 5)
+    with dist_autograd.context() as ctx:
+        loss = rpc.rpc_sync("worker1", exp_of, (x * w,)).sum()
+        dist_autograd.backward(ctx, [loss], retain_graph=True)
+        dist_autograd.backward(ctx, [loss], retain_graph=True)
+        g = dist_autograd.get_gradients(ctx)[w]
+    assert close(g, 2 * local_grads(lambda a: (x * a).exp().sum(), w)[0])
+
+
+def test_retain_graph_a_second_backward_accumulates(pair):
+    pair.run(_retain_graph)
+
+
+def _chain_back_and_self_call():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # a chain back to the caller (worker0 -> worker1 -> worker0), and a self call
+    x, w = seeded(6, 5), seeded(7, 5)
+    with dist_autograd.context() as ctx:
+        loss = rpc.rpc_sync("worker1", call_back, (x * w,)).sum() + \
+            rpc.rpc_sync("worker0", torch.mul, (w, w)).sum()
+        dist_autograd.backward(ctx, [loss])
+        g = dist_autograd.get_gradients(ctx)[w]
+    assert close(g, local_grads(lambda a: (x * a * 3.0).sin().sum() + (a * a).sum(), w)[0])
+
+
+def test_a_chain_back_to_the_caller_and_a_call_to_oneself(pair):
+    pair.run(_chain_back_and_self_call)
+
+
+def _async_callee():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # @async_execution callee
+    w = seeded(7, 5)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", async_double, (w,))
+        dist_autograd.backward(ctx, [y.sum()])
+        assert close(dist_autograd.get_gradients(ctx)[w], torch.full_like(w, 2.0))
+
+
+def test_an_async_execution_callee(pair):
+    pair.run(_async_callee)
+
+
+def _remote_to_here():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # remote() and to_here(), in a context of its own (as torch's FAST
+    # mode, a pass waits for every send of its context)
+    w = seeded(7, 5)
+    with dist_autograd.context() as ctx:
+        r = rpc.remote("worker1", call_back, (w,))
+        dist_autograd.backward(ctx, [r.to_here().sum()])
+        g = dist_autograd.get_gradients(ctx)[w]
+        assert close(g, local_grads(lambda a: (a * 3.0).sin().sum(), w)[0])
+
+
+def test_remote_and_to_here_in_a_context(pair):
+    pair.run(_remote_to_here)
+
+
+def _rref_backward_in_a_context():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # RRef.backward in a context of its own (the root here does not reach
+    # the one of a pass before it)
+    w = seeded(7, 5)
+    with dist_autograd.context() as ctx:
+        loss_rref = rpc.remote("worker1", sum_sq, (w,))
+        loss_rref.backward(ctx)
+        assert close(dist_autograd.get_gradients(ctx)[w], 2 * w.detach())
+
+
+def test_rref_backward_in_a_context(pair):
+    pair.run(_rref_backward_in_a_context)
+
+
+def _rref_backward_without_a_context():
+    import ucxrpc as rpc
+
+    # Local autograd (no context id) is the owner's alone, as in torch;
+    # on the owner it accumulates into .grad there.
+    with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id'"):
+        rpc.remote("worker1", own_loss).backward()
+    rpc.rpc_sync("worker1", backward_own_loss)
+    assert close(rpc.rpc_sync("worker1", own_grad, ("w1",)), 2 * seeded(11, 3, 3).detach())
+
+
+def test_rref_backward_without_a_context_is_the_owners_local_autograd(pair):
+    pair.run(_rref_backward_without_a_context)
+
+
+def _misuse():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # misuse: torch's messages
+    w = seeded(7, 5)
+    with pytest.raises(RuntimeError, match="Could not find autograd context with id: 424242"):
+        dist_autograd.get_gradients(424242)
+    with dist_autograd.context() as ctx:
+        with pytest.raises(RuntimeError, match="Already have an autograd context id"):
+            with dist_autograd.context():
+                pass
+        y = rpc.rpc_sync("worker1", exp_of, (w,))
+        with pytest.raises(RuntimeError, match="all roots need to be scalar"):
+            dist_autograd.backward(ctx, [y])
+        # torch's checks, in its order and words
+        for bad in ((ctx, None), (None, [y.sum()]), (ctx, [y.sum(), 1.0]),
+                    (ctx, [y.sum()], "yes")):
+            with pytest.raises(TypeError, match="(?s)incompatible function arguments.*"
+                                                "(context_id|roots|retain_graph)"):
+                dist_autograd.backward(*bad)
+        with pytest.raises(RuntimeError, match="No tensors provided for gradient"):
+            dist_autograd.backward(ctx, [])
+        with pytest.raises(RuntimeError, match="requires_grad not set on root"):
+            dist_autograd.backward(ctx, [torch.rand(3, 3)])
+        with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
+            dist_autograd.backward(ctx, [torch.rand(1, requires_grad=True)])
+    with pytest.raises(RuntimeError, match="Could not find autograd context"):
+        dist_autograd.backward(ctx, [y.sum()])
+
+
+def test_misuse_fails_with_torchs_messages(pair):
+    pair.run(_misuse)
 
 
 # -- 3 workers: a chain A -> B -> C -> A -------------------------------------------
@@ -274,45 +390,52 @@ def fetch_exp(rref):
     return rref.to_here().exp()
 
 
-def _chain(rank, world_size, init_method):
+def _chain():
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
 
-    _init(rank, world_size, init_method)
-    if rank == 0:
-        x, p0 = seeded(1, 4), param("p0", 20, 4)
-        with dist_autograd.context() as ctx:
-            out = rpc.rpc_sync("worker1", hop1, (x,))
-            dist_autograd.backward(ctx, [(out * out).sum()])
-            g = dist_autograd.get_gradients(ctx)
-            gx, gp0 = g[x], g[p0]
-            gp1 = rpc.rpc_sync("worker1", param_grads, (ctx, ["p1"]))[0]
-            gp2 = rpc.rpc_sync("worker2", param_grads, (ctx, ["p2"]))[0]
-            assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in range(3)] == [1, 1, 1]
+    x, p0 = seeded(1, 4), param("p0", 20, 4)
+    with dist_autograd.context() as ctx:
+        out = rpc.rpc_sync("worker1", hop1, (x,))
+        dist_autograd.backward(ctx, [(out * out).sum()])
+        g = dist_autograd.get_gradients(ctx)
+        gx, gp0 = g[x], g[p0]
+        gp1 = rpc.rpc_sync("worker1", param_grads, (ctx, ["p1"]))[0]
+        gp2 = rpc.rpc_sync("worker2", param_grads, (ctx, ["p2"]))[0]
+        assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in range(3)] == [1, 1, 1]
 
-        def model(a, q0, q1, q2):
-            o = (a * q1).sin() * q2 * q0 + a
-            return (o * o).sum()
-        ref = local_grads(model, x, p0, seeded(21, 4), seeded(22, 4))
-        for got, want in zip((gx, gp0, gp1, gp2), ref):
-            assert close(got, want)
-        # worker0 never called worker2, yet the release reached it
-        assert _wait_contexts_zero(rpc, ["worker0", "worker1", "worker2"]) == [0, 0, 0]
-
-        # an RRef to an activation on worker1, fetched by worker2 through a proxy
-        with dist_autograd.context() as ctx:
-            hidden = rpc.remote("worker1", scale_by_p1, (x,))
-            out = rpc.rpc_sync("worker2", fetch_exp, (hidden,))
-            dist_autograd.backward(ctx, [out.sum()])
-            gx = dist_autograd.get_gradients(ctx)[x]
-            gp1 = rpc.rpc_sync("worker1", param_grads, (ctx, ["p1"]))[0]
-        ref = local_grads(lambda a, q1: (a * q1).exp().sum(), x, seeded(21, 4))
-        assert close(gx, ref[0]) and close(gp1, ref[1])
-    rpc.shutdown()
+    def model(a, q0, q1, q2):
+        o = (a * q1).sin() * q2 * q0 + a
+        return (o * o).sum()
+    ref = local_grads(model, x, p0, seeded(21, 4), seeded(22, 4))
+    for got, want in zip((gx, gp0, gp1, gp2), ref):
+        assert close(got, want)
+    # worker0 never called worker2, yet the release reached it
+    assert _wait_contexts_zero(rpc, ["worker0", "worker1", "worker2"]) == [0, 0, 0]
 
 
-def test_nested_chain_three_workers():
-    run_workers(_chain, 3, timeout=100)
+def test_nested_chain_three_workers(trio):
+    trio.run(_chain)
+
+
+def _activation_fetched_through_a_proxy():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    # an RRef to an activation on worker1, fetched by worker2 through a proxy
+    x = seeded(1, 4)
+    with dist_autograd.context() as ctx:
+        hidden = rpc.remote("worker1", scale_by_p1, (x,))
+        out = rpc.rpc_sync("worker2", fetch_exp, (hidden,))
+        dist_autograd.backward(ctx, [out.sum()])
+        gx = dist_autograd.get_gradients(ctx)[x]
+        gp1 = rpc.rpc_sync("worker1", param_grads, (ctx, ["p1"]))[0]
+    ref = local_grads(lambda a, q1: (a * q1).exp().sum(), x, seeded(21, 4))
+    assert close(gx, ref[0]) and close(gp1, ref[1])
+
+
+def test_an_activation_on_one_worker_fetched_by_another_through_an_rref(trio):
+    trio.run(_activation_fetched_through_a_proxy)
 
 
 # -- errors during backward ----------------------------------------------------------
@@ -341,44 +464,42 @@ def set_boom(fail):
     Boom.fail = fail
 
 
-def _errors(rank, world_size, init_method):
+def _errors():
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
 
-    _init(rank, world_size, init_method)
-    if rank == 0:
-        w = seeded(1, 3)
-        with dist_autograd.context() as ctx:
-            a = rpc.rpc_sync("worker1", boom, (w,))
-            b = rpc.rpc_sync("worker2", exp_of, (w,))
-            loss = (a * b).sum()
-            for _ in range(2):
-                # torch's first line, then the worker's name and the error's type
-                with pytest.raises(RuntimeError, match=r"(?s)Error on Node 1: boom in backward\n"
-                                   r"\(ValueError on worker worker1, .*boom in backward") as info:
-                    dist_autograd.backward(ctx, [loss], retain_graph=True)
-                assert isinstance(info.value, rpc.RpcError)
-            # as torch's: the context stays everywhere, and once the error is
-            # gone backward runs again in it, the graph retained
-            assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in (1, 2)] == [1, 1]
-            assert num_contexts() == 1
-            rpc.rpc_sync("worker1", set_boom, (False,))
-            dist_autograd.backward(ctx, [loss], retain_graph=True)
-            before = dist_autograd.get_gradients(ctx)[w].clone()
-            dist_autograd.backward(ctx, [loss])
-            step = dist_autograd.get_gradients(ctx)[w] - before
-            assert close(step, local_grads(lambda x: (x * 2 * x.exp()).sum(), w)[0])
-        assert num_contexts() == 0
-        assert _wait_contexts_zero(rpc, ["worker1", "worker2"]) == [0, 0]
-        # the agents keep serving, and a new context works
-        with dist_autograd.context() as ctx:
-            dist_autograd.backward(ctx, [rpc.rpc_sync("worker2", exp_of, (w,)).sum()])
-            assert close(dist_autograd.get_gradients(ctx)[w], w.detach().exp())
-    rpc.shutdown()
+    rpc.rpc_sync("worker1", set_boom, (True,))  # whatever ran on this group before
+    w = seeded(1, 3)
+    with dist_autograd.context() as ctx:
+        a = rpc.rpc_sync("worker1", boom, (w,))
+        b = rpc.rpc_sync("worker2", exp_of, (w,))
+        loss = (a * b).sum()
+        for _ in range(2):
+            # torch's first line, then the worker's name and the error's type
+            with pytest.raises(RuntimeError, match=r"(?s)Error on Node 1: boom in backward\n"
+                               r"\(ValueError on worker worker1, .*boom in backward") as info:
+                dist_autograd.backward(ctx, [loss], retain_graph=True)
+            assert isinstance(info.value, rpc.RpcError)
+        # as torch's: the context stays everywhere, and once the error is
+        # gone backward runs again in it, the graph retained
+        assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in (1, 2)] == [1, 1]
+        assert num_contexts() == 1
+        rpc.rpc_sync("worker1", set_boom, (False,))
+        dist_autograd.backward(ctx, [loss], retain_graph=True)
+        before = dist_autograd.get_gradients(ctx)[w].clone()
+        dist_autograd.backward(ctx, [loss])
+        step = dist_autograd.get_gradients(ctx)[w] - before
+        assert close(step, local_grads(lambda x: (x * 2 * x.exp()).sum(), w)[0])
+    assert num_contexts() == 0
+    assert _wait_contexts_zero(rpc, ["worker1", "worker2"]) == [0, 0]
+    # the agents keep serving, and a new context works
+    with dist_autograd.context() as ctx:
+        dist_autograd.backward(ctx, [rpc.rpc_sync("worker2", exp_of, (w,)).sum()])
+        assert close(dist_autograd.get_gradients(ctx)[w], w.detach().exp())
 
 
-def test_error_during_backward_names_the_worker():
-    run_workers(_errors, 3, timeout=100)
+def test_error_during_backward_names_the_worker(trio):
+    trio.run(_errors)
 
 
 # -- concurrent contexts from two trainers -------------------------------------------
@@ -442,35 +563,31 @@ def test_concurrent_contexts_from_two_trainers():
     run_workers(_trainers, 3, timeout=100)
 
 
-def _accumulate_grad_hooks(rank, world_size, init_method):
+def _accumulate_grad_hooks():
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
 
-    _init(rank, world_size, init_method)
-    out = None
-    if rank == 0:
-        t = torch.ones(3, requires_grad=True)
-        t.grad = torch.full((3,), 7.0)  # a local gradient, which dist autograd leaves alone
-        calls = []
-        # t's AccumulateGrad node (kept alive here, so its hooks stay on it)
-        node = (t * 1).grad_fn.next_functions[0][0]
-        node.register_hook(lambda grad_inputs, grad_outputs: calls.append(1))
-        with dist_autograd.context() as ctx:
-            y = rpc.rpc_sync("worker1", torch.mul, (t, 2.0))
-            dist_autograd.backward(ctx, [(y + t).sum()])
-            grads = dist_autograd.get_gradients(ctx)
-            out = (grads[t].tolist(), t.grad.tolist(), len(calls))
-        assert node is not None
-    rpc.shutdown()
+    t = torch.ones(3, requires_grad=True)
+    t.grad = torch.full((3,), 7.0)  # a local gradient, which dist autograd leaves alone
+    calls = []
+    # t's AccumulateGrad node (kept alive here, so its hooks stay on it)
+    node = (t * 1).grad_fn.next_functions[0][0]
+    node.register_hook(lambda grad_inputs, grad_outputs: calls.append(1))
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", torch.mul, (t, 2.0))
+        dist_autograd.backward(ctx, [(y + t).sum()])
+        grads = dist_autograd.get_gradients(ctx)
+        out = (grads[t].tolist(), t.grad.tolist(), len(calls))
+    assert node is not None
     return out
 
 
-def test_accumulate_grad_hooks_run_and_grad_is_left_alone():
+def test_accumulate_grad_hooks_run_and_grad_is_left_alone(pair):
     # As torch's distributed engine: a leaf's AccumulateGrad hooks run (DDP's
     # reducer all-reduces there), once per local pass that reaches the leaf
     # (here two: the root's, and the propagation back from worker1), while
     # the gradient goes to the context and .grad keeps its local value.
-    assert run_workers(_accumulate_grad_hooks, 2, timeout=90)[0] == ([3.0] * 3, [7.0] * 3, 2)
+    assert pair.run(_accumulate_grad_hooks) == ([3.0] * 3, [7.0] * 3, 2)
 
 
 # -- sparse gradients ---------------------------------------------------------------
@@ -480,31 +597,26 @@ def embed_sum(weight, idx, offsets):
     return torch.nn.functional.embedding_bag(weight, idx, offsets, sparse=True).sum()
 
 
-def _sparse(rank, world_size, init_method):
+def _sparse():
     import ucxrpc as rpc
     from ucxrpc import autograd as dist_autograd
 
-    _init(rank, world_size, init_method)
-    out = None
-    if rank == 0:
-        weight = seeded(7, 10, 3)
-        idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
-        with dist_autograd.context() as ctx:
-            # the weight travels as a leaf; its sparse gradient comes back
-            loss = rpc.rpc_sync("worker1", embed_sum, (weight, idx, offsets))
-            dist_autograd.backward(ctx, [loss])
-            got = dist_autograd.get_gradients(ctx)[weight]
-        want = local_grads(lambda w: embed_sum(w, idx, offsets), weight)[0]
-        out = (got.layout is torch.sparse_coo,
-               torch.allclose(got.to_dense(), want.to_dense(), **TOL))
-    rpc.shutdown()
-    return out
+    weight = seeded(7, 10, 3)
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    with dist_autograd.context() as ctx:
+        # the weight travels as a leaf; its sparse gradient comes back
+        loss = rpc.rpc_sync("worker1", embed_sum, (weight, idx, offsets))
+        dist_autograd.backward(ctx, [loss])
+        got = dist_autograd.get_gradients(ctx)[weight]
+    want = local_grads(lambda w: embed_sum(w, idx, offsets), weight)[0]
+    return (got.layout is torch.sparse_coo,
+            torch.allclose(got.to_dense(), want.to_dense(), **TOL))
 
 
-def test_sparse_gradients_cross_workers():
+def test_sparse_gradients_cross_workers(pair):
     # Sparse tensors once travelled by torch's own pickling, which drops
     # requires_grad: the callee's sparse embedding was cut off from the graph.
-    assert run_workers(_sparse, 2, timeout=90)[0] == (True, True)
+    assert pair.run(_sparse) == (True, True)
 
 
 # -- which gradients are kept, which copied ---------------------------------------
@@ -537,35 +649,29 @@ class _Once(torch.autograd.Function):
         return grad
 
 
-def _kept_or_copied(rank, world_size, init_method):
-    import ucxrpc as rpc
+def _kept_or_copied():
     import ucxrpc.autograd as dist_autograd
 
-    _init(rank, world_size, init_method)
-    out = None
-    if rank == 0:
-        a, b = seeded(1, 4), seeded(2, 4)
-        with dist_autograd.context() as ctx:
-            dist_autograd.backward(ctx, [(_Twice.apply(a, b) * 3).sum()])
-            grads = dist_autograd.get_gradients(ctx)
-            kept = [grads[a].data_ptr() == _Twice.grad_ptr, grads[b].data_ptr() == _Twice.grad_ptr]
-            grads[a].add_(1.0)  # an optimizer's in-place update of one of them
-            apart = grads[b].tolist() == [3.0] * 4
-        with dist_autograd.context() as ctx:
-            dist_autograd.backward(ctx, [(_Once.apply(a) * 3).sum()])
-            once = dist_autograd.get_gradients(ctx)[a].data_ptr() == _Once.grad_ptr
-        out = (sorted(kept), apart, once)
-    rpc.shutdown()
-    return out
+    a, b = seeded(1, 4), seeded(2, 4)
+    with dist_autograd.context() as ctx:
+        dist_autograd.backward(ctx, [(_Twice.apply(a, b) * 3).sum()])
+        grads = dist_autograd.get_gradients(ctx)
+        kept = [grads[a].data_ptr() == _Twice.grad_ptr, grads[b].data_ptr() == _Twice.grad_ptr]
+        grads[a].add_(1.0)  # an optimizer's in-place update of one of them
+        apart = grads[b].tolist() == [3.0] * 4
+    with dist_autograd.context() as ctx:
+        dist_autograd.backward(ctx, [(_Once.apply(a) * 3).sum()])
+        once = dist_autograd.get_gradients(ctx)[a].data_ptr() == _Once.grad_ptr
+    return (sorted(kept), apart, once)
 
 
-def test_two_leaves_given_one_gradient_get_copies_and_one_used_once_is_kept():
+def test_two_leaves_given_one_gradient_get_copies_and_one_used_once_is_kept(pair):
     # As torch's distributed engine (its test_no_grad_copy): a gradient
     # tensor handed to two leaves is copied for both, so neither aliases the
     # tensor the function made nor the other; a tensor only one leaf got is
     # kept as it is.  (Each leaf's AccumulateGrad still runs, with its hooks:
     # which tensor went to which leaves is seen by a pre-hook, _pass.py.)
-    assert run_workers(_kept_or_copied, 2, timeout=90)[0] == ([False, False], True, True)
+    assert pair.run(_kept_or_copied) == ([False, False], True, True)
 
 
 _SYMBOLIC = "torch.fx.experimental.symbolic_shapes"

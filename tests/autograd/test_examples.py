@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LOSS = re.compile(r"^(?:(\S+) )?step\s+(\d+) loss ([0-9.]+)$")

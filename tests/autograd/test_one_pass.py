@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from tests.workers import run_workers
+from tests.workers import run_workers, worker_group
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
 
 def _init(rank, world_size, init_method):
@@ -39,76 +39,79 @@ def seen():
     return len(_SEEN)
 
 
-def _recv_reached_twice(rank, world_size, init_method):
+def _workers_up(rank, world_size, init_method):
+    """A group's rank: up as ``worker{rank}`` until the module's last test."""
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    yield
+    rpc.shutdown()
+
+
+pair = worker_group(_workers_up, 2)
+
+
+def _recv_reached_twice():
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
 
-    _init(rank, world_size, init_method)
-    out = None
-    if rank == 0:
-        x = torch.arange(4.0, requires_grad=True)
-        with dist_autograd.context() as ctx:
-            y = rpc.rpc_sync("worker1", doubled, (x,))
-            # y is reached by the roots and by the send of y * 3 to worker1
-            z = rpc.rpc_sync("worker1", torch.mul, (y * 3.0, y))
-            dist_autograd.backward(ctx, [y.sum() + z.sum()])
-            grad = dist_autograd.get_gradients(ctx)[x]
-        # d/dx (2x + 3 (2x)^2) = 2 + 24 x
-        out = (grad.tolist(), rpc.rpc_sync("worker1", seen))
-    rpc.shutdown()
-    return out
+    before = rpc.rpc_sync("worker1", seen)
+    x = torch.arange(4.0, requires_grad=True)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", doubled, (x,))
+        # y is reached by the roots and by the send of y * 3 to worker1
+        z = rpc.rpc_sync("worker1", torch.mul, (y * 3.0, y))
+        dist_autograd.backward(ctx, [y.sum() + z.sum()])
+        grad = dist_autograd.get_gradients(ctx)[x]
+    # d/dx (2x + 3 (2x)^2) = 2 + 24 x
+    return grad.tolist(), rpc.rpc_sync("worker1", seen) - before
 
 
-def test_a_recv_reached_by_two_parts_sends_its_gradient_once():
-    grad, hooks = run_workers(_recv_reached_twice, 2, timeout=120)[0]
+def test_a_recv_reached_by_two_parts_sends_its_gradient_once(pair):
+    grad, hooks = pair.run(_recv_reached_twice)
     assert grad == [2.0 + 24.0 * i for i in range(4)]
     assert hooks == 1  # worker1's send of y ran once, with the summed gradient
 
 
 # -- a hook writing another leaf's gradient during the pass ---------------------------
 
-def _hook_writes_other_leaf(rank, world_size, init_method):
+def _hook_writes_other_leaf():
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
 
-    _init(rank, world_size, init_method)
-    out = None
-    if rank == 0:
-        a = torch.ones(3, requires_grad=True)   # reached by the roots' part
-        b = torch.ones(3, requires_grad=True)   # reached by the part of the send of b * 2
-        engine = torch.autograd.Variable._execution_engine
-        order: list[str] = []
+    a = torch.ones(3, requires_grad=True)   # reached by the roots' part
+    b = torch.ones(3, requires_grad=True)   # reached by the part of the send of b * 2
+    engine = torch.autograd.Variable._execution_engine
+    order: list[str] = []
 
-        def finalize() -> None:  # as DDP's reducer: once its last parameter is ready
-            order.append("callback")
-            a.grad.mul_(10.0)
-            b.grad.mul_(10.0)
+    def finalize() -> None:  # as DDP's reducer: once its last parameter is ready
+        order.append("callback")
+        a.grad.mul_(10.0)
+        b.grad.mul_(10.0)
 
-        a_node = (a * 1).grad_fn.next_functions[0][0]
-        b_node = (b * 1).grad_fn.next_functions[0][0]
-        def b_ready(grad_inputs, grad_outputs):
-            order.append("b")
-            engine.queue_callback(finalize)
+    a_node = (a * 1).grad_fn.next_functions[0][0]
+    b_node = (b * 1).grad_fn.next_functions[0][0]
+    def b_ready(grad_inputs, grad_outputs):
+        order.append("b")
+        engine.queue_callback(finalize)
 
-        a_node.register_hook(lambda grad_inputs, grad_outputs: order.append("a") and None)
-        b_node.register_hook(b_ready)
-        with dist_autograd.context() as ctx:
-            y = rpc.rpc_sync("worker1", torch.mul, (b, 2.0))
-            dist_autograd.backward(ctx, [(a * y).sum()])
-            grads = dist_autograd.get_gradients(ctx)
-            out = (grads[a].tolist(), grads[b].tolist(), order, a.grad, b.grad)
-        assert a_node is not None and b_node is not None
-    rpc.shutdown()
+    a_node.register_hook(lambda grad_inputs, grad_outputs: order.append("a") and None)
+    b_node.register_hook(b_ready)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", torch.mul, (b, 2.0))
+        dist_autograd.backward(ctx, [(a * y).sum()])
+        grads = dist_autograd.get_gradients(ctx)
+        out = (grads[a].tolist(), grads[b].tolist(), order, a.grad, b.grad)
+    assert a_node is not None and b_node is not None
     return out
 
 
-def test_a_callback_queued_in_the_pass_writes_the_pass_gradients():
+def test_a_callback_queued_in_the_pass_writes_the_pass_gradients(pair):
     # b's AccumulateGrad runs in a later local part than a's (b's gradient
     # comes back from worker1); the callback it queues scales both leaves'
     # gradients, as DDP's finalize writes every parameter of a bucket, and
     # the context keeps what it wrote for both, while .grad stays untouched.
-    a_grad, b_grad, order, a_local, b_local = run_workers(_hook_writes_other_leaf, 2,
-                                                          timeout=120)[0]
+    a_grad, b_grad, order, a_local, b_local = pair.run(_hook_writes_other_leaf)
     assert a_grad == [20.0] * 3 and b_grad == [20.0] * 3
     assert order == ["a", "b", "callback"]
     assert a_local is None and b_local is None
@@ -135,7 +138,7 @@ def _unused_send(rank, world_size, init_method):
         threading.Thread(target=run, daemon=True).start()
         # Long enough for a pass that does not wait to have returned many
         # times over (it takes milliseconds); not a measure of speed.
-        out = finished.wait(3.0)
+        out = finished.wait(1.0)
         used = rpc.rpc_sync("worker1", torch.add, (t1, 1.0))  # the agent still serves
         out = (out, used.shape)
     rpc.shutdown()  # the waiting pass holds no call: nothing to drain

@@ -78,6 +78,7 @@ def test_help_documents_defaults_and_multi_host(capsys):
     assert args.transports == ["tcp", "sm"]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_rank0_without_rank1_gives_up_at_the_deadline(monkeypatch, capsys):
     from tests.workers import free_port
@@ -96,6 +97,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.processes
 def test_busy_load_runs_busy_processes_and_ends_them():
     from ucxrpc.bench.launch import busy_load
 

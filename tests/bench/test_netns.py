@@ -23,6 +23,8 @@ from typing import Iterator
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _RUN_S = 110.0       # both ranks, all three series; rank 0's --timeout is below it
 _IP_S = 20.0

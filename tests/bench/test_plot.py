@@ -79,6 +79,7 @@ def test_plot_path_next_to_the_json():
     assert plot.plot_path_for("bench") == "bench.png"
 
 
+@pytest.mark.processes
 def test_importing_the_bench_loads_neither_ucxx_nor_matplotlib():
     import os
     import subprocess

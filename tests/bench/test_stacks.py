@@ -45,6 +45,7 @@ def test_a_frame_counts_once_per_sample_however_deep_it_recurs():
     assert [f for f, _ in shares][0] in ("run (percall.py)", "rpc_sync (ucxrpc/api.py)")
 
 
+@pytest.mark.processes
 def test_the_table_gives_microseconds_per_call(tmp_path):
     path = tmp_path / "rank0.txt"
     path.write_text(RAW)
@@ -58,6 +59,7 @@ def test_the_table_gives_microseconds_per_call(tmp_path):
     assert "progress" not in out.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_the_percall_loop_reports_one_json_line_and_its_pids(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "percall.py"), "--device",

@@ -90,6 +90,7 @@ def _run_hadolint(dockerfile: Path, workdir: Path) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_hadolint_finds_nothing(name: str, tmp_path: Path) -> None:
     result = _run_hadolint(DOCKER_DIR / name, tmp_path)
@@ -98,6 +99,7 @@ def test_hadolint_finds_nothing(name: str, tmp_path: Path) -> None:
         f"hadolint on docker/{name} (exit code {result.returncode}):\n{output}")
 
 
+@pytest.mark.processes
 def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
     """The check above means something: hadolint runs its rules and says so."""
     bad = tmp_path / "Dockerfile"

@@ -58,7 +58,8 @@ def _docker_reason() -> str | None:
 
 
 _REASON = _docker_reason()
-pytestmark = [pytest.mark.skipif(_REASON is not None, reason=_REASON or ""), pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.slow,
+              pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
 def _docker(*args: str, timeout: float = SHORT_TIMEOUT_S,

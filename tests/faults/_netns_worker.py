@@ -40,7 +40,7 @@ from tests.faults import _common as c
 #: No step of the test takes longer than this.
 STEP_TIMEOUT_S = 40.0
 #: The ``timeout`` worker1 passes to ``shutdown`` in mode ``cut-off``.
-CUT_OFF_SHUTDOWN_TIMEOUT_S = 5.0
+CUT_OFF_SHUTDOWN_TIMEOUT_S = 2.0
 MODES = ("heal", "cut-off", "rejoin")
 
 

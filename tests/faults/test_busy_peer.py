@@ -17,7 +17,7 @@ import pytest
 from tests.faults import _common as c
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
 
 NBYTES = 256 << 20
 SHORT_PEER_TIMEOUT = 0.5

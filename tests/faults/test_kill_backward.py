@@ -17,7 +17,7 @@ import torch
 from tests.faults import _common as c
 from tests.workers import run_with_victim
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 class DieInBackward(torch.autograd.Function):
     """The identity, whose backward kills the process running it."""

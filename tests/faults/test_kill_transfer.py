@@ -32,7 +32,7 @@ from tests.workers import run_with_victim
 from ucxrpc.transport.watch import canary
 from ucxrpc.transport.watch.canary import FIFO_TRANSPORTS
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 NBYTES = 256 << 20
 #: The unaffected pipe's large call: a quarter of NBYTES keeps the test short.

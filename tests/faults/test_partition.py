@@ -9,7 +9,7 @@ worker, once TCP keepalive on the lifeline has gone unanswered for
 * ``heal``: worker0 shuts down during the partition; the link comes back and
   worker1, whose store went away with worker0, shuts down too;
 * ``cut-off``: worker1 shuts down during the partition, cut off from the
-  store, with ``shutdown(timeout=5)``, which must hold;
+  store, with ``shutdown(timeout=2)``, which must hold;
 * ``rejoin`` (dynamic membership, ``world_size=None``): the link comes back,
   worker1 leaves and joins again under the same name and rank, and calls
   work both ways again.
@@ -32,12 +32,12 @@ from tests.faults import _netns
 from tests.faults._netns_worker import CUT_OFF_SHUTDOWN_TIMEOUT_S, write
 from ucxrpc._launch import die_with_parent, free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[2]
 #: How long the test waits for a worker's next step.
 STEP_WAIT_S = 30.0
-#: How long worker1's shutdown(timeout=5), cut off from the store, may take.
+#: How long worker1's shutdown(timeout=2), cut off from the store, may take.
 CUT_OFF_SHUTDOWN_BOUND_S = CUT_OFF_SHUTDOWN_TIMEOUT_S + 10.0
 
 

@@ -20,7 +20,7 @@ import pytest
 from tests.faults import _common as c
 from tests.workers import run_with_victim
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 #: Short, so that the stop outlasts it many times over.
 PEER_TIMEOUT = 0.5

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 HARNESS = Path(__file__).with_name("atheris_frames.py")
 RUNS = 20_000

@@ -33,7 +33,7 @@ import torch
 
 from tests.workers import free_port, run_workers, spawn_worker, stop_worker
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 #: Seed of the rogue's corpus; UCXRPC_FUZZ_SEED explores others.
 SEED = int(os.environ.get("UCXRPC_FUZZ_SEED", "20240611"))

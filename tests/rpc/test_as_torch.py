@@ -35,7 +35,7 @@ import pytest
 
 from ucxrpc.torch_rpc import ENV_VAR, site_dir
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = Path(__file__).with_name("_torch_program.py")

@@ -21,7 +21,7 @@ import pytest
 from tests.faults import _common as c
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 MiB = 1 << 20
 

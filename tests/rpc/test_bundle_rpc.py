@@ -15,7 +15,7 @@ from tests.transport._workers import debug_counts, needs_sibling_reads, start_wo
 from tests.workers import run_workers
 from ucxrpc.transport.hostmem import cma
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,

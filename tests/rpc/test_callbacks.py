@@ -10,7 +10,7 @@ import torch
 
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 
 def raise_value_error(msg):

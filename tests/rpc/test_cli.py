@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,9 +32,16 @@ def _readiness(out: str) -> dict[str, str]:
     return {line[:14].strip(): line[14:] for line in out.splitlines()}
 
 
+@pytest.fixture(scope="module")
+def plain_info() -> str:
+    """What ``ucxrpc info`` prints in this environment, run once for the
+    tests that read it as it is."""
+    return _ucxrpc("info", timeout=60)
+
+
 @pytest.mark.timeout(90)
-def test_info_reports_ucx_transports_and_cuda():
-    out = _ucxrpc("info", timeout=60)
+def test_info_reports_ucx_transports_and_cuda(plain_info):
+    out = plain_info
     assert "UCX           1." in out
     assert "tcp/lo" in out and "sysv/memory" in out
     assert "CUDA support" in out
@@ -57,8 +66,8 @@ def _gpu_here() -> bool:
 
 
 @pytest.mark.timeout(90)
-def test_info_says_whether_each_cuda_piece_is_ready_and_why_not():
-    got = _readiness(_ucxrpc("info", timeout=60))
+def test_info_says_whether_each_cuda_piece_is_ready_and_why_not(plain_info):
+    got = _readiness(plain_info)
     for label in ("CUDA", "CuPy", "cuda_copy", "cuda_ipc", "memtype cache"):
         assert got[label].startswith(("ready (", "not ready: ")), (label, got)
         assert len(got[label]) > len("not ready: ") + 10, (label, got)  # a reason is given

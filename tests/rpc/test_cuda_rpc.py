@@ -13,7 +13,7 @@ import torch
 from tests.rpc._gpu import BOTH, SPIN
 from tests.workers import run_workers
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.processes, pytest.mark.gpu, pytest.mark.timeout(180)]
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
           "uint8", "bool", "complex64"]

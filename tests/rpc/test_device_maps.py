@@ -8,7 +8,7 @@ import torch
 
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 
 def _try_init(rank, world_size, init_method, maps):

@@ -9,7 +9,7 @@ import torch
 
 from tests.workers import free_port, run_workers
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
 
 def _coord(port, rank):
@@ -159,22 +159,23 @@ def test_taken_names_and_ranks_are_refused():
     assert "rank 0 hosts the group's store" in host_err and "in use" in host_err
 
 
-def _mixed(rank, world_size, init_method):
+def _mixed(rank, world_size, init_method, coord_port):
     import ucxrpc as rpc
 
+    coord = _coord(coord_port, rank)
     opts = rpc.UcxRpcBackendOptions(init_method=init_method, rpc_timeout=20)
     if rank == 0:
         rpc.init_rpc("worker0", rank=0, world_size=None, rpc_backend_options=opts)
-        import time
-        time.sleep(3)
+        coord.set("w0-up", "1")
+        coord.wait(["w1-tried"])  # the dynamic group stays up while worker1 tries
         rpc.shutdown()
         return None
-    import time
-    time.sleep(1)
+    coord.wait(["w0-up"])
     with pytest.raises(RuntimeError, match="static and dynamic membership do not mix"):
         rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=opts)
+    coord.set("w1-tried", "1")
     return "refused"
 
 
 def test_static_and_dynamic_workers_do_not_mix():
-    assert run_workers(_mixed, 2, timeout=60)[1] == "refused"
+    assert run_workers(_mixed, 2, args=(free_port(),), timeout=60)[1] == "refused"

@@ -11,7 +11,7 @@ import torch
 from tests.faults import _common as c
 from tests.workers import run_with_victim, run_workers, spawn_worker, stop_worker
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 
 def _init(rank, world_size, init_method, **kw):

@@ -13,7 +13,7 @@ import torch
 
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 _release = threading.Event()
 

@@ -19,7 +19,7 @@ import torch
 from tests.rpc._gpu import BOTH, N, checksum, init
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -157,7 +157,7 @@ def test_memtype_cache_is_really_off():
 # The switch: on a GPU machine a gpu test that skips is a failure.
 @pytest.mark.timeout(120)
 def test_require_gpu_turns_a_gpu_skip_into_a_failure(tmp_path):
-    target = "tests/unit/test_kernels.py::test_pack_unpack_on_the_gpu_matches_the_cpu"
+    target = "tests/test_kernels.py::test_pack_unpack_on_the_gpu_matches_the_cpu"
     base = {k: v for k, v in os.environ.items() if k != "UCXRPC_REQUIRE_GPU"}
     base["CUDA_VISIBLE_DEVICES"] = ""  # no GPU for the child, wherever this runs
 

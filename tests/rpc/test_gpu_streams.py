@@ -20,7 +20,7 @@ import torch
 from tests.rpc._gpu import BOTH, N, SPIN, checksum, init, slow_fives
 from tests.workers import run_workers
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.processes, pytest.mark.gpu, pytest.mark.timeout(180)]
 
 
 # The callee's result is still being written when the function returns: the

@@ -20,7 +20,7 @@ import pytest
 from tests.faults import _common as c
 from tests.workers import free_port, run_workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 RPC_TIMEOUT = 1.0
 JOB_S = 3.0  # 3 x RPC_TIMEOUT

@@ -21,7 +21,7 @@ import torch
 from tests.workers import run_workers
 from ucxrpc.functions import async_execution
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 REMOTE_OP = "#remote_op: "
 

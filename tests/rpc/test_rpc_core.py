@@ -1,4 +1,9 @@
-"""rpc_sync / rpc_async / lifecycle over real UCX pipes between processes."""
+"""rpc_sync / rpc_async / lifecycle over real UCX pipes between processes.
+
+The scenarios of a plain two-worker job run one per test on one group of
+workers kept up for the module (tests/workers.py, worker_group); after each
+one the agent must still be serving.  Jobs that need their own start (other
+options, three workers, init and shutdown themselves) run on their own."""
 
 from __future__ import annotations
 
@@ -9,10 +14,10 @@ import time
 import pytest
 import torch
 
-from tests.workers import run_workers
+from tests.workers import run_workers, worker_group
 from ucxrpc.functions import async_execution
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 
 def _opts(init_method: str, **kw: object):
@@ -100,144 +105,258 @@ def call_back_caller(caller, value):
     return rpc.rpc_sync(caller, add, args=(value, 100))
 
 
-# ---------------------------------------------------------------- scenarios
+# ------------------------------------------- scenarios on two workers kept up
 
-def _basics(rank: int, world_size: int, init_method: str) -> dict:
+def _pair(rank: int, world_size: int, init_method: str):
+    """The group's ranks: worker0 (which runs the scenarios) and worker1."""
     import ucxrpc as rpc
 
     _init(rank, world_size, init_method)
-    out: dict = {}
-    if rank == 0:
-        me = rpc.get_worker_info()
-        w1 = rpc.get_worker_info("worker1")
-        assert (me.name, me.id) == ("worker0", 0)
-        assert (w1.name, w1.id) == ("worker1", 1)
-        assert w1 == rpc.get_worker_info("worker1") and hash(w1) == hash(rpc.get_worker_info("worker1"))
-        assert repr(w1) == "WorkerInfo(id=1, name=worker1)"
-        # destinations: name, rank, WorkerInfo; builtins and user functions; kwargs
-        assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)),
-                           torch.full((2,), 2.0))
-        assert rpc.rpc_sync(1, add, args=(2, 3), kwargs={"scale": 10}) == 50
-        assert rpc.rpc_sync(w1, whoami) == "worker1"
-        assert rpc.rpc_sync("worker0", whoami) == "worker0"  # a call to oneself
-        fut = rpc.rpc_async("worker1", add, args=(torch.ones(3), torch.ones(3)))
-        assert isinstance(fut, torch.futures.Future)
-        chained = fut.then(lambda f: f.value().sum().item())
-        assert chained.wait() == 6.0
-        # async_execution, plain and as a staticmethod
-        assert rpc.rpc_sync("worker1", async_add_entry, args=(1, 2)) == 3
-        assert rpc.rpc_sync("worker1", AsyncHolder.add, args=(3, 4)) == 7
-        # a large tensor both ways, received whole
-        big = torch.arange(8 << 20, dtype=torch.int32)
-        back = rpc.rpc_sync("worker1", echo, args=(big,))
-        assert torch.equal(back, big) and back.data_ptr() != big.data_ptr()
-        # many concurrent large messages on one pipe
-        tensors = [torch.full((1 << 20,), float(i)) for i in range(8)]
-        futs = [rpc.rpc_async("worker1", echo, args=(t,)) for t in tensors]
-        for t, f in zip(tensors, futs):
-            assert torch.equal(f.wait(), t)
-        # frames of very different sizes in flight together arrive in order
-        # (a large frame completes after a small one sent behind it)
-        many = {f"t{i}": torch.full((1024,), float(i)) for i in range(100)}
-        for _ in range(50):
-            futs = [rpc.rpc_async("worker1", echo, args=(many,)),
-                    rpc.rpc_async("worker1", add, args=(1, 2)),
-                    rpc.rpc_async("worker1", echo, args=(many,))]
-            assert futs[1].wait() == 3
-            assert torch.equal(futs[2].wait()["t99"], many["t99"])
-            futs[0].wait()
-        assert rpc.get_rpc_timeout() == 60.0
-        info = rpc.get_pipe_info("worker1")
-        assert info and info[0]["peer"] == "worker1" and info[0]["transports"], info
-        out["transports"] = info[0]["transports"]
+    yield
     rpc.shutdown()
-    return out
 
 
-def test_rpc_basics():
-    res = run_workers(_basics, 2, timeout=90)
-    assert res[0]["transports"]
-
-
-def _tensor_fidelity(rank: int, world_size: int, init_method: str) -> None:
+def _still_serving() -> None:
+    """After each scenario: the agent still serves, and calls worker1."""
     import ucxrpc as rpc
 
-    _init(rank, world_size, init_method)
-    if rank == 0:
-        base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
-        cases = {
-            "transposed": base.t(),
-            "zero": torch.empty(0, 3),
-            "scalar": torch.tensor(3.5),
-            "bool": torch.tensor([True, False, True]),
-            "half": torch.randn(5).half(),
-            "bf16": torch.randn(5).bfloat16(),
-            "complex": torch.randn(4, dtype=torch.complex64),
-            "int8": torch.tensor([-1, 2, 3], dtype=torch.int8),
-            "slice_big_storage": torch.arange(10000, dtype=torch.float32)[10:20],
-        }
-        back = rpc.rpc_sync("worker1", echo, args=(cases,))
-        for k, v in cases.items():
-            got = back[k]
-            assert got.dtype == v.dtype and got.shape == v.shape, k
-            assert torch.equal(got, v), k
-        assert back["transposed"].stride() == base.t().stride()
-        # a storage shared by two views travels once and stays shared
-        a = torch.arange(16.0)
-        x, y = rpc.rpc_sync("worker1", echo, args=((a, a[4:]),))
-        assert y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-        x[5] = -1.0
-        assert y[1].item() == -1.0
-    rpc.shutdown()
+    assert rpc._get_debug_info()["state"] == "serving"  # agent/state.py
+    assert rpc.rpc_sync("worker1", add, args=(1, 1)) == 2
 
 
-def test_tensor_fidelity():
-    run_workers(_tensor_fidelity, 2, timeout=90)
+pair = worker_group(_pair, 2, check=_still_serving)
 
 
-def _errors(rank: int, world_size: int, init_method: str) -> None:
+def _worker_infos() -> None:
     import ucxrpc as rpc
 
-    _init(rank, world_size, init_method)
-    if rank == 0:
-        # remote exception: same type and message, remote traceback available
-        with pytest.raises(ValueError, match="bad input 42") as ei:
-            rpc.rpc_sync("worker1", raise_value_error, args=("bad input 42",))
-        assert "On WorkerInfo(id=1, name=worker1)" in str(ei.value)
-        assert "raise_value_error" in ei.value.remote_traceback
-        with pytest.raises(CustomError, match="custom failure"):
-            rpc.rpc_async("worker1", raise_custom).wait()
-        # unknown destination at call time, from every entry point
-        for call in (rpc.rpc_sync, rpc.rpc_async):
-            with pytest.raises(RuntimeError, match="could not find destination name nope"):
-                call("nope", add, args=(1, 2))
-        with pytest.raises(RuntimeError, match="destination id 17"):
-            rpc.rpc_sync(17, add, args=(1, 2))
-        # unpicklable argument: the local pickling error, at call time
-        with pytest.raises((TypeError, AttributeError)):
-            rpc.rpc_sync("worker1", echo, args=(threading.Lock(),))
-        # unpicklable result: RuntimeError naming the pickling failure
-        with pytest.raises(RuntimeError, match="cannot pickle the result of return_unpicklable"):
-            rpc.rpc_sync("worker1", return_unpicklable)
-        # timeouts: per call, via rpc_async().wait(), and 0 = never
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="RPC ran for more than set timeout \\(500 ms\\)"):
-            rpc.rpc_sync("worker1", sleep_then, args=(3, 1), timeout=0.5)
-        assert time.monotonic() - t0 < 2.5
-        with pytest.raises(TimeoutError):
-            rpc.rpc_async("worker1", sleep_then, args=(3, 1), timeout=0.2).wait()
-        assert rpc.rpc_sync("worker1", sleep_then, args=(0.3, 7), timeout=0) == 7
-        # the agent still serves after all of that
-        assert rpc.rpc_sync("worker1", add, args=(1, 1)) == 2
-        # Answered calls leave no deadline behind, even queued behind a
-        # slow call (else ~1M entries at 20k calls/s with the 60 s default).
-        slow = rpc.rpc_async("worker1", sleep_then, args=(2, 0))
-        torch.futures.wait_all([rpc.rpc_async("worker1", add, args=(i, 1)) for i in range(3000)])
-        assert _armed_within(1, 10.0) <= 1  # the slow call's own
-        slow.wait()
-        assert _armed_within(0, 10.0) == 0
-        assert rpc._get_debug_info()["state"] == "serving"  # agent/state.py
-    rpc.shutdown()
+    me = rpc.get_worker_info()
+    w1 = rpc.get_worker_info("worker1")
+    assert (me.name, me.id) == ("worker0", 0)
+    assert (w1.name, w1.id) == ("worker1", 1)
+    assert w1 == rpc.get_worker_info("worker1") and hash(w1) == hash(rpc.get_worker_info("worker1"))
+    assert repr(w1) == "WorkerInfo(id=1, name=worker1)"
+
+
+def test_worker_infos_name_every_worker(pair):
+    pair.run(_worker_infos)
+
+
+def _destinations() -> None:
+    import ucxrpc as rpc
+
+    w1 = rpc.get_worker_info("worker1")
+    # destinations: name, rank, WorkerInfo; builtins and user functions; kwargs
+    assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)),
+                       torch.full((2,), 2.0))
+    assert rpc.rpc_sync(1, add, args=(2, 3), kwargs={"scale": 10}) == 50
+    assert rpc.rpc_sync(w1, whoami) == "worker1"
+    assert rpc.rpc_sync("worker0", whoami) == "worker0"  # a call to oneself
+
+
+def test_a_destination_is_a_name_a_rank_or_a_worker_info(pair):
+    pair.run(_destinations)
+
+
+def _async_future() -> None:
+    import ucxrpc as rpc
+
+    fut = rpc.rpc_async("worker1", add, args=(torch.ones(3), torch.ones(3)))
+    assert isinstance(fut, torch.futures.Future)
+    chained = fut.then(lambda f: f.value().sum().item())
+    assert chained.wait() == 6.0
+
+
+def test_rpc_async_gives_a_torch_future_that_chains(pair):
+    pair.run(_async_future)
+
+
+def _async_execution() -> None:
+    import ucxrpc as rpc
+
+    # async_execution, plain and as a staticmethod
+    assert rpc.rpc_sync("worker1", async_add_entry, args=(1, 2)) == 3
+    assert rpc.rpc_sync("worker1", AsyncHolder.add, args=(3, 4)) == 7
+
+
+def test_async_execution_plain_and_as_a_staticmethod(pair):
+    pair.run(_async_execution)
+
+
+def _large_tensor() -> None:
+    import ucxrpc as rpc
+
+    # a large tensor both ways, received whole
+    big = torch.arange(8 << 20, dtype=torch.int32)
+    back = rpc.rpc_sync("worker1", echo, args=(big,))
+    assert torch.equal(back, big) and back.data_ptr() != big.data_ptr()
+
+
+def test_a_large_tensor_goes_both_ways_whole(pair):
+    pair.run(_large_tensor)
+
+
+def _concurrent_large() -> None:
+    import ucxrpc as rpc
+
+    # many concurrent large messages on one pipe
+    tensors = [torch.full((1 << 20,), float(i)) for i in range(8)]
+    futs = [rpc.rpc_async("worker1", echo, args=(t,)) for t in tensors]
+    for t, f in zip(tensors, futs):
+        assert torch.equal(f.wait(), t)
+
+
+def test_many_concurrent_large_messages_on_one_pipe(pair):
+    pair.run(_concurrent_large)
+
+
+def _sizes_in_flight() -> None:
+    import ucxrpc as rpc
+
+    # frames of very different sizes in flight together arrive in order
+    # (a large frame completes after a small one sent behind it)
+    many = {f"t{i}": torch.full((1024,), float(i)) for i in range(100)}
+    for _ in range(50):
+        futs = [rpc.rpc_async("worker1", echo, args=(many,)),
+                rpc.rpc_async("worker1", add, args=(1, 2)),
+                rpc.rpc_async("worker1", echo, args=(many,))]
+        assert futs[1].wait() == 3
+        assert torch.equal(futs[2].wait()["t99"], many["t99"])
+        futs[0].wait()
+
+
+def test_frames_of_very_different_sizes_in_flight_together(pair):
+    pair.run(_sizes_in_flight)
+
+
+def _timeout_and_pipe_info() -> list:
+    import ucxrpc as rpc
+
+    assert rpc.get_rpc_timeout() == 60.0
+    info = rpc.get_pipe_info("worker1")
+    assert info and info[0]["peer"] == "worker1" and info[0]["transports"], info
+    return info[0]["transports"]
+
+
+def test_default_timeout_and_the_pipes_transports(pair):
+    assert pair.run(_timeout_and_pipe_info)
+
+
+def _tensor_fidelity() -> None:
+    import ucxrpc as rpc
+
+    base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    cases = {
+        "transposed": base.t(),
+        "zero": torch.empty(0, 3),
+        "scalar": torch.tensor(3.5),
+        "bool": torch.tensor([True, False, True]),
+        "half": torch.randn(5).half(),
+        "bf16": torch.randn(5).bfloat16(),
+        "complex": torch.randn(4, dtype=torch.complex64),
+        "int8": torch.tensor([-1, 2, 3], dtype=torch.int8),
+        "slice_big_storage": torch.arange(10000, dtype=torch.float32)[10:20],
+    }
+    back = rpc.rpc_sync("worker1", echo, args=(cases,))
+    for k, v in cases.items():
+        got = back[k]
+        assert got.dtype == v.dtype and got.shape == v.shape, k
+        assert torch.equal(got, v), k
+    assert back["transposed"].stride() == base.t().stride()
+
+
+def test_tensor_fidelity(pair):
+    pair.run(_tensor_fidelity)
+
+
+def _shared_storage() -> None:
+    import ucxrpc as rpc
+
+    # a storage shared by two views travels once and stays shared
+    a = torch.arange(16.0)
+    x, y = rpc.rpc_sync("worker1", echo, args=((a, a[4:]),))
+    assert y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    x[5] = -1.0
+    assert y[1].item() == -1.0
+
+
+def test_a_storage_shared_by_two_views_stays_shared(pair):
+    pair.run(_shared_storage)
+
+
+def _remote_exceptions() -> None:
+    import ucxrpc as rpc
+
+    # remote exception: same type and message, remote traceback available
+    with pytest.raises(ValueError, match="bad input 42") as ei:
+        rpc.rpc_sync("worker1", raise_value_error, args=("bad input 42",))
+    assert "On WorkerInfo(id=1, name=worker1)" in str(ei.value)
+    assert "raise_value_error" in ei.value.remote_traceback
+    with pytest.raises(CustomError, match="custom failure"):
+        rpc.rpc_async("worker1", raise_custom).wait()
+
+
+def test_a_remote_exception_keeps_its_type_message_and_traceback(pair):
+    pair.run(_remote_exceptions)
+
+
+def _unknown_destinations() -> None:
+    import ucxrpc as rpc
+
+    # unknown destination at call time, from every entry point
+    for call in (rpc.rpc_sync, rpc.rpc_async):
+        with pytest.raises(RuntimeError, match="could not find destination name nope"):
+            call("nope", add, args=(1, 2))
+    with pytest.raises(RuntimeError, match="destination id 17"):
+        rpc.rpc_sync(17, add, args=(1, 2))
+
+
+def test_an_unknown_destination_fails_at_call_time(pair):
+    pair.run(_unknown_destinations)
+
+
+def _unpicklable() -> None:
+    import ucxrpc as rpc
+
+    # unpicklable argument: the local pickling error, at call time
+    with pytest.raises((TypeError, AttributeError)):
+        rpc.rpc_sync("worker1", echo, args=(threading.Lock(),))
+    # unpicklable result: RuntimeError naming the pickling failure
+    with pytest.raises(RuntimeError, match="cannot pickle the result of return_unpicklable"):
+        rpc.rpc_sync("worker1", return_unpicklable)
+
+
+def test_an_unpicklable_argument_or_result_fails_naming_it(pair):
+    pair.run(_unpicklable)
+
+
+def _timeouts() -> None:
+    import ucxrpc as rpc
+
+    # timeouts: per call, via rpc_async().wait(), and 0 = never
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="RPC ran for more than set timeout \\(500 ms\\)"):
+        rpc.rpc_sync("worker1", sleep_then, args=(3, 1), timeout=0.5)
+    assert time.monotonic() - t0 < 2.5
+    with pytest.raises(TimeoutError):
+        rpc.rpc_async("worker1", sleep_then, args=(3, 1), timeout=0.2).wait()
+    assert rpc.rpc_sync("worker1", sleep_then, args=(0.3, 7), timeout=0) == 7
+
+
+def test_timeouts_per_call_on_wait_and_never(pair):
+    pair.run(_timeouts)
+
+
+def _no_deadline_left_behind() -> None:
+    import ucxrpc as rpc
+
+    # Answered calls leave no deadline behind, even queued behind a
+    # slow call (else ~1M entries at 20k calls/s with the 60 s default).
+    slow = rpc.rpc_async("worker1", sleep_then, args=(2, 0))
+    torch.futures.wait_all([rpc.rpc_async("worker1", add, args=(i, 1)) for i in range(3000)])
+    assert _armed_within(1, 10.0) <= 1  # the slow call's own
+    slow.wait()
+    assert _armed_within(0, 10.0) == 0
 
 
 def _armed_within(most: int, seconds: float) -> int:
@@ -251,9 +370,11 @@ def _armed_within(most: int, seconds: float) -> int:
     return armed
 
 
-def test_errors_and_timeouts():
-    run_workers(_errors, 2, timeout=90)
+def test_answered_calls_leave_no_deadline_behind(pair):
+    pair.run(_no_deadline_left_behind)
 
+
+# ------------------------------------------------------ jobs of their own
 
 def _nested(rank: int, world_size: int, init_method: str) -> None:
     import ucxrpc as rpc

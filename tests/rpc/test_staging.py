@@ -13,7 +13,7 @@ from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 DEBUG = {"UCXRPC_DEBUG_HOST_AS_DEVICE": "1"}
 

@@ -12,7 +12,7 @@
 * Between real workers, a negative timeout other than torch's -1 is a
   ValueError naming it, for ``rpc_sync``, ``rpc_async``, ``remote`` and
   ``to_here`` (torch fails the call at once, saying it ran for more than
-  -5000 ms); -1 is the default (tests/unit/test_timeouts.py has the rule).
+  -5000 ms); -1 is the default (tests/test_timeouts.py has the rule).
 """
 
 from __future__ import annotations
@@ -190,6 +190,7 @@ def _lanes(rank: int, world_size: int, init_method: str, transports: list[str]) 
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("transports, want", [(["uv"], {"tcp"}), (["shm"], None)])
 def test_torchrls_options_run_on_the_ucx_transport_they_name(transports, want) -> None:
     out = run_workers(_lanes, 2, args=(transports,), timeout=90)[0]

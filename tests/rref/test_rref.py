@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.faults import _common as c
-from tests.workers import run_with_victim, run_workers
+from tests.workers import run_with_victim, worker_group
 from ucxrpc.functions import async_execution
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
 
 def _init(rank, world_size, init_method, **kw):
@@ -131,100 +131,195 @@ def _wait_until(pred, timeout=10.0):
     return pred()
 
 
-def _api(rank, world_size, init_method):
+# -- three workers kept up: one scenario per test -------------------------------------
+
+def _workers_up(rank, world_size, init_method):
+    """A group's rank: up as ``worker{rank}`` until the module's last test."""
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    yield
+    rpc.shutdown()
+
+
+def _nothing_left():
+    """After each scenario: no RRef, fork or pending user left on any worker
+    (what a scenario made is released once it is dropped)."""
+    import ucxrpc as rpc
+
+    gc.collect()
+    workers = ["worker0", "worker1", "worker2"]
+    empty = {"num_owner_rrefs": 0, "num_forks": 0, "num_pending_users": 0}
+    assert _wait_until(lambda: all(rpc.rpc_sync(w, debug_counts) == empty for w in workers)), \
+        {w: rpc.rpc_sync(w, debug_counts) for w in workers}
+
+
+trio = worker_group(_workers_up, 3, check=_nothing_left)
+# For the scenarios whose calls fail: an RRef whose creation failed or timed
+# out, or one made through an async proxy, is still counted on its owner
+# afterwards (as when these ran in one job, before this module shared its
+# workers), which the check above would refuse.
+trio_failing = worker_group(_workers_up, 3)
+
+
+def _remote_and_to_here():
     import ucxrpc as rpc
     from ucxrpc import RRef
 
-    _init(rank, world_size, init_method)
-    if rank == 0:
-        annotated: RRef[torch.Tensor] | None = None  # RRef is subscriptable
-        assert annotated is None
-        r = rpc.remote("worker1", double, args=(torch.ones(3),))
-        assert torch.equal(r.to_here(), torch.full((3,), 2.0))
-        assert r.owner() == rpc.get_worker_info("worker1") and r.owner_name() == "worker1"
-        assert not r.is_owner() and r.confirmed_by_owner()
-        with pytest.raises(RuntimeError, match="must be called on the owner"):
-            r.local_value()
-        # a local owner RRef hands back the very object
-        obj = Counter(5)
-        local = RRef(obj)
-        assert local.is_owner() and local.local_value() is obj and local.to_here() is obj
-        # proxies on a user-defined class: sync, async and remote
-        c = rpc.remote("worker1", Counter, args=(10,))
-        assert c.rpc_sync().add(1) == 11
-        assert c.rpc_async().add(2).wait() == 13
-        assert c.remote().get().to_here() == 13
-        # an RRef passed to a third worker (a fork) and used there
-        assert rpc.rpc_sync("worker2", keep, args=("c", c)) == "worker1"
-        assert rpc.rpc_sync("worker2", fetch_kept, args=("c",)).value == 13
-        # RRefs nested in containers travel as forks too
-        c2 = rpc.remote("worker1", Counter, args=(20,))
-        assert rpc.rpc_sync("worker2", keep_nested, args=("box", {"refs": [c, c2]})) == [13, 20]
-        rpc.rpc_sync("worker2", drop, args=("box",))
-        # an RRef returned from a call, owned by the callee
-        back = rpc.rpc_sync("worker2", make_rref_here, args=(7,))
-        assert back.owner_name() == "worker2" and back.to_here() == 7
-        # the creation's errors surface on use, with their type
-        bad = rpc.remote("worker1", fail, args=("broken value",))
-        with pytest.raises(ValueError, match="broken value"):
-            bad.to_here()
-        # to_here timeout
-        slow = rpc.remote("worker1", sleepy, args=(3,))
-        with pytest.raises(RuntimeError, match="RPC ran for more than set timeout"):
-            slow.to_here(timeout=0.5)
-        # pickling an RRef outside RPC is refused
-        import pickle
-        with pytest.raises(RuntimeError, match="only be pickled inside an RPC"):
-            pickle.dumps(c)
-        rpc.rpc_sync("worker2", drop, args=("c",))
-    rpc.shutdown()
+    annotated: RRef[torch.Tensor] | None = None  # RRef is subscriptable
+    assert annotated is None
+    r = rpc.remote("worker1", double, args=(torch.ones(3),))
+    assert torch.equal(r.to_here(), torch.full((3,), 2.0))
+    assert r.owner() == rpc.get_worker_info("worker1") and r.owner_name() == "worker1"
+    assert not r.is_owner() and r.confirmed_by_owner()
+    with pytest.raises(RuntimeError, match="must be called on the owner"):
+        r.local_value()
 
 
-def test_rref_api_and_proxies():
-    run_workers(_api, 3, timeout=100)
+def test_remote_gives_a_user_rref_to_the_value_on_its_owner(trio):
+    trio.run(_remote_and_to_here)
 
 
-def _refcount(rank, world_size, init_method):
+def _local_owner_rref():
+    from ucxrpc import RRef
+
+    # a local owner RRef hands back the very object
+    obj = Counter(5)
+    local = RRef(obj)
+    assert local.is_owner() and local.local_value() is obj and local.to_here() is obj
+
+
+def test_a_local_owner_rref_hands_back_the_very_object(trio):
+    trio.run(_local_owner_rref)
+
+
+def _proxies():
     import ucxrpc as rpc
 
-    _init(rank, world_size, init_method)
-    if rank == 1:
-        # worker1 creates a value on worker0 and forks it to worker2
-        r = rpc.remote("worker0", make_tracked, args=("v",))
-        r.to_here()
-        assert rpc.rpc_sync("worker2", keep, args=("v", r)) == "worker0"
-        assert rpc.rpc_sync("worker0", tracked_alive, args=("v",))
-        del r  # the parent goes; worker2's fork still keeps the value
-        gc.collect()
-        time.sleep(0.3)
-        assert rpc.rpc_sync("worker0", tracked_alive, args=("v",))
-        # a chain worker1 -> worker2 -> worker1: a fork of a fork, registered too
-        rpc.rpc_sync("worker2", relay_kept, args=("worker1", "v2", "v"))
-        assert isinstance(_kept["v2"].to_here(), Tracked)
-        rpc.rpc_sync("worker2", drop, args=("v",))
-        time.sleep(0.3)
-        assert rpc.rpc_sync("worker0", tracked_alive, args=("v",))  # the chain's end holds it
-        drop("v2")  # the last user goes
-        assert _wait_until(lambda: not rpc.rpc_sync("worker0", tracked_alive, args=("v",))), \
-            rpc.rpc_sync("worker0", fork_holders)
-        # a few thousand RRefs created and dropped concurrently
-        refs = [rpc.remote("worker0", Counter, args=(i,)) for i in range(2000)]
-        futs = [rpc.rpc_async("worker2", keep, args=(f"k{i}", r)) for i, r in enumerate(refs[:200])]
-        torch.futures.wait_all(futs)
-        del refs, futs
-        rpc.rpc_sync("worker2", drop, args=tuple(f"k{i}" for i in range(200)))
-        gc.collect()
-        assert _wait_until(lambda: rpc.rpc_sync("worker0", debug_counts)["num_owner_rrefs"] == 0), \
-            rpc.rpc_sync("worker0", debug_counts)
-        assert rpc.rpc_sync("worker0", debug_counts) == {
-            "num_owner_rrefs": 0, "num_forks": 0, "num_pending_users": 0}
-    rpc.shutdown()
+    # proxies on a user-defined class: sync, async and remote
+    c = rpc.remote("worker1", Counter, args=(10,))
+    assert c.rpc_sync().add(1) == 11
+    assert c.rpc_async().add(2).wait() == 13
+    assert c.remote().get().to_here() == 13
 
 
-def test_owner_frees_the_value_after_every_user_drops_it():
-    run_workers(_refcount, 3, timeout=110)
+def test_proxies_call_a_user_class_sync_async_and_remote(trio):
+    trio.run(_proxies)
 
 
+def _forks():
+    import ucxrpc as rpc
+
+    c = rpc.remote("worker1", Counter, args=(13,))
+    # an RRef passed to a third worker (a fork) and used there
+    assert rpc.rpc_sync("worker2", keep, args=("c", c)) == "worker1"
+    assert rpc.rpc_sync("worker2", fetch_kept, args=("c",)).value == 13
+    # RRefs nested in containers travel as forks too
+    c2 = rpc.remote("worker1", Counter, args=(20,))
+    assert rpc.rpc_sync("worker2", keep_nested, args=("box", {"refs": [c, c2]})) == [13, 20]
+    rpc.rpc_sync("worker2", drop, args=("box", "c"))
+
+
+def test_an_rref_passed_to_a_third_worker_alone_or_in_a_container(trio):
+    trio.run(_forks)
+
+
+def _returned_rref():
+    import ucxrpc as rpc
+
+    # an RRef returned from a call, owned by the callee
+    back = rpc.rpc_sync("worker2", make_rref_here, args=(7,))
+    assert back.owner_name() == "worker2" and back.to_here() == 7
+
+
+def test_an_rref_returned_from_a_call_is_owned_by_the_callee(trio):
+    trio.run(_returned_rref)
+
+
+def _creation_errors():
+    import ucxrpc as rpc
+
+    # the creation's errors surface on use, with their type
+    bad = rpc.remote("worker1", fail, args=("broken value",))
+    with pytest.raises(ValueError, match="broken value"):
+        bad.to_here()
+
+
+def test_the_creations_error_surfaces_on_use_with_its_type(trio_failing):
+    trio_failing.run(_creation_errors)
+
+
+def _to_here_timeout():
+    import ucxrpc as rpc
+
+    slow = rpc.remote("worker1", sleepy, args=(3,))
+    with pytest.raises(RuntimeError, match="RPC ran for more than set timeout"):
+        slow.to_here(timeout=0.5)
+
+
+def test_to_here_times_out(trio_failing):
+    trio_failing.run(_to_here_timeout)
+
+
+def _pickling_outside_rpc():
+    import pickle
+
+    import ucxrpc as rpc
+
+    c = rpc.remote("worker1", Counter, args=(1,))
+    with pytest.raises(RuntimeError, match="only be pickled inside an RPC"):
+        pickle.dumps(c)
+
+
+def test_pickling_an_rref_outside_rpc_is_refused(trio):
+    trio.run(_pickling_outside_rpc)
+
+
+def _fork_chain():
+    import ucxrpc as rpc
+
+    # worker0 creates a value on worker1 and forks it to worker2
+    r = rpc.remote("worker1", make_tracked, args=("v",))
+    r.to_here()
+    assert rpc.rpc_sync("worker2", keep, args=("v", r)) == "worker1"
+    assert rpc.rpc_sync("worker1", tracked_alive, args=("v",))
+    del r  # the parent goes; worker2's fork still keeps the value
+    gc.collect()
+    time.sleep(0.3)
+    assert rpc.rpc_sync("worker1", tracked_alive, args=("v",))
+    # a chain worker0 -> worker2 -> worker0: a fork of a fork, registered too
+    rpc.rpc_sync("worker2", relay_kept, args=("worker0", "v2", "v"))
+    assert isinstance(_kept["v2"].to_here(), Tracked)
+    rpc.rpc_sync("worker2", drop, args=("v",))
+    time.sleep(0.3)
+    assert rpc.rpc_sync("worker1", tracked_alive, args=("v",))  # the chain's end holds it
+    drop("v2")  # the last user goes
+    assert _wait_until(lambda: not rpc.rpc_sync("worker1", tracked_alive, args=("v",))), \
+        rpc.rpc_sync("worker1", fork_holders)
+
+
+def test_owner_frees_the_value_after_every_user_drops_it(trio):
+    trio.run(_fork_chain)
+
+
+def _many_rrefs():
+    import ucxrpc as rpc
+
+    # a few thousand RRefs created and dropped concurrently
+    refs = [rpc.remote("worker1", Counter, args=(i,)) for i in range(2000)]
+    futs = [rpc.rpc_async("worker2", keep, args=(f"k{i}", r)) for i, r in enumerate(refs[:200])]
+    torch.futures.wait_all(futs)
+    del refs, futs
+    rpc.rpc_sync("worker2", drop, args=tuple(f"k{i}" for i in range(200)))
+    gc.collect()
+    assert _wait_until(lambda: rpc.rpc_sync("worker1", debug_counts)["num_owner_rrefs"] == 0), \
+        rpc.rpc_sync("worker1", debug_counts)
+    assert rpc.rpc_sync("worker1", debug_counts) == {
+        "num_owner_rrefs": 0, "num_forks": 0, "num_pending_users": 0}
+
+
+def test_thousands_of_rrefs_created_and_dropped_at_once_leave_nothing(trio):
+    trio.run(_many_rrefs)
 
 
 def die_after(seconds):
@@ -288,25 +383,21 @@ def rpc_module():
     return ucxrpc
 
 
-def _async_proxies(rank, world_size, init_method):
+def _async_proxies():
     import ucxrpc as rpc
 
-    _init(rank, world_size, init_method)
-    out = None
-    if rank == 0:
-        rref = rpc.remote("worker1", AsyncAdder, args=(torch.ones(2),))
-        # the reply waits for the method's future, in every proxy mode
-        out = [rref.rpc_sync().static_add(1, 2), rref.rpc_async().add(2).wait().tolist(),
-               rref.remote().add(3).to_here().tolist()]
-        with pytest.raises(AttributeError, match="has no attribute 'non_exist'"):
-            rref.remote().non_exist()  # as torch: at once, not at first use
-        with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object"):
-            rpc.remote("worker1", not_a_future).to_here()
-        with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object"):
-            rpc.rpc_sync("worker1", not_a_future)
-    rpc.shutdown()
+    rref = rpc.remote("worker1", AsyncAdder, args=(torch.ones(2),))
+    # the reply waits for the method's future, in every proxy mode
+    out = [rref.rpc_sync().static_add(1, 2), rref.rpc_async().add(2).wait().tolist(),
+           rref.remote().add(3).to_here().tolist()]
+    with pytest.raises(AttributeError, match="has no attribute 'non_exist'"):
+        rref.remote().non_exist()  # as torch: at once, not at first use
+    with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object"):
+        rpc.remote("worker1", not_a_future).to_here()
+    with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object"):
+        rpc.rpc_sync("worker1", not_a_future)
     return out
 
 
-def test_async_execution_methods_through_proxies():
-    assert run_workers(_async_proxies, 2, timeout=90)[0] == [3, [3.0, 3.0], [4.0, 4.0]]
+def test_async_execution_methods_through_proxies(trio_failing):
+    assert trio_failing.run(_async_proxies) == [3, [3.0, 3.0], [4.0, 4.0]]

@@ -23,7 +23,7 @@ WORLD = 4
 BATCH = 200  # small calls in flight per round
 SIZES = [4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
-pytestmark = pytest.mark.timeout(int(SECONDS * 3) + 120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(int(SECONDS * 3) + 120)]
 
 
 def crc(t):

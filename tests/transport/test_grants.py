@@ -1,8 +1,13 @@
-"""Large host buffers written by their sender into memory the receiver lent
-it (transport/grants.py), between two workers over real pipes."""
+"""Grants (transport/grants.py): memory lent to a peer to write large
+buffers into; first without processes, then between two workers over real
+pipes (large host buffers written by their sender into memory the receiver
+lent it)."""
 
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import pytest
 import torch
 
@@ -10,13 +15,215 @@ from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
 from tests.transport._workers import debug_counts, needs_sibling_reads, start_worker
 from tests.workers import run_workers
-from ucxrpc.transport.hostmem import cma
+from ucxrpc.errors import BrokenError, FrameError
 from ucxrpc.transport import grants
+from ucxrpc.transport.hostmem import cma
+from ucxrpc.transport.wire.frame import WRITTEN, BufferDesc, Frame, Kind, Limits, decode, encode
+from ucxrpc.transport.grants import Grants
+from ucxrpc.transport.pipe import Pipe
 
-pytestmark = [pytest.mark.timeout(120), needs_sibling_reads]
+MIB = 1 << 20
 
-if cma.offer() is None:
-    pytest.skip("process_vm_readv or /proc is not available here", allow_module_level=True)
+
+class _Sent(list):
+    """What Grants sent, as (pipe name, kind, payload); fails while ``broken``."""
+
+    broken = False
+
+    def __call__(self, pipe, payload, buffers, kind) -> None:
+        if self.broken:
+            raise BrokenError(f"pipe to {pipe.name} broken")
+        self.append((pipe.name, kind, bytes(payload)))
+
+
+def _alloc(nbytes: int, phase: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _pipe(*, cma_out: bool = True, cma_in: bool = True) -> Pipe:
+    pipe = Pipe(1, "worker1", b"")
+    pipe.cma.read_by_peer, pipe.cma.reads = cma_out, cma_in
+    return pipe
+
+
+def _entries(payload: bytes) -> list[tuple[int, int, int]]:
+    return [struct.unpack_from("<IQQ", payload, k) for k in range(0, len(payload), 20)]
+
+
+def _grant_frame(payload: bytes) -> Frame:
+    return Frame(Kind.GRANT, 1, memoryview(payload), (), np.zeros(0, dtype=np.uint8))
+
+
+def _written(gid: int, nbytes: int) -> BufferDesc:
+    return BufferDesc(nbytes, 0, -1, WRITTEN, gid)
+
+
+def test_size_classes_are_powers_of_two():
+    assert [grants.size_class(n) for n in (2 * MIB, 2 * MIB + 1, 3 * MIB, 16 * MIB)] == \
+        [2 * MIB, 4 * MIB, 4 * MIB, 16 * MIB]
+
+
+def test_a_peer_is_lent_one_grant_per_class_from_huge_pages_to_the_largest():
+    sent = _Sent()
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
+    ours.lend(pipe, [(3 * MIB, 64), (4 * MIB, 0), (MIB, 0), (grants.MAX_BYTES + 1, 0)])
+    # 3 and 4 MiB share a class; 1 MiB is below huge pages, MAX_BYTES + 1 above the largest.
+    assert [(name, kind) for name, kind, _ in sent] == [("worker1", Kind.GRANT)]
+    (gid, nbytes, address), = _entries(sent[0][2])
+    assert nbytes == 4 * MIB and address == pipe.grants.lent[gid].data_ptr()
+    assert ours.lent_bytes == 4 * MIB and ours.lent == 1
+    ours.lend(pipe, [(4 * MIB, 0)])  # still lent, unused: nothing more
+    assert len(sent) == 1
+
+
+def test_nothing_is_lent_to_a_peer_that_never_showed_it_reaches_our_memory():
+    sent = _Sent()
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe(cma_out=False)
+    ours.lend(pipe, [(4 * MIB, 0)])
+    assert sent == [] and pipe.grants.lent == {} and ours.lent_bytes == 0
+
+
+def test_a_worker_lends_at_most_total_bytes(monkeypatch):
+    monkeypatch.setattr(grants, "TOTAL_BYTES", 6 * MIB)
+    sent = _Sent()
+    ours = Grants(alloc=_alloc, send=sent)
+    first, second = _pipe(), _pipe()
+    ours.lend(first, [(4 * MIB, 0)])
+    ours.lend(second, [(4 * MIB, 0), (2 * MIB, 0)])
+    assert ours.lent_bytes == 6 * MIB
+    assert [len(_entries(p)) for _, _, p in sent] == [1, 1]
+    assert [t.numel() for t in second.grants.lent.values()] == [2 * MIB]
+
+
+def test_a_grant_that_cannot_be_had_is_not_lent_and_not_counted():
+    def refuse(nbytes, phase):
+        raise MemoryError(f"no {nbytes} bytes")
+
+    sent = _Sent()
+    ours, pipe = Grants(alloc=refuse, send=sent), _pipe()
+    ours.lend(pipe, [(4 * MIB, 0)])
+    assert sent == [] and pipe.grants.lent == {} and ours.lent_bytes == 0
+
+
+def test_a_grant_lent_on_a_broken_pipe_stays_out_of_use():
+    sent = _Sent()
+    sent.broken = True
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
+    ours.lend(pipe, [(4 * MIB, 0)])
+    assert ours.lent == 0 and len(pipe.grants.lent) == 1  # not sent, but possibly written: kept
+    ours.retire(pipe)
+    assert pipe.grants.lent == {} and ours.lent_bytes == 0
+    assert ours.stats()["grant_bytes_retired"] == 4 * MIB
+
+
+def test_a_written_buffer_is_the_lent_memory_once():
+    sent = _Sent()
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
+    ours.lend(pipe, [(4 * MIB, 0)])
+    (gid, _, address), = _entries(sent[0][2])
+    got = ours.take(pipe, 0, _written(gid, 3 * MIB + 5))
+    assert got.numel() == 3 * MIB + 5 and got.data_ptr() == address
+    assert ours.lent_bytes == 0 and ours.used == 1 and ours.used_bytes == 3 * MIB + 5
+    with pytest.raises(FrameError, match=f"worker1 says it wrote buffer 2 into grant {gid}, "
+                                         "which this worker did not lend it or saw used"):
+        ours.take(pipe, 2, _written(gid, MIB))
+
+
+def test_a_buffer_larger_than_its_grant_is_refused_naming_both_sizes():
+    sent = _Sent()
+    ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
+    ours.lend(pipe, [(2 * MIB, 0)])
+    (gid, _, _), = _entries(sent[0][2])
+    with pytest.raises(FrameError, match=f"wrote {2 * MIB + 1} bytes \\(buffer 0\\) into a "
+                                         f"{2 * MIB}-byte grant"):
+        ours.take(pipe, 0, _written(gid, 2 * MIB + 1))
+
+
+def test_grants_received_are_kept_by_class_and_picked_once():
+    ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
+    payload = struct.pack("<IQQ", 7, 4 * MIB, 0x1000) + struct.pack("<IQQ", 8, 16 * MIB, 0x9000)
+    ours.on_frame(pipe, _grant_frame(payload))
+    assert pipe.grants.granted == {4 * MIB: [(7, 0x1000)], 16 * MIB: [(8, 0x9000)]}
+    assert grants.pick(pipe, 3 * MIB) == (7, 0x1000)
+    assert grants.pick(pipe, 3 * MIB) is None
+    assert grants.pick(pipe, 9 * MIB) == (8, 0x9000)
+    ours.retire(pipe)
+    assert pipe.grants.granted == {}
+
+
+def test_grants_from_a_peer_we_cannot_reach_are_left_unused():
+    ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe(cma_in=False)
+    ours.on_frame(pipe, _grant_frame(struct.pack("<IQQ", 1, 4 * MIB, 0x1000)))
+    assert pipe.grants.granted == {}
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"", "0-byte payload"),
+    (b"x" * 21, "21-byte payload"),
+    (b"x" * 20 * 33, "660-byte payload"),
+    (struct.pack("<IQQ", 1, 3 * MIB, 0x1000), "lent a 3145728-byte grant"),
+    (struct.pack("<IQQ", 1, MIB, 0x1000), "lent a 1048576-byte grant"),
+    (struct.pack("<IQQ", 1, 4 * MIB, 0), "at 0x0"),
+])
+def test_a_malformed_grant_frame_is_refused_naming_what_is_wrong(payload, match):
+    ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
+    with pytest.raises(FrameError, match=match):
+        ours.on_frame(pipe, _grant_frame(payload))
+    assert pipe.grants.granted == {}
+
+
+def test_written_descriptors_count_toward_the_message_and_name_host_memory_only():
+    limits = Limits()
+    frame, separate = encode(Kind.MESSAGE, 1, b"p", [(5 * MIB, None, -1)], b"k" * 32, limits,
+                             ways=[(WRITTEN, 3, 0)])
+    assert separate == []
+    got = decode(frame, b"k" * 32, limits)
+    assert got.buffers[0].flags == WRITTEN and got.buffers[0].arg == 3
+    assert got.total >= 5 * MIB
+    bad, _ = encode(Kind.MESSAGE, 1, b"p", [(5 * MIB, None, 0)], b"k" * 32, limits,
+                    ways=[(WRITTEN, 3, 0)])
+    with pytest.raises(FrameError, match="written into host memory here, but its descriptor "
+                                         "names device 0"):
+        decode(bad, b"k" * 32, limits)
+
+
+def test_lending_for_a_split_write_keeps_the_loop_from_polling_for_a_while(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(grants.time, "monotonic", lambda: now[0])
+    ours = Grants(alloc=_alloc, send=_Sent())
+    ours.lend(_pipe(), [(4 * MIB, 0)])  # written in one call: nothing to keep free
+    assert not ours.split_write_due()
+    ours.lend(_pipe(), [(grants.SPLIT_BYTES, 0)])
+    assert ours.split_write_due()
+    now[0] += grants.SPLIT_QUIET_S
+    assert not ours.split_write_due()
+
+
+def test_a_peer_that_lends_more_than_it_should_is_not_kept_beyond_a_few_per_class():
+    ours, pipe = Grants(alloc=_alloc, send=_Sent()), _pipe()
+    for gid in range(10):
+        ours.on_frame(pipe, _grant_frame(struct.pack("<IQQ", gid, 4 * MIB, 0x1000 + gid)))
+    assert len(pipe.grants.granted[4 * MIB]) == grants._KEPT_PER_CLASS
+
+
+def test_grant_bounds():
+    # The classes writing pays for: receive buffers on huge pages, and no
+    # standing grant larger than what the worker may lend at all.
+    assert grants.MIN_BYTES >= cma.MIN_BYTES
+    assert grants.MAX_BYTES <= grants.TOTAL_BYTES
+
+
+# ------------------------------------------------------------ between two workers
+
+def _between_workers(test):
+    """Marks a test between two workers: it starts them, and reading by
+    address (which makes a receiver lend grants) must work between them."""
+    for mark in (pytest.mark.processes, pytest.mark.timeout(120), needs_sibling_reads,
+                 pytest.mark.skipif(cma.offer() is None,
+                                    reason="process_vm_readv or /proc is not available here")):
+        test = mark(test)
+    return test
+
 
 # Above reading by address and the smallest grant, in the 8 MiB class.
 _SIZE = (4 << 20) + 3
@@ -52,6 +259,7 @@ def _echoes(rank, world_size, init_method):
     return out
 
 
+@_between_workers
 def test_large_buffers_are_written_into_memory_the_receiver_lent():
     out = run_workers(_echoes, 2, timeout=90)[0]
     assert out["echo"] == [(True, True)] * 7
@@ -95,6 +303,7 @@ def _forged(rank, world_size, init_method):
     return out
 
 
+@_between_workers
 def test_a_buffer_written_into_a_grant_never_lent_fails_its_call_and_the_worker_serves_on():
     out = run_workers(_forged, 2, timeout=90)[0]
     assert out["error"] is not None
@@ -102,10 +311,3 @@ def test_a_buffer_written_into_a_grant_never_lent_fails_its_call_and_the_worker_
     assert out["after"] == 5
     assert out["large_after"] == (True, True)
     assert out["theirs"]["grants_used"] == 0
-
-
-def test_grant_bounds():
-    # The classes writing pays for: receive buffers on huge pages, and no
-    # standing grant larger than what the worker may lend at all.
-    assert grants.MIN_BYTES >= cma.MIN_BYTES
-    assert grants.MAX_BYTES <= grants.TOTAL_BYTES

@@ -6,7 +6,9 @@ aliases what was sent.
 
 These tests pin the per-buffer wire form, which carries large, CUDA and
 shared-storage tensors: ``dumps`` here bundles nothing.  Bundling of small
-host tensors (on by default) has its own tests in ``test_bundle.py``.
+host tensors (on by default) has its own tests in ``test_bundle.py``; the
+in-band form and what the receiving side refuses (tensors.py), in
+``test_tensors.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.serialization._helpers import assert_same as _assert_same
+from tests.serialization._helpers import copied_at as _wire
 from ucxrpc.serialization import pickler as serialization
 from ucxrpc.errors import SerializationError
 from ucxrpc.serialization.pickler import BufferSpec, Pickled, Serializer, loads
-from ucxrpc.transport.wire.gather import Gather
 
 dumps = Serializer(bundle=False).dumps
 
@@ -30,22 +33,6 @@ ALL_DTYPES = [
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
     torch.complex64, torch.complex128,
 ]
-
-
-def _wire(pickled: Pickled, offset: int | None = None) -> list[torch.Tensor]:
-    """Copy buffers as a transport would; ``offset`` places each inside a bigger
-    allocation at that byte offset."""
-    out = []
-    for buf in pickled.buffers:
-        buf = buf.joined() if isinstance(buf, Gather) else buf  # as the wire carries it
-        if offset is None:
-            fresh = torch.empty(buf.numel(), dtype=torch.uint8, device=buf.device)
-        else:
-            big = torch.empty(buf.numel() + offset + 7, dtype=torch.uint8, device=buf.device)
-            fresh = big[offset:offset + buf.numel()]
-        fresh.copy_(buf)
-        out.append(fresh)
-    return out
 
 
 def _roundtrip(obj: object, offset: int | None = None) -> object:
@@ -64,15 +51,6 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return (torch.randn(shape, generator=g) * 100).to(dtype)
     info = torch.iinfo(dtype)
     return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=dtype)
-
-
-def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert type(got) is type(want)
-    assert got.dtype == want.dtype
-    assert got.shape == want.shape
-    assert got.stride() == want.stride()
-    assert got.device == want.device
-    assert torch.equal(got, want)
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -655,142 +633,6 @@ def test_too_many_buffers_on_dumps():
     ser.dumps([torch.ones(1), torch.ones(1)])
     with pytest.raises(SerializationError, match="3 buffers; the limit is 2"):
         ser.dumps([torch.ones(1), torch.ones(1), torch.ones(1)])
-
-
-# --------------------------------------------------------------------------
-# Errors on loads: SerializationError that says what was wrong
-
-
-def test_too_few_buffers():
-    pickled = dumps([torch.ones(3), torch.zeros(3)])
-    with pytest.raises(SerializationError, match=r"^tensor 1 needs buffer 1 but the message has only 1 buffers$"):
-        loads(pickled.payload, _wire(pickled)[:1])
-
-
-def test_no_buffers_for_numpy():
-    pickled = dumps(np.ones(20000))
-    with pytest.raises(SerializationError, match=r"^pickle buffer 0 needs buffer 0 but the message has only 0 buffers$"):
-        loads(pickled.payload, [])
-
-
-def test_too_many_buffers():
-    pickled = dumps(torch.ones(3))
-    bufs = _wire(pickled) + [torch.zeros(4, dtype=torch.uint8)]
-    with pytest.raises(SerializationError, match="^message has 2 buffers but its pickle uses 1$"):
-        loads(pickled.payload, bufs)
-
-
-def test_more_buffers_than_allowed():
-    with pytest.raises(SerializationError, match="^message has 3 buffers; the limit is 2$"):
-        Serializer(max_buffers=2).loads(dumps(None).payload, [torch.zeros(1, dtype=torch.uint8)] * 3)
-
-
-def test_buffer_too_small():
-    t = torch.ones(4, 256)
-    pickled = dumps([torch.ones(2), t])
-    bufs = _wire(pickled)
-    bufs[1] = bufs[1][:100]
-    with pytest.raises(SerializationError,
-                       match=r"^tensor 1 needs bytes \[0, 4096\) but buffer 1 has 100 bytes$"):
-        loads(pickled.payload, bufs)
-
-
-def test_buffer_of_wrong_kind():
-    pickled = dumps(torch.ones(2))
-    with pytest.raises(SerializationError, match="^buffer 0 is not a 1-D contiguous uint8 tensor$"):
-        loads(pickled.payload, [torch.ones(2)])
-
-
-@pytest.mark.parametrize("payload", [b"", b"garbage", b"\x80\x05\x95", b"\x80\x05K\x01"],
-                         ids=["empty", "garbage", "truncated", "no-stop"])
-def test_garbage_payload(payload):
-    with pytest.raises(SerializationError, match="cannot unpickle message"):
-        loads(payload, [])
-
-
-def test_truncated_real_payload():
-    pickled = dumps({"a": torch.ones(3), "b": [1, 2, 3]})
-    with pytest.raises(SerializationError, match="cannot unpickle message"):
-        loads(pickled.payload[:-5], _wire(pickled))
-
-
-class _Forged:
-    """Pickles as a direct call of the rebuild function with chosen arguments."""
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __reduce__(self):
-        return (serialization._rebuild_tensor, self.args)
-
-
-@pytest.mark.parametrize("args, message", [
-    ((0, 0, "float32", (4,), (-1,), 0), "^tensor has negative shape"),
-    ((0, 0, "float32", (4, 4), (1,), 0), "^tensor shape .* differ in length$"),
-    ((0, 0, "no_such_dtype", (4,), (1,), 0), "^unknown tensor dtype 'no_such_dtype' in message$"),
-    ((0, 3, "float32", (4,), (1,), 0), r"^tensor 0 needs bytes \[12, 28\) but buffer 0 has 16 bytes$"),
-    ((0, -1, "float32", (4,), (1,), 0), r"^tensor 0 needs bytes \[-4, 12\)"),
-    ((1, 0, "float32", (4,), (1,), 0), "^tensor 0 refers to buffer 1 out of order"),
-    ((0, 0, "float32", (4,), (1,), 0, int), "^tensor 0 has type <class 'int'>, not a Tensor subclass$"),
-])
-def test_forged_metadata_is_rejected(args, message):
-    payload = pickle.dumps(_Forged(*args), protocol=5)
-    bufs = [torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)]
-    with pytest.raises(SerializationError, match=message):
-        loads(payload, bufs)
-
-
-class _ForgedVector:
-    """Pickles as a direct call of the vector rebuild function."""
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __reduce__(self):
-        return (serialization._rebuild_vector, self.args)
-
-
-_FLOAT32 = serialization._DTYPE_CODES[torch.float32][0]
-
-
-@pytest.mark.parametrize("args, nbufs, message", [
-    ((0, "x", 4), 2, "^unknown tensor dtype code 'x' in message$"),
-    ((0, 1 << 20, 4), 2, "^unknown tensor dtype code 1048576 in message$"),
-    ((1, _FLOAT32, 4), 2, "^tensor 0 refers to buffer 1 out of order"),
-    ((0, _FLOAT32, 5), 2, r"^tensor 0 needs bytes \[0, 20\) but buffer 0 has 16 bytes$"),
-    ((0, _FLOAT32, -1), 2, "^tensor has negative shape"),
-    ((0, _FLOAT32, 4), 0, "^tensor 0 needs buffer 0 but the message has only 0 buffers$"),
-], ids=["code-type", "code-range", "order", "too-small", "negative", "no-buffer"])
-def test_forged_vector_metadata_is_rejected(args, nbufs, message):
-    payload = pickle.dumps([_ForgedVector(*args), 0], protocol=5)
-    bufs = [torch.zeros(16, dtype=torch.uint8) for _ in range(nbufs)]
-    with pytest.raises(SerializationError, match=message):
-        loads(payload, bufs)
-
-
-@pytest.mark.parametrize("buf", [torch.ones(4), torch.zeros(2, 8, dtype=torch.uint8),
-                                 torch.zeros(32, dtype=torch.uint8)[::2]],
-                         ids=["float", "2-d", "strided"])
-def test_vector_buffer_of_wrong_kind(buf):
-    pickled = dumps(torch.ones(4))
-    with pytest.raises(SerializationError, match="^buffer 0 is not a 1-D contiguous uint8 tensor$"):
-        loads(pickled.payload, [buf])
-
-
-def test_one_byte_buffer_with_any_stride_is_accepted():
-    t = torch.tensor([7], dtype=torch.uint8)
-    buf = torch.zeros(10, dtype=torch.uint8)[::5][:1]  # contiguous: one element
-    assert buf.stride() == (5,)
-    buf[0] = 7
-    got = loads(dumps(t).payload, [buf])
-    _assert_same(got, t)
-
-
-@pytest.mark.parametrize("t", [torch.ones(2), torch.ones(2, 2)], ids=["vector", "general"])
-def test_plain_unpickling_of_a_message_is_refused(t):
-    pickled = dumps(t)
-    with pytest.raises(SerializationError, match="^a ucxrpc tensor can only be unpickled by Serializer.loads$"):
-        pickle.loads(pickled.payload)
 
 
 # --------------------------------------------------------------------------

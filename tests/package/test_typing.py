@@ -1,4 +1,4 @@
-"""STYLE.md: ucxrpc/ stays mypy clean (config in pyproject.toml)."""
+"""docs/style.md: ucxrpc/ stays mypy clean (config in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -59,3 +59,19 @@ def test_tables_that_do_not_fit_are_refused(table, match):
     raw = np.frombuffer(bytes(PREFIX.size) + table + bytes(64), dtype=np.uint8)
     with pytest.raises(FrameError, match=match):
         batch.unpack(raw, PREFIX.size, len(table) if table else 2)
+
+
+def test_a_batch_over_max_message_bytes_is_sent_when_each_message_in_it_is_under():
+    """max_message_bytes is each message's limit, not a BATCH frame's: a
+    callee with a small limit once refused its own batch of replies, and
+    the calls in it timed out (tests/rpc/test_batching.py under load)."""
+    limits = Limits(max_message_bytes=8 << 10)
+    inner = [encode(Kind.MESSAGE, i, bytes(3000), [], b"", limits, seal=False)[0]
+             for i in range(4)]
+    frame, _ = encode(Kind.BATCH, 9, batch.pack(inner), [], KEY, limits)
+    assert frame.nbytes > limits.max_message_bytes
+    got = decode(frame, KEY, limits)
+    held = list(batch.unpack(frame, PREFIX.size, len(got.payload)))
+    assert [decode(raw, None, limits).seq for raw in held] == [0, 1, 2, 3]
+    with pytest.raises(FrameError, match="exceeds max_message_bytes=8192"):
+        encode(Kind.MESSAGE, 10, bytes(9000), [], KEY, limits)

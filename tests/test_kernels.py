@@ -15,7 +15,7 @@ import torch
 
 from ucxrpc import _kernels
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -104,6 +104,7 @@ def _run_isolated(code: str, stubs: dict[str, str], tmp_path: Path) -> subproces
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.processes
 def test_the_kernel_source_loads_from_a_plain_checkout(tmp_path):
     """_kernel reads multi_copy.cu with ucxrpc found only on PYTHONPATH (no
     wheel, no editable install), as pytest and benchmarks/ run it."""
@@ -137,6 +138,7 @@ raise ImportError("libcudart.so.13: cannot open shared object file (a broken CuP
 """
 
 
+@pytest.mark.processes
 def test_a_broken_cupy_turns_cuda_packing_off_with_one_warning(tmp_path):
     proc = _run_isolated("""
         import logging, sys, torch
@@ -160,6 +162,7 @@ def test_a_broken_cupy_turns_cuda_packing_off_with_one_warning(tmp_path):
     assert "sent one by one" in warnings[0]
 
 
+@pytest.mark.processes
 def test_without_cupy_the_reason_says_it_is_not_installed(tmp_path):
     # None in sys.modules hides any CuPy this machine has from find_spec and import.
     proc = _run_isolated("""

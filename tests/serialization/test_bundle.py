@@ -12,6 +12,10 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.serialization._helpers import ALL_DTYPES
+from tests.serialization._helpers import copied as _wire
+from tests.serialization._helpers import same as _same
+from tests.serialization._helpers import sample as _sample
 from ucxrpc.serialization import bundle as _bundle, tensors as _tensor_codec
 from ucxrpc.serialization.tensors import (RUN_DICT, RUN_LIST, _bundled_run, _bundled_slot,
                                           _rebuild_bundled)
@@ -19,51 +23,14 @@ from ucxrpc.errors import SerializationError
 from ucxrpc.serialization.pickler import GradCapture, Pickled, Serializer
 from ucxrpc.transport.wire.gather import Gather
 
-ALL_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.complex64, torch.complex128,
-] + [d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64"))
-     if isinstance(d, torch.dtype)]
-
-# The bundle itself: no tensor goes in the pickle stream (test_inband.py),
+# The bundle itself: no tensor goes in the pickle stream (test_tensors.py),
 # and a message's first small tensor bundles too (see test_first_alone).
 SER = Serializer(inband_tensors=0, first_alone=False)
-
-
-def _wire(pickled: Pickled, misalign: int = 0) -> list[torch.Tensor]:
-    out = []
-    for buf in pickled.buffers:
-        buf = buf.joined() if isinstance(buf, Gather) else buf  # as the wire carries it
-        big = torch.empty(buf.numel() + misalign, dtype=torch.uint8)
-        fresh = big[misalign:]
-        fresh.copy_(buf)
-        out.append(fresh)
-    return out
 
 
 def _roundtrip(obj, misalign: int = 0):
     p = SER.dumps(obj)
     return SER.loads(p.payload, _wire(p, misalign)), p
-
-
-def _sample(dtype: torch.dtype, shape=(5, 3)) -> torch.Tensor:
-    """A tensor of its own storage (a reshape of a temporary would be a view
-    sharing its base's storage, which keeps the per-storage path)."""
-    if dtype is torch.bool:
-        t = torch.arange(15) % 3 == 0
-    elif dtype.is_complex:
-        t = torch.complex(torch.arange(15.0), -torch.arange(15.0)).to(dtype)
-    else:
-        t = torch.arange(15, dtype=torch.int64).to(dtype)
-    return t.reshape(shape).clone()
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype in (getattr(torch, "uint16", None), getattr(torch, "uint32", None),
-                   getattr(torch, "uint64", None)):
-        a, b = a.to(torch.int64), b.to(torch.int64)
-    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
 @pytest.mark.parametrize("misalign", [0, 1], ids=["aligned", "odd-address"])

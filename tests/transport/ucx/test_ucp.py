@@ -23,7 +23,7 @@ import pytest
 
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
 
 TAG = 0x5 << 60
 MASK = (1 << 64) - 1

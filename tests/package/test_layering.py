@@ -1,4 +1,4 @@
-"""Keep the layering of ucxrpc/ honest (see DESIGN.md, "Layers").
+"""Keep the layering of ucxrpc/ honest (see docs/architecture.md, "Layers").
 
 * Only modules under ``ucxrpc/transport/`` import ``ucxx``.
 * Imports point down the stack: a module imports only modules of the same or
@@ -184,6 +184,7 @@ def test_ucxrpc_imports_point_down_the_stack() -> None:
     assert not problems, "layering violations:\n" + "\n".join(problems)
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     not (PACKAGE_DIR / "__init__.py").exists(), reason="ucxrpc/__init__.py does not exist yet"
 )

@@ -22,7 +22,7 @@ from ucxrpc._launch import LIFETIME_EXIT_CODE, spawn, start, stop_process
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "ucxrpc" / "_launch.py"
 _ENV_KEY = "UCXRPC_TEST_LAUNCH"
 # Read at import on purpose: a child imports this module after the launcher
@@ -106,6 +106,7 @@ def _kill(pids: list[int]) -> None:
 # ---- tests -------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_ranks_run_and_report_in_rank_order() -> None:
     with start(_report, [(rank, "extra") for rank in range(3)],
                env={_ENV_KEY: "set"}) as ranks:
@@ -123,6 +124,7 @@ def test_ranks_run_and_report_in_rank_order() -> None:
     assert _wait_gone(pids, 0) == []
 
 
+@pytest.mark.processes
 def test_a_failing_rank_error_text_comes_back() -> None:
     with start(_fail_on_odd, [(rank,) for rank in range(3)]) as ranks:
         outcomes = ranks.collect(30)
@@ -135,6 +137,7 @@ def test_a_failing_rank_error_text_comes_back() -> None:
     assert "_fail_on_odd" in failed.error  # a traceback, not just the message
 
 
+@pytest.mark.processes
 def test_a_rank_that_dies_without_reporting_says_how() -> None:
     with start(_exit_hard, [(0,)]) as ranks:
         (out,) = ranks.collect(30)
@@ -142,6 +145,7 @@ def test_a_rank_that_dies_without_reporting_says_how() -> None:
     assert out.error == "process exited with code 3 without reporting a result"
 
 
+@pytest.mark.processes
 def test_a_hanging_rank_is_stopped_within_a_bound_and_its_pid_is_gone(tmp_path: Path) -> None:
     ready = [tmp_path / f"rank{rank}.ready" for rank in range(2)]
     ranks = start(_ignore_sigterm_and_hang, [(str(path),) for path in ready])
@@ -165,6 +169,7 @@ def test_a_hanging_rank_is_stopped_within_a_bound_and_its_pid_is_gone(tmp_path: 
     ranks.stop()  # idempotent
 
 
+@pytest.mark.processes
 def test_failure_grace_ends_the_wait_soon_after_a_failure() -> None:
     with start(_fail_rank0_hang_others, [(0,), (1,)]) as ranks:
         began = time.monotonic()
@@ -176,6 +181,7 @@ def test_failure_grace_ends_the_wait_soon_after_a_failure() -> None:
         assert waited < 15.0
 
 
+@pytest.mark.processes
 def test_a_forked_rank_gets_the_callers_environment_with_torch_imported(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with start(_environ, [(0, ())], method="forkserver") as ranks:  # the server runs now
@@ -194,6 +200,7 @@ def test_a_forked_rank_gets_the_callers_environment_with_torch_imported(
     assert [out.value for out in outcomes] == [want, want]
 
 
+@pytest.mark.processes
 def test_a_process_has_ended_once_it_is_a_zombie_or_gone() -> None:
     # What a forked child's watch on its starter decides by (a sandbox's
     # pidfd may wake early, and without one it is polled).
@@ -216,6 +223,7 @@ def test_an_unknown_start_method_is_refused_by_name() -> None:
         start(_report, [(0, "")], method="fork")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_a_spawned_process_exits_when_its_lifetime_is_over(method: str) -> None:
     proc = spawn(_sleep_forever, lifetime=1.0, method=method)
@@ -237,7 +245,7 @@ launch = importlib.util.module_from_spec(spec)
 sys.modules["ucxrpc._launch"] = launch
 spec.loader.exec_module(launch)
 from multiprocessing import forkserver
-from tests.unit.test_launch import _sleep_forever
+from tests.test_launch import _sleep_forever
 ranks = launch.start(_sleep_forever, [(0,), (1,)], method=sys.argv[1])
 server = getattr(forkserver._forkserver, "_forkserver_pid", None)
 print(*(p.pid for p in ranks.procs), *([server] if server else []), flush=True)
@@ -245,6 +253,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_children_die_when_their_parent_is_sigkilled(method: str) -> None:
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, method], cwd=REPO,

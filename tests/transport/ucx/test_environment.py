@@ -1,7 +1,7 @@
-"""The UCX settings ucxrpc applies before UCX loads (transport/ucx/binding.py):
-what it sets, that a user's own settings win, how ``transports=`` becomes
-``UCX_TLS``, when device memory may be handed to UCX, and (in a child
-process) that UCX really reads the settings."""
+"""The UCX settings ucxrpc applies before UCX loads
+(transport/ucx/environment.py): what it sets, that a user's own settings
+win, how ``transports=`` becomes ``UCX_TLS``, and (in a child process) that
+UCX really reads the settings."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from tests.workers import run_workers
-from ucxrpc.transport.ucx.binding import cuda_memory
 from ucxrpc.transport.ucx.environment import (MAX_SHM_SEG_SIZE, environment_problem,
                                               ucx_environment, ucx_tls)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_defaults_keep_shared_memory_with_error_handling_and_eager_intra_host():
@@ -79,17 +78,6 @@ def test_transports_naming_cuda_ipc_or_gdr_copy_bring_cuda_copy(transports, tls)
     assert ucx_environment(transports, 10.0, environ={})["UCX_TLS"] == tls
 
 
-def test_device_memory_goes_to_ucx_only_with_cuda_copy_loaded():
-    host = [("tcp", "lo"), ("sysv", "memory")]
-    assert cuda_memory(True, host + [("cuda_copy", "cuda"), ("cuda_ipc", "cuda")])
-    assert cuda_memory(True, host + [("cuda_copy", "cuda")])
-    assert not cuda_memory(True, host + [("cuda_ipc", "cuda")])
-    assert not cuda_memory(True, host + [("gdr_copy", "cuda")])
-    assert not cuda_memory(True, host)
-    # ucxx's cuda_support is a test of UCX_TLS: true on a machine without a GPU
-    assert not cuda_memory(False, host + [("cuda_copy", "cuda")])
-
-
 _CHILD = """
 import json, sys
 from ucxrpc.transport.ucx.binding import Worker
@@ -100,6 +88,7 @@ json.dump({k: s.get(k) for k in sys.argv[1:]}, sys.stdout)
 """
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_ucx_reads_the_settings_in_a_process_that_starts_without_them():
     """What libucs really has, printed by UCX itself, in a process whose
@@ -160,6 +149,7 @@ def _init_and_echo(rank, world_size, init_method, nbytes):
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_workers_refuse_a_segment_that_ucx_would_wrap_and_take_the_largest_it_carries():
     """Over 64 KiB, UCX's shared-memory queue wraps a full fragment's 16-bit

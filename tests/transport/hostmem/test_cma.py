@@ -1,11 +1,12 @@
 """Reading large host buffers by address (transport/hostmem/cma.py): the system
 call against a real second process, what a pipe agrees to, and messages
-whose buffers travel so between two workers over real pipes."""
+whose buffers travel so between two workers over real pipes.  The REMOTE
+descriptor is the frame's (tests/transport/wire/test_frame.py); the buffers
+a peer reads come from the pool (tests/transport/hostmem/test_pool.py)."""
 
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import sys
 import threading
@@ -19,11 +20,8 @@ from tests.rpc._digest import digest_and_echo
 from tests.transport._workers import (debug_counts, needs_sibling_reads, siblings_may_read,
                                      start_worker)
 from tests.workers import run_workers
-from ucxrpc.errors import FrameError
 from ucxrpc.transport.hostmem import cma
 from ucxrpc.transport import grants
-from ucxrpc.transport.wire.frame import REMOTE, Kind, Limits, decode, encode
-from ucxrpc.transport.hostmem.pool import HUGE, PAGE, HostPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,6 +50,7 @@ def holder():
         proc.wait(10)
 
 
+@pytest.mark.processes
 def test_read_copies_another_process_memory_and_names_failures(holder):
     proc, address, offer = holder
     size = 256 * 36865  # over SPLIT_BYTES: half of it copied on the helper thread
@@ -87,71 +86,6 @@ def test_offers_from_elsewhere_and_transport_lists():
     assert not cma.allowed("tcp") and not cma.allowed("tcp,cuda_copy")
 
 
-def test_remote_descriptors_round_trip_and_host_memory_only():
-    limits = Limits()
-    views = [(10, None, -1), (1 << 22, None, -1)]
-    frame, separate = encode(Kind.MESSAGE, 1, b"p", views, b"k" * 16, limits,
-                             [(0, 0, 0), (REMOTE, 0, 0x7F00_1234_5678)])
-    assert separate == [0]  # a REMOTE buffer sends nothing
-    got = decode(frame, b"k" * 16, limits)
-    assert got.buffers[1].flags == REMOTE and got.buffers[1].inline_offset == 0x7F00_1234_5678
-    assert got.total == frame.nbytes + 10 + (1 << 22)
-    bad, _ = encode(Kind.MESSAGE, 1, b"p", [(1 << 22, None, 0)], b"k" * 16, limits,
-                    [(REMOTE, 0, 4096)])
-    with pytest.raises(FrameError, match="read by address from device 0"):
-        decode(bad, b"k" * 16, limits)
-
-
-def test_pool_buffers_start_where_asked_in_their_page():
-    pool = HostPool()
-    for phase in (0, 16, 64, 4000):
-        t = pool.alloc(3 << 20, phase)
-        assert t.data_ptr() % PAGE == phase and t.numel() == 3 << 20
-        t[-1] = 1  # all of it is ours
-    del t
-    again = pool.alloc(3 << 20, 64)
-    assert again.data_ptr() % PAGE == 64 and pool.stats()["hits"] >= 1
-
-
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address`` (proc(5))."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
-                    reason="this kernel has no transparent huge pages")
-def test_large_pool_buffers_are_advised_onto_huge_pages_from_a_huge_page_boundary():
-    # A peer reads them by address a huge page at a time (pool.HUGE).
-    pool = HostPool()
-    plain, phased = pool.alloc(HUGE), pool.alloc(5 << 20, 100)
-    assert plain.data_ptr() % HUGE == 0 and phased.data_ptr() % HUGE == 100
-    assert "hg" in _vm_flags(plain.data_ptr()) and "hg" in _vm_flags(phased.data_ptr())
-    plain[-1] = phased[-1] = 7  # all of it is ours
-    assert plain[-1] == phased[-1] == 7
-
-
-def test_a_pool_buffer_comes_from_the_allocator_where_no_mapping_can_be_made(monkeypatch):
-    import mmap
-
-    def refuse(*args, **kwargs):
-        raise OSError(12, "Cannot allocate memory")
-
-    monkeypatch.setattr(mmap, "mmap", refuse)
-    t = HostPool().alloc(HUGE + 1, 100)
-    assert t.numel() == HUGE + 1 and t.data_ptr() % PAGE == 100
-    t[-1] = 7
-    assert t[-1] == 7
-
-
 def _exchange(rank, world_size, init_method, transports):
     rpc = start_worker(rank, world_size, init_method, transports=transports)
     out = {}
@@ -177,6 +111,7 @@ def _exchange(rank, world_size, init_method, transports):
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["default", "tcp-only"])
 def test_large_buffers_go_by_address_within_a_host(transports):
     out = run_workers(_exchange, 2, args=(transports,), timeout=90)[0]
@@ -227,6 +162,7 @@ def _echo_above_busy_min(rank, world_size, init_method, modes):
     return out
 
 
+@pytest.mark.processes
 @needs_sibling_reads
 def test_where_the_loop_blocks_smaller_buffers_go_by_address_acknowledged_lazily():
     out = run_workers(_echo_above_busy_min, 2, args=(("blocking", "blocking"),), timeout=90)[0]
@@ -243,6 +179,7 @@ def test_where_the_loop_blocks_smaller_buffers_go_by_address_acknowledged_lazily
     assert out["theirs"]["buffers_held_for_peers"] == 0
 
 
+@pytest.mark.processes
 @needs_sibling_reads
 def test_a_peer_that_may_not_poll_is_sent_smaller_buffers_by_address():
     """A receiver that does not poll takes a large eager message as a run of
@@ -298,6 +235,7 @@ def _acknowledged_alone(rank, world_size, init_method):
     return out
 
 
+@pytest.mark.processes
 @needs_sibling_reads
 def test_a_read_whose_reply_is_late_is_acknowledged_alone():
     """The word that a buffer was read rides on the next frame back (the

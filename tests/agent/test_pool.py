@@ -247,6 +247,7 @@ print(after - before)
 """
 
 
+@pytest.mark.processes
 def test_run_queue_clock_counts_threads_waiting_for_a_core():
     # Two threads hashing without the GIL on one core: each waits while the
     # other runs, and the kernel accounts that wait as each is scheduled in.

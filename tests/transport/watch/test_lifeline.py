@@ -105,6 +105,7 @@ def wait_state(lines: Lifelines, key: object, state: LineState, timeout: float =
         time.sleep(0.01)
 
 
+@pytest.mark.processes
 def test_a_killed_process_is_cut_at_once(child, lines):
     cuts = Cuts()
     lines.watch("peer", "child", child.address, cuts)
@@ -119,6 +120,7 @@ def test_a_killed_process_is_cut_at_once(child, lines):
     assert cuts.none(0.2)  # once
 
 
+@pytest.mark.processes
 def test_an_orderly_close_says_goodbye(child, lines):
     cuts = Cuts()
     lines.watch("peer", "child", child.address, cuts)
@@ -129,6 +131,7 @@ def test_an_orderly_close_says_goodbye(child, lines):
     assert child.proc.is_alive()
 
 
+@pytest.mark.processes
 def test_a_stopped_process_is_never_cut(child, lines):
     cuts = Cuts()
     lines.watch("peer", "child", child.address, cuts)
@@ -144,6 +147,7 @@ def test_a_stopped_process_is_never_cut(child, lines):
     assert "process is gone" in reason
 
 
+@pytest.mark.processes
 def test_a_process_stopped_before_we_connect_is_watched(child, lines):
     """The kernel accepts the connection; the token comes once it runs."""
     os.kill(child.proc.pid, signal.SIGSTOP)
@@ -210,6 +214,7 @@ def test_no_address_to_try_gives_no_verdict(lines, caplog):
     assert "no lifeline to elsewhere" in caplog.text
 
 
+@pytest.mark.processes
 def test_forgotten_lines_are_not_cut(child, lines):
     cuts = Cuts()
     lines.watch("peer", "child", child.address, cuts)

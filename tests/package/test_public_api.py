@@ -59,6 +59,7 @@ def test_the_version_has_one_source() -> None:
     assert installed == ucxrpc.__version__
 
 
+@pytest.mark.processes
 def test_python_dash_m_ucxrpc_is_the_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "ucxrpc", "--help"], capture_output=True,
                           text=True, timeout=60, cwd=REPO)

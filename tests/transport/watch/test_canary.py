@@ -15,7 +15,7 @@ import pytest
 
 from tests.workers import run_workers
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
 
 TAG = 0x7 << 60  # any tag the test's worker receives nothing else on
 

@@ -1,6 +1,6 @@
 """The pipes' side of reading by address (transport/by_address.py): the
 acknowledgement bookkeeping and the CMA frames' checks, without processes
-(tests/transport/test_cma.py runs them between two workers)."""
+(tests/transport/hostmem/test_cma.py runs them between two workers)."""
 
 from __future__ import annotations
 

@@ -174,15 +174,18 @@ def test_a_sleep_that_times_out_is_no_event_to_poll_after(mode):
     # A worker whose peer called it last expects the next request for spin_s
     # after each event.  A sleep that merely ran out is no event: counted as
     # one, an idle callee polled for spin_s after every SLEEP_S (10% of a
-    # core at the defaults).  A wake() is one: a call was just sent.
-    lp = _Loop(progress.strategy(mode), awaited=lambda: progress.Why.AWAITED, spin_s=5.0)
+    # core at the defaults).  A wake() is one: a call was just sent.  spin_s
+    # here is 15 sleeps and five times the window watched below: a loop that
+    # counted its sleeps as events would poll through that window.
+    spin_s = 15 * progress.SLEEP_S
+    lp = _Loop(progress.strategy(mode), awaited=lambda: progress.Why.AWAITED, spin_s=spin_s)
     started = time.monotonic()
     lp.loop.start()
     try:
         # The loop expects an event for spin_s from its start and polls till
         # then; a loaded host's adaptive back-off sleeps before, and polls
         # again after.  Past spin_s, and once asleep, it is idle.
-        idle_from = started + 5.0 + 2 * progress.SLEEP_S
+        idle_from = started + spin_s + 2 * progress.SLEEP_S
         _wait_for(lambda: lp.loop.sleeps >= 1 and time.monotonic() > idle_from,
                   "the first sleep once idle", timeout=20.0)
         before = lp.loop.turns
@@ -432,6 +435,7 @@ def _exchange(rank, world_size, init_method, mode):
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_carries_small_and_large_messages(mode):
     res = run_workers(_exchange, 2, args=(mode,), timeout=90)
@@ -466,6 +470,7 @@ def _close_in_flight(rank, world_size, init_method, mode):
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", MODES)
 def test_close_with_a_large_transfer_in_flight(mode):
     res = run_workers(_close_in_flight, 2, args=(mode,), timeout=90)
