@@ -18,19 +18,139 @@ result for futures that never fail, watching each future with a done
 callback and ending at the first that fails, however it was failed.  It is
 the one place ucxrpc replaces a torch function; idempotent, and left in
 place after ``shutdown`` (it serves any future as torch's does).
+
+:func:`failure` and :func:`result` read a future's outcome without leaking
+what reads it.  A failed ``torch.futures.Future`` raises the very exception
+object it holds, on every ``wait()`` or ``value()``, and each raise prepends
+the frames it passes through to that object's traceback.  The future holds
+the object from C++, where Python's garbage collector cannot see it, so a
+frame that both holds the future (or something holding it: an RRef, a
+watcher) and appears in that traceback is a cycle the collector never
+frees: every failed ``rpc_sync``, ``to_here`` or failed ``remote()`` kept
+its callers' frames, their arguments and the RRef alive for good (its owner
+never freed the value), and a future waited on in a loop grew its
+traceback without end.  ucxrpc's own waits therefore go through these two;
+a user's ``fut.wait()`` on a future ucxrpc returned behaves as torch's own
+(which has the same property).
 """
 
 from __future__ import annotations
 
+import copy
+import sys
 import threading
+from types import CodeType, TracebackType
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["collect_all", "install", "wait_all"]
+__all__ = ["collect_all", "detach", "fail", "failure", "forward", "install", "result",
+           "wait_all"]
 
 _Future = torch.futures.Future
 _add_done_callback = torch._C.Future.add_done_callback
+
+
+def _unwrap_codes() -> frozenset[CodeType]:
+    """The code of the frames torch's Python side adds to a raise from a
+    failed future's ``wait()`` or ``value()`` (its wrappers and its unwrap
+    function: which, depends on torch's version, so they are found by
+    raising one here, where the traceback's other entries are known)."""
+    codes: set[CodeType] = set()
+    fut: Any = _Future()
+    fut.set_exception(ValueError("probe"))  # never raised before: no traceback of its own
+    me = sys._getframe()
+    for read in (fut.wait, fut.value):
+        try:
+            read()
+        except ValueError as exc:
+            tb = exc.__traceback__
+            exc.__traceback__ = None  # the next read starts from an empty one again
+            while tb is not None:
+                if tb.tb_frame is not me:
+                    codes.add(tb.tb_frame.f_code)
+                tb = tb.tb_next
+    return frozenset(codes)
+
+
+_UNWRAP_CODES = _unwrap_codes()
+
+
+def failure(fut: Any) -> BaseException | None:
+    """The exception a completed future failed with, or None if it holds a
+    value; the exception's traceback is left as the future was given it
+    (this read adds nothing that could keep its caller alive)."""
+    try:
+        fut.value()
+    except BaseException as exc:  # the future's own failure, whatever its type
+        _strip(exc, sys._getframe())
+        return exc
+    return None
+
+
+def result(fut: Any) -> Any:
+    """``fut.wait()``, raising a copy of the future's exception if it failed.
+
+    The copy, not the object the future holds, collects the frames it
+    passes on its way up, so the caller's frames die with it; it keeps the
+    original's type, arguments, attributes, cause and traceback.  An
+    exception that cannot be copied (its class cannot be rebuilt from its
+    arguments) is raised itself, stripped of this read's frames.
+    """
+    try:
+        return fut.wait()
+    except Exception as exc:
+        error = detach(exc, sys._getframe())
+    raise error  # outside the except block: no implicit context on the copy
+
+
+def detach(exc: BaseException, reader: Any) -> BaseException:
+    """What to raise in place of ``exc``, which a future holds and just
+    raised in the frame ``reader``: a copy, as :func:`result` raises (raise
+    it outside the ``except`` block, or the copy's context is ``exc``)."""
+    return _copy(_strip(exc, reader))
+
+
+def fail(fut: Any, exc: BaseException) -> None:
+    """``fut.set_exception(exc)`` for an ``exc`` caught by the caller: without
+    the caller's own traceback entry (nor those of a future's read that
+    raised it), as the caller's frame holds ``fut``."""
+    _strip(exc, sys._getframe(1))
+    fut.set_exception(exc)
+
+
+def forward(src: Any, dst: Any) -> None:
+    """Complete ``dst`` as ``src`` completed (a callback of ``src``);
+    ``set_exception`` keeps the error's type, where ``then()`` would not."""
+    exc = failure(src)
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.value())
+
+
+def _strip(exc: BaseException, reader: Any) -> BaseException:
+    """Drop the traceback entries that raising ``exc`` from a future in the
+    frame ``reader`` just prepended."""
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None and (tb.tb_frame is reader or tb.tb_frame.f_code in _UNWRAP_CODES):
+        tb = tb.tb_next
+    exc.__traceback__ = tb
+    return exc
+
+
+def _copy(exc: BaseException) -> BaseException:
+    try:
+        fresh = copy.copy(exc)
+    except Exception:
+        return exc
+    if type(fresh) is not type(exc):
+        return exc
+    fresh.__traceback__ = exc.__traceback__
+    fresh.__cause__ = exc.__cause__
+    fresh.__context__ = exc.__context__
+    fresh.__suppress_context__ = exc.__suppress_context__
+    return fresh
 
 
 class _FirstFailure:
@@ -54,9 +174,8 @@ class _FirstFailure:
             _add_done_callback(fut, self._done)
 
     def _done(self, fut: Any) -> None:
-        try:
-            fut.value()  # value(), not wait(): no stream work on this thread
-        except BaseException as exc:  # the future's own failure, whatever its type
+        exc = failure(fut)  # value(), not wait(): no stream work on this thread
+        if exc is not None:
             with self._lock:
                 first = self.error is None and self._left > 0
                 if first:
@@ -83,7 +202,7 @@ def wait_all(futures: list[Any]) -> list[Any]:
     watch = _FirstFailure(futures)
     watch.ended.wait()
     if watch.error is not None:
-        raise watch.error
+        raise _copy(watch.error)
     return [fut.wait() for fut in futures]
 
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import _torch_profiler, devices, timeouts
+from . import _torch_futures, _torch_profiler, devices, timeouts
 from ._torch_profiler import CalleeProfile, Event, Session, Settings
 from .agent import RpcAgent, WorkerInfo, not_a_future
 from .functions import _plain, async_execution
@@ -166,17 +166,17 @@ class Span:
             self._record.__exit__(None, None, None)
             # torch's future would hold a Python failure as its value: the
             # outcome comes from fut, once the span ended.
-            ended.add_done_callback(lambda _: _copy(fut, out))
+            ended.add_done_callback(lambda _: _torch_futures.forward(fut, out))
             return out
         session = self._session
 
         def done(f: Any) -> None:
-            try:
-                reply = f.value()
-            except Exception as exc:
+            exc = _torch_futures.failure(f)
+            if exc is not None:
                 self._end(session, ())
                 out.set_exception(exc)
                 return
+            reply = f.value()
             try:
                 self._end(session, reply.events)
             finally:  # the caller gets its value, whatever became of the events
@@ -197,10 +197,10 @@ class Span:
             try:
                 result = serve(*sargs, **skwargs)
             except Exception as exc:
-                out.set_exception(exc)
+                _torch_futures.fail(out, exc)
                 return
             if _is_async(serve) and isinstance(result, torch._C.Future):
-                result.add_done_callback(lambda f: _copy(f, out))
+                result.add_done_callback(lambda f: _torch_futures.forward(f, out))
             else:
                 out.set_result(result)
 
@@ -270,12 +270,11 @@ def _serve_async(settings: Settings, func: Any, args: tuple[Any, ...],
         return out
 
     def done(f: torch.futures.Future) -> None:
-        try:
-            value = f.value()
-        except Exception as exc:
+        exc = _torch_futures.failure(f)
+        if exc is not None:
             out.set_exception(exc)
             return
-        out.set_result(_Profiled(value, profile.events()))
+        out.set_result(_Profiled(f.value(), profile.events()))
 
     inner.add_done_callback(done)
     return out
@@ -299,12 +298,3 @@ def _serve_async_plain(settings: Settings, func: Any, args: tuple[Any, ...],
 
 def _is_async(func: Any) -> bool:
     return getattr(func, "_wrapped_async_rpc_function", None) is not None
-
-
-def _copy(src: Any, dst: torch.futures.Future) -> None:
-    """Complete ``dst`` as ``src`` completed; set_exception keeps the
-    error's type, where then() would not."""
-    try:
-        dst.set_result(src.value())
-    except Exception as exc:
-        dst.set_exception(exc)

@@ -502,6 +502,60 @@ def test_error_during_backward_names_the_worker(trio):
     trio.run(_errors)
 
 
+class Slow(torch.autograd.Function):
+    """exp; its backward takes a while, so its gradients reach the caller
+    after another worker's failure did."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.4)
+        (y,) = ctx.saved_tensors
+        return grad * y
+
+
+def slow_exp(x):
+    return Slow.apply(x)
+
+
+def num_passes():
+    import ucxrpc.autograd as dist_autograd
+
+    return dist_autograd._get_debug_info()["num_current_backward_passes"]
+
+
+def _error_while_another_part_runs():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    rpc.rpc_sync("worker1", set_boom, (True,))
+    w = seeded(2, 3)
+    with dist_autograd.context() as ctx:
+        loss = (rpc.rpc_sync("worker1", boom, (w,)) * rpc.rpc_sync("worker2", slow_exp, (w,))).sum()
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            dist_autograd.backward(ctx, [loss], retain_graph=True)
+        # reported once worker2's part ended too (as torch waits for the
+        # context's outstanding RPCs): nothing of the pass runs anywhere ...
+        assert [rpc.rpc_sync(f"worker{r}", num_passes) for r in (1, 2)] == [0, 0]
+        # ... and worker2's gradients, come here after the failure, were
+        # dropped by the failed pass, not taken for the start of a new one
+        time.sleep(0.6)
+        assert num_passes() == 0
+        rpc.rpc_sync("worker1", set_boom, (False,))
+        dist_autograd.backward(ctx, [loss])
+        assert close(dist_autograd.get_gradients(ctx)[w],
+                     local_grads(lambda x: (x * 2 * x.exp()).sum(), w)[0])
+
+
+def test_a_failed_pass_ends_after_the_parts_still_running_elsewhere(trio):
+    trio.run(_error_while_another_part_runs)
+
+
 # -- concurrent contexts from two trainers -------------------------------------------
 
 _DONE = threading.Semaphore(0)

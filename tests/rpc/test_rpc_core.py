@@ -300,6 +300,38 @@ def test_a_remote_exception_keeps_its_type_message_and_traceback(pair):
     pair.run(_remote_exceptions)
 
 
+def _fail_with(x: torch.Tensor) -> None:
+    raise ValueError(f"no thanks ({x.numel()} elements)")
+
+
+def _failed_calls_free_their_arguments() -> None:
+    import gc
+    import weakref
+
+    import ucxrpc as rpc
+
+    def failed(call) -> weakref.ref:
+        x = torch.ones(1000)
+        with pytest.raises(ValueError, match="no thanks"):
+            call(x)
+        return weakref.ref(x)
+
+    calls = [lambda x: rpc.rpc_sync("worker1", _fail_with, (x,)),
+             lambda x: rpc.rpc_async("worker1", _fail_with, (x,)).wait(),
+             lambda x: rpc.remote("worker1", _fail_with, (x,)).to_here()]
+    for call in calls:
+        refs = [failed(call) for _ in range(3)]
+        gc.collect()
+        # A torch future re-raises the exception object it holds, growing its
+        # traceback by the waiting frames each time: a cycle through the
+        # future that the collector cannot see.  Each wait raises a copy.
+        assert [r() for r in refs] == [None, None, None]
+
+
+def test_a_failed_call_keeps_nothing_of_its_caller_alive(pair):
+    pair.run(_failed_calls_free_their_arguments)
+
+
 def _unknown_destinations() -> None:
     import ucxrpc as rpc
 

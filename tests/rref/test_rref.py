@@ -154,12 +154,10 @@ def _nothing_left():
         {w: rpc.rpc_sync(w, debug_counts) for w in workers}
 
 
+# The check runs after failed scenarios too: an RRef whose creation failed or
+# timed out is freed on its owner once dropped (it once stayed: the failed
+# future's exception kept the frames holding the RRef alive).
 trio = worker_group(_workers_up, 3, check=_nothing_left)
-# For the scenarios whose calls fail: an RRef whose creation failed or timed
-# out, or one made through an async proxy, is still counted on its owner
-# afterwards (as when these ran in one job, before this module shared its
-# workers), which the check above would refuse.
-trio_failing = worker_group(_workers_up, 3)
 
 
 def _remote_and_to_here():
@@ -245,8 +243,8 @@ def _creation_errors():
         bad.to_here()
 
 
-def test_the_creations_error_surfaces_on_use_with_its_type(trio_failing):
-    trio_failing.run(_creation_errors)
+def test_the_creations_error_surfaces_on_use_with_its_type(trio):
+    trio.run(_creation_errors)
 
 
 def _to_here_timeout():
@@ -257,8 +255,8 @@ def _to_here_timeout():
         slow.to_here(timeout=0.5)
 
 
-def test_to_here_times_out(trio_failing):
-    trio_failing.run(_to_here_timeout)
+def test_to_here_times_out(trio):
+    trio.run(_to_here_timeout)
 
 
 def _pickling_outside_rpc():
@@ -399,5 +397,5 @@ def _async_proxies():
     return out
 
 
-def test_async_execution_methods_through_proxies(trio_failing):
-    assert trio_failing.run(_async_proxies) == [3, [3.0, 3.0], [4.0, 4.0]]
+def test_async_execution_methods_through_proxies(trio):
+    assert trio.run(_async_proxies) == [3, [3.0, 3.0], [4.0, 4.0]]

@@ -22,6 +22,7 @@ machinery.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from .. import _torch_futures
 from .pool import WorkerPool
 from .remote_errors import timeout_error
 
@@ -52,7 +54,10 @@ _settling: dict[int, tuple[int, threading.Event | None]] = {}
 
 class CallFuture(torch.futures.Future):
     """The future of a call: a ``torch.futures.Future`` that notes whether a
-    callback was hooked onto it (see the module's docstring)."""
+    callback was hooked onto it (see the module's docstring), and whose
+    ``wait()`` and ``value()`` raise a copy of its error, so that a failed
+    call does not keep its waiter's frames (its arguments) alive for good
+    (see ``_torch_futures.failure``)."""
 
     _hooked = False  # a class default: an instance gets a dict only when hooked
 
@@ -60,6 +65,20 @@ class CallFuture(torch.futures.Future):
         # CUDA-aware where the caller has devices, as devices.future makes.
         devs: list[int | str | torch.device] | None = list(devices) if devices else None
         super().__init__(devices=devs)
+
+    def wait(self) -> Any:
+        try:
+            return super().wait()
+        except Exception as exc:
+            error = _torch_futures.detach(exc, sys._getframe())
+        raise error
+
+    def value(self) -> Any:
+        try:
+            return super().value()
+        except Exception as exc:
+            error = _torch_futures.detach(exc, sys._getframe())
+        raise error
 
     def then(self, callback: Callable[[Any], Any]) -> Any:
         self._hook()

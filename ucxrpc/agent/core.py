@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, overload
 
 import torch
 
-from .. import devices, timeouts
+from .. import _torch_futures, devices, timeouts
 from . import rendezvous
 from ..serialization import envelope as wire
 from .pool import WorkerPool
@@ -379,7 +379,9 @@ class RpcAgent:
         with self._pool.blocking():
             if not fut.done():
                 self._drive(fut.done)
-            return fut.wait()
+            # Its error as a copy: raised as it is, the future's own exception
+            # would keep every caller's frame alive (_torch_futures.failure).
+            return _torch_futures.result(fut)
 
     def _drive(self, done: Callable[[], bool]) -> None:
         """Progress the transport on this thread until ``done()`` (see

@@ -17,7 +17,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from .. import devices
+from .. import _torch_futures, devices
 from ..errors import FrameError, RpcError, SerializationError
 from ..serialization import envelope as wire
 from ..serialization.pickler import Serializer
@@ -136,12 +136,11 @@ class Server:
         them, or after synchronizing them.  torch's agent relies on the same
         (it cannot know which streams made a plain future's value either).
         """
-        try:
-            value = fut.value()
-        except Exception as exc:
+        exc = _torch_futures.failure(fut)  # not raised here: this frame holds fut
+        if exc is not None:
             self._reply_error(peer, msg_id, exc)
             return
-        self._reply(peer, msg_id, value, None)
+        self._reply(peer, msg_id, fut.value(), None)
 
     def _reply(self, peer: int, msg_id: int, result: Any, func: Any) -> None:
         agent = self._agent

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import api
+from .. import _torch_futures, api
 from ..agent import RpcAgent
 from ..errors import DistAutogradError, RpcError
 from ..functions import _plain, async_execution
@@ -82,7 +82,7 @@ def _send_grads(agent: RpcAgent, context_id: int, retain_graph: bool, recv: Recv
                           agent.default_timeout)
     except Exception as exc:  # a broken pipe, a closed agent: fail this branch only
         fut: _Future = _Future()
-        fut.set_exception(exc)
+        _torch_futures.fail(fut, exc)
         return fut
 
 
@@ -127,10 +127,8 @@ def _gather(agent: RpcAgent, calls: list[tuple[int, _Future]]) -> _Future:
     state: dict[str, Any] = {"left": len(calls), "failure": None}
 
     def done(peer: int, f: _Future) -> None:
-        try:
-            result = f.value()
-        except Exception as exc:
-            result = _failure(agent, peer, exc, trace=False)
+        exc = _torch_futures.failure(f)
+        result = _failure(agent, peer, exc, trace=False) if exc is not None else f.value()
         with lock:
             if isinstance(result, Failure) and state["failure"] is None:
                 state["failure"] = result

@@ -26,9 +26,14 @@ come, and the pass keeps what makes the parts one pass:
   keeping or copying each (:meth:`WorkerPass._commit`); ``.grad`` itself is
   left as the user had it.
 * **The end.** The pass ends when every entry ran and every propagation it
-  started was answered, or at its first failure.  The first message that
-  began the pass on a worker is answered then (:attr:`WorkerPass.done`);
-  later ones at once, as torch's.  A send never reached (a result the
+  started was answered.  A failure (here, or in a peer's answer) stops it:
+  no part runs or sends from then on, and it ends with the first failure
+  once every propagation still in flight was answered.  torch's engine too
+  waits for a context's outstanding RPCs before it reports an error; and a
+  peer's part still running sends its gradients here later, which must
+  find this pass and be dropped, not begin a new pass that nothing ends.
+  The first message that began the pass on a worker is answered at its end
+  (:attr:`WorkerPass.done`); later ones at once, as torch's.  A send never reached (a result the
   loss does not use) keeps the pass, and ``backward``, waiting: torch's
   FAST mode, which assumes every send is part of the pass.
 
@@ -45,6 +50,7 @@ in C++ only).
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import threading
 import weakref
@@ -54,6 +60,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import _torch_futures
 from ..errors import DistAutogradError
 from ._context import DistAutogradContext, Recv
 from ._torch_engine import run_backward
@@ -68,6 +75,18 @@ ROOTS = -1
 
 #: Starts a propagation: ``(recv, gradients) -> future`` of a Failure or None.
 Propagate = Callable[[Recv, list[torch.Tensor | None]], _Future]
+
+
+class Phase(enum.Enum):
+    """Where a pass is.  RUNNING -> COMMITTING -> ENDED, or RUNNING ->
+    STOPPING (a part failed; waiting for its propagations in flight) ->
+    ENDED; then FINISHED once :attr:`WorkerPass.done` completed."""
+
+    RUNNING = "running"
+    COMMITTING = "committing"
+    STOPPING = "stopping"
+    ENDED = "ended"
+    FINISHED = "finished"
 
 
 @dataclass
@@ -213,9 +232,8 @@ class WorkerPass:
         self._wake = threading.Condition(self._lock)
         #: Completes with None, or the first failure, once the pass ended.
         self.done: _Future = _Future()
-        self._ended = False
-        self._finished = False  # ended, and done completed
-        self._failure: Any = None
+        self._phase = Phase.RUNNING
+        self._failure: Any = None  # the first failure
         self._entries: dict[int, _Entry] = {}
         if roots is not None:
             self._entries[ROOTS] = _walk(roots)
@@ -241,7 +259,6 @@ class WorkerPass:
         self._sent: set[int] = set()                   # ids of recv leaves whose gradients went
         self._running: set[int] = set()
         self._calls = 0                                # propagations not yet answered
-        self._committing = False
 
     def expects(self, key: int) -> bool:
         """Whether entry ``key`` (a send id, or :data:`ROOTS`) is part of this
@@ -267,24 +284,26 @@ class WorkerPass:
         pass ends; the pass's result (None, or the failure)."""
         while True:
             with self._lock:
-                while not self._queue and not self._finished:
+                while not self._queue and self._phase is not Phase.FINISHED:
                     self._wake.wait()
-                if self._finished:
+                if self._phase is Phase.FINISHED:
                     return self._failure
                 key, grads = self._queue.popleft()
             self._run_now(key, grads)
 
     def _run_now(self, key: int, grads: Sequence[torch.Tensor | None]) -> None:
+        started = False
         try:
             with self._lock:
-                if self._ended:
-                    return
+                if self._phase is not Phase.RUNNING:
+                    return  # stopped by a failure: a late part is dropped
                 if key not in self._left or key in self._running:
                     raise DistAutogradError(
                         f"send {key} of autograd context {self._ctx.id} is not awaited by the "
                         "backward pass running on this worker: it was made after the pass "
                         "began, or its gradients came twice")
                 self._running.add(key)
+                started = True
                 later = [self._entries[k] for k in self._left if k != key]
             entry = self._entries[key]
             pairs = {id(t): (t, g) for t, g in zip(entry.outputs, grads)
@@ -297,7 +316,10 @@ class WorkerPass:
                                [g for _, g in pairs.values()], entry, keep)
             ready = self._reached(key)
         except Exception as exc:
-            self._end(self._failure_of(exc))
+            if started:
+                with self._lock:
+                    self._running.discard(key)
+            self._stop(self._failure_of(exc))
             return
         for recv in ready:
             self._send(recv)
@@ -343,10 +365,12 @@ class WorkerPass:
         """Entry ``key`` ran: the recvs whose every reaching entry has run
         now, counted as propagations in flight in the same step (the pass
         must not be seen to end between the two)."""
-        ready = []
+        ready: list[Recv] = []
         with self._lock:
             self._running.discard(key)
             self._left.discard(key)
+            if self._phase is not Phase.RUNNING:
+                return ready  # stopped meanwhile: nothing more goes out
             for recv_id, waits in self._recv_waits.items():
                 if key in waits:
                     waits.discard(key)
@@ -368,30 +392,47 @@ class WorkerPass:
         sent.add_done_callback(self._answered)
 
     def _answered(self, fut: _Future) -> None:
-        try:
-            result = fut.value()
-        except Exception as exc:  # the call itself failed
-            result = self._failure_of(exc)
+        exc = _torch_futures.failure(fut)
+        # The call itself failed, or it answered (None, or the Failure).
+        result = self._failure_of(exc) if exc is not None else fut.value()
         with self._lock:
             self._calls -= 1
         if result is not None:
-            self._end(result)
+            self._stop(result)
         else:
             self._check()
 
     # ------------------------------------------------------------- the end
 
-    def _check(self) -> None:
+    def _stop(self, failure: Any) -> None:
+        """A part failed: keep the first failure, run and send nothing more,
+        and end once the propagations in flight are answered."""
         with self._lock:
-            if self._ended or self._left or self._calls or self._committing:
+            if self._phase is Phase.RUNNING:
+                self._phase = Phase.STOPPING
+                self._failure = failure
+                self._grads.clear()
+                self._queue.clear()
+        self._check()
+
+    def _check(self) -> None:
+        """End the pass if nothing of it is left to wait for."""
+        with self._lock:
+            if self._calls or self._running:
                 return
-            self._committing = True
-        try:
-            self._commit()
-        except Exception as exc:
-            self._end(self._failure_of(exc))
-            return
-        self._end(None)
+            if self._phase is Phase.STOPPING:
+                failure = self._failure
+            elif self._phase is Phase.RUNNING and not self._left:
+                self._phase = Phase.COMMITTING
+                failure = None
+            else:
+                return
+        if failure is None:
+            try:
+                self._commit()
+            except Exception as exc:
+                failure = self._failure_of(exc)
+        self._end(failure)
 
     def _commit(self) -> None:
         """The pass's gradients into the context, as torch's engine
@@ -410,9 +451,9 @@ class WorkerPass:
         """End the pass with ``result``: its owner (if any) forgets it, then
         :attr:`done` completes, then the owner thread stops serving."""
         with self._lock:
-            if self._ended:
+            if self._phase in (Phase.ENDED, Phase.FINISHED):
                 return
-            self._ended = True
+            self._phase = Phase.ENDED
             self._failure = result
             self._grads.clear()
             self._queue.clear()
@@ -420,5 +461,5 @@ class WorkerPass:
             self._on_end(self)
         self.done.set_result(result)
         with self._lock:
-            self._finished = True
+            self._phase = Phase.FINISHED
             self._wake.notify_all()

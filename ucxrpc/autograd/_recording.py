@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import api, devices
+from .. import _torch_futures, api, devices
 from ..agent import RpcAgent, WorkerInfo
 from ..functions import async_execution
 from ..serialization.pickler import GradCapture
@@ -98,7 +98,7 @@ def _unwrap_reply(tbl: ContextTable, devs: list[torch.device], peer: int,
                 if ctx is not None:
                     ctx.add_recv(peer, reply.send_id, reply.capture.tensors)
         except Exception as exc:
-            out.set_exception(exc)
+            _torch_futures.fail(out, exc)
             return
         out.set_result(reply.value)
 
@@ -175,12 +175,11 @@ def _run_async(context_id: int, sender: int, send_id: int, capture: GradCapture,
         return out
 
     def done(f: torch.futures.Future) -> None:
-        try:
-            value = f.value()
-        except Exception as exc:
+        exc = _torch_futures.failure(f)
+        if exc is not None:
             out.set_exception(exc)
             return
-        out.set_result(_reply(tbl, ctx, context_id, sender, value))
+        out.set_result(_reply(tbl, ctx, context_id, sender, f.value()))
 
     inner.add_done_callback(done)
     return out

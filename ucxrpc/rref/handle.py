@@ -9,7 +9,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
-from .. import api, devices, profiling, timeouts
+from .. import _torch_futures, api, devices, profiling, timeouts
 from .._torch_profiler import profiler_enabled
 from ..agent import RpcAgent, WorkerInfo
 from ..errors import RRefError
@@ -74,12 +74,13 @@ class RRef(Generic[T]):
     def _confirm(self, fut: torch.futures.Future) -> None:
         """Creation acknowledged (or failed) by the owner."""
         self._registry.user_confirmed()
-        try:
-            fut.value()
-        except Exception as exc:
+        # Not raised here: this frame holds the RRef, which holds _confirmed
+        # (see _torch_futures.failure).
+        exc = _torch_futures.failure(fut)
+        if exc is not None:
             self._confirmed.set_exception(exc)
-            return
-        self._confirmed.set_result(None)
+        else:
+            self._confirmed.set_result(None)
 
     def __del__(self) -> None:
         fork_id = getattr(self, "_fork_id", None)
@@ -142,7 +143,7 @@ class RRef(Generic[T]):
                             f"{self._registry.agent.info}. Call it on owner {self.owner()}: "
                             f"RRef.local_value() must be called on the owner "
                             f"({self.owner_name()}); use to_here()")
-        return self._registry.entry(self._rref_id).value.wait()
+        return _torch_futures.result(self._registry.entry(self._rref_id).value)
 
     def to_here(self, timeout: float = -1.0) -> T:
         """The value, copied here; remote()'s creation errors surface here.
@@ -243,11 +244,7 @@ def _gid(id_: tuple[int, int] | None) -> str:
 
 
 def _failed(fut: torch.futures.Future) -> bool:
-    try:
-        fut.value()
-    except Exception:
-        return True
-    return False
+    return _torch_futures.failure(fut) is not None
 
 
 def _rebuild_rref(owner: int, rref_id: RRefId, fork_id: ForkId | None) -> RRef[Any]:

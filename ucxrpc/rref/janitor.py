@@ -8,6 +8,7 @@ import queue
 import threading
 from typing import Any, Callable
 
+from .. import _torch_futures
 from .registry import ForkId, Registry, RRefId
 
 __all__ = ["Janitor"]
@@ -74,6 +75,6 @@ class Janitor:
             batch.setdefault(item[0], []).append((item[1], item[2]))
         for fut in self._send_batch(batch):
             try:
-                fut.wait()
+                _torch_futures.result(fut)
             except Exception:  # owner died meanwhile
                 pass

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import api, devices
+from .. import _torch_futures, api, devices
 from ..agent import RpcAgent, not_a_future
 from ..errors import RpcError, RRefError
 from ..functions import _plain, async_execution
@@ -49,23 +49,15 @@ def run_into(target: torch.futures.Future, func: Any, args: tuple[Any, ...],
         try:
             result = func(*args, **kwargs)
         except Exception as exc:
-            target.set_exception(exc)
+            _torch_futures.fail(target, exc)
             return
         if getattr(func, "_wrapped_async_rpc_function", None) is not None:
             if not isinstance(result, torch._C.Future):
                 target.set_exception(not_a_future(func, result))
                 return
-            result.add_done_callback(lambda f: copy_result(f, target))
+            result.add_done_callback(lambda f: _torch_futures.forward(f, target))
             return
         target.set_result(result)
-
-
-def copy_result(src: torch.futures.Future, dst: torch.futures.Future) -> None:
-    """Complete ``dst`` as ``src`` completed (a callback of ``src``)."""
-    try:
-        dst.set_result(src.value())
-    except Exception as exc:
-        dst.set_exception(exc)
 
 
 def _owner_create(rref_id: RRefId, fork_id: ForkId, holder: int, func: Any,

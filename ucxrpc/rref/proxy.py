@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .. import devices
+from .. import _torch_futures, devices
 from ..functions import async_execution
-from .owner import copy_result, registry
+from .owner import registry
 from .registry import Handle
 
 
@@ -35,10 +35,10 @@ def _proxy_call(rref: Handle, name: str, args: tuple[Any, ...],
                 method = getattr(f.wait(), name)
                 result = ctx.run(method, *args, **kwargs)
         except Exception as exc:  # set_exception keeps its type; then() would not
-            out.set_exception(exc)
+            _torch_futures.fail(out, exc)
             return
         if _is_async(method, result):  # the reply waits for the method's future
-            result.add_done_callback(lambda r: copy_result(r, out))
+            result.add_done_callback(lambda r: _torch_futures.forward(r, out))
         else:
             out.set_result(result)
 
