@@ -14,7 +14,8 @@ from .agent import membership as _membership, rendezvous
 from . import _torch_futures, profiling, timeouts
 from ._torch_profiler import profiler_enabled
 from .agent import RpcAgent, WorkerInfo, check_name
-from .errors import RpcError
+from .agent.calls import CallFuture
+from .errors import BrokenError, RpcError, RpcTimeoutError
 from .functions import _plain
 from .options import RpcBackendOptions, UcxRpcBackendOptions
 
@@ -154,15 +155,23 @@ def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = 
         TypeError: ``to`` is not a name, rank or WorkerInfo.
         ValueError: ``timeout`` is negative but not -1.
         Exception: pickling the call failed, with the pickler's own type.
-        BrokenError: the pipe to ``to`` is known to be broken.
         FrameError: the message breaks a limit (``max_message_bytes``...).
 
     The future fails instead with :class:`RpcTimeoutError` (a RuntimeError
     saying the RPC timed out) on expiry, :class:`BrokenError` naming the
-    peer when it dies or :class:`PeerLeftError` when it leaves its group,
-    and the remote exception with its own type when ``func`` raises.
+    peer when it is dead or dies or :class:`PeerLeftError` when it left or
+    leaves its group, and the remote exception with its own type when
+    ``func`` raises.
     """
-    return _call(_current(), to, func, args, kwargs, timeout)
+    agent = _current()
+    try:
+        return _call(agent, to, func, args, kwargs, timeout)
+    except BrokenError as exc:
+        # A peer known dead fails the future, as torch's agent does, not
+        # the call: a program handles a dead peer where it waits.
+        fut = CallFuture(agent.devices)
+        _torch_futures.fail(fut, exc)
+        return fut
 
 
 @overload
@@ -247,3 +256,199 @@ def is_available() -> bool:
     has RPC).  A plain function, so that TorchScript compiles code calling
     ``torch.distributed.rpc.is_available()`` where ucxrpc stands in."""
     return True
+
+
+# -- torch's private names that libraries reach for ------------------------------
+#
+# Not torch's documented API, but called by torch's own sharding code, PyG's
+# distributed package and programs that guard their shutdown:
+# ``rpc._is_current_rpc_agent_set()``, ``rpc._get_current_rpc_agent()
+# .get_worker_infos()``, ``rpc._set_rpc_timeout``, ``rpc.api._all_gather``.
+
+def _is_current_rpc_agent_set() -> bool:
+    """torch's name for :func:`is_initialized`."""
+    return _agent is not None
+
+
+def _get_current_rpc_agent() -> RpcAgent:
+    """This process's agent, with torch's ``RpcAgent`` methods
+    (``get_worker_info``, ``get_worker_infos``, ``get_debug_info``).
+
+    Raises:
+        RpcError: RPC is not initialized.
+    """
+    return _current()
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """The default timeout of the calls made from now on, in seconds (0:
+    none), as torch's: :func:`get_rpc_timeout` reads it back."""
+    agent = _current()
+    seconds = float(rpc_timeout)
+    if seconds < 0:
+        raise ValueError(f"rpc_timeout must be >= 0 seconds (0: none), got {rpc_timeout!r}")
+    agent.options.rpc_timeout = seconds
+    agent.default_timeout = timeouts.of_option(seconds)
+
+
+class _Gathering:
+    """One ``_all_gather`` as this worker sees it: on the leader, the objects
+    coming in (``all_in`` once every worker's did); on a follower, the
+    leader's answer (``answered``).  ``ended`` once this worker left it, so
+    that a message come too late is refused rather than kept."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+        self.objects: dict[str, Any] = {}
+        self.all_in = threading.Event()
+        self.answered = threading.Event()
+        self.ended = False
+
+
+class _Gatherings:
+    """An agent's all-gathers, by sequence id: every worker numbers its
+    calls for a set of workers alike, since all of them make the same calls
+    in the same order (torch's rule)."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.lock = threading.Lock()
+        self.next: dict[tuple[str, ...], int] = {}
+        self.open: dict[str, _Gathering] = {}
+
+    def begin(self, names: frozenset[str]) -> tuple[str, _Gathering]:
+        group = tuple(sorted(names))
+        with self.lock:
+            n = self.next.get(group, 0)
+            self.next[group] = n + 1
+        seq = f"{','.join(group)}#{n}"
+        return seq, self.get(seq, names)
+
+    def get(self, seq: str, names: frozenset[str]) -> _Gathering:
+        with self.lock:
+            g = self.open.get(seq)
+            if g is None:
+                g = self.open[seq] = _Gathering(names)
+            return g
+
+    def end(self, seq: str, g: _Gathering, ok: bool) -> None:
+        with self.lock:
+            g.ended = True
+            if ok:  # a failed one stays, ended: a late message is refused, not kept
+                self.open.pop(seq, None)
+
+
+def _gatherings(agent: RpcAgent) -> _Gatherings:
+    return agent.extension("all_gather", _Gatherings)
+
+
+@_plain
+def _gather_at_leader(seq: str, name: str, obj: Any, names: frozenset[str]) -> None:
+    """On the leader: ``name``'s object for all-gather ``seq``."""
+    g = _gatherings(_current()).get(seq, names)
+    with _gatherings(_current()).lock:
+        if g.ended:
+            raise RpcError(f"_all_gather {seq} already ended on its leader (it timed out): "
+                           f"{name}'s object came too late")
+        if name not in g.names or name in g.objects:
+            why = "twice" if name in g.objects else "from a worker not among its workers"
+            raise RpcError(f"_all_gather {seq}: an object from {name} {why}")
+        g.objects[name] = obj
+        if len(g.objects) == len(g.names):
+            g.all_in.set()
+
+
+@_plain
+def _answer_follower(seq: str, objects: dict[str, Any]) -> None:
+    """On a follower: every worker's object, from the leader.  One come
+    after this worker gave up (its own error said so) is dropped."""
+    g = _gatherings(_current()).get(seq, frozenset(objects))
+    with _gatherings(_current()).lock:
+        if not g.ended:
+            g.objects = objects
+            g.answered.set()
+
+
+def _all_gather(obj: Any, worker_names: Any = None,
+                timeout: float = timeouts.UNSET) -> dict[str, Any]:
+    """Every worker's ``obj``, by worker name, once all of ``worker_names``
+    (default: every worker) called this: torch's ``rpc.api._all_gather``.
+    The worker first by name leads: the others send it their objects, it
+    sends each of them all of them.  Every worker of the set must make the
+    same calls in the same order.
+
+    ``timeout``: -1 (the default) bounds each call by the RPC timeout and
+    the wait for the others not at all; 0 bounds nothing; else seconds for
+    both, as torch's.
+
+    Raises:
+        RuntimeError: a wait ran out of time, or the leader could not give
+            some followers the result (naming them).
+        ValueError: this worker is not one of ``worker_names``.
+    """
+    agent = _current()
+    me = agent.info.name
+    names = frozenset(worker_names) if worker_names is not None else frozenset(
+        wi.name for wi in list(agent.members.workers.values()))
+    if me not in names:
+        raise ValueError(f"_all_gather on {me}, which is not one of its workers "
+                         f"{sorted(names)}")
+    if timeout == timeouts.UNSET:
+        call_timeout, wait_timeout = timeouts.UNSET, None
+    elif timeout == 0:
+        call_timeout, wait_timeout = 0.0, None
+    else:
+        call_timeout = wait_timeout = float(timeout)
+    states = _gatherings(agent)
+    seq, g = states.begin(names)
+    leader = min(names)
+    ok = False
+    try:
+        if leader != me:
+            rpc_sync(leader, _gather_at_leader, (seq, me, obj, names), timeout=call_timeout)
+            with agent.blocking():
+                if not g.answered.wait(wait_timeout):
+                    raise RpcError(f"timed out in _all_gather after {wait_timeout:.2f} seconds "
+                                   f"waiting for the objects from its leader {leader}")
+            ok = True
+            return g.objects
+        _gather_at_leader(seq, me, obj, names)
+        with agent.blocking():
+            if not g.all_in.wait(wait_timeout):
+                missing = sorted(names - set(g.objects))
+                raise RpcError(f"timed out in _all_gather after {wait_timeout:.2f} seconds: "
+                               f"no object from {', '.join(missing)}")
+        answers = {name: rpc_async(name, _answer_follower, (seq, g.objects), timeout=call_timeout)
+                   for name in sorted(names - {me})}
+        failed = []
+        for name, fut in answers.items():
+            try:
+                fut.wait()
+            except Exception as exc:
+                failed.append((name, exc))
+        if failed:
+            limit = agent.default_timeout if call_timeout == timeouts.UNSET else call_timeout
+            said = (f"timed out in _all_gather after {limit:.2f} seconds"
+                    if limit and all(isinstance(e, RpcTimeoutError) for _, e in failed)
+                    else "could not be given the result of _all_gather")
+            raise RpcError(f"Followers {[n for n, _ in failed]} {said}. "
+                           f"The first exception is {failed[0][1]}")
+        ok = True
+        return g.objects
+    finally:
+        states.end(seq, g, ok)
+
+
+def _wait_all_workers(timeout: float = 0) -> None:
+    """Return once every worker called it: torch's ``rpc.api._wait_all_workers``
+    (an :func:`_all_gather` of None; ``timeout`` as its, 0: no limit)."""
+    _all_gather(None, timeout=timeout)
+
+
+def _barrier(worker_names: Any) -> None:
+    """Return once every worker of ``worker_names`` called it: torch's
+    ``rpc.api._barrier``, which, as torch's, logs a failure instead of
+    raising it."""
+    try:
+        _all_gather(None, set(worker_names))
+    except RuntimeError as exc:
+        logger.error("barrier of %s failed: %s", sorted(worker_names), exc)

@@ -156,7 +156,7 @@ def test_the_childrens_sitecustomize_chains_and_stays_out_of_the_way(tmp_path: P
     assert "torch.distributed.rpc stays torch's" in elsewhere.stderr
 
 
-def _install_here() -> dict[str, object]:
+def _install_here(init_method: str | None = None) -> dict[str, object]:
     import torch.nn.parallel.distributed as ddp
 
     import ucxrpc
@@ -184,7 +184,22 @@ def _install_here() -> dict[str, object]:
         uninitialized = ""
     except RuntimeError as exc:
         uninitialized = str(exc)
+    pyg: list[object] = []
+    if init_method is not None:  # what PyG's init_rpc asks, of torch's C module too
+        from torch._C._distributed_rpc import _is_current_rpc_agent_set
+
+        pyg.append(_is_current_rpc_agent_set())
+        rpc.init_rpc("worker0", rank=0, world_size=1,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                         init_method=init_method, _transports=["ibv", "uv"]))
+        try:
+            pyg += [_is_current_rpc_agent_set(), rpc.api._all_gather(("trainer", 1, 0)),
+                    [w.name for w in rpc._get_current_rpc_agent().get_worker_infos()]]
+        finally:
+            rpc.shutdown()
+        pyg.append(_is_current_rpc_agent_set())
     return {
+        "pyg": pyg,
         "rpc": rpc.rpc_sync is ucxrpc.rpc_sync and rpc.RRef is ucxrpc.RRef,
         "names": (rpc.BackendType.TENSORPIPE is ucxrpc.BackendType.UCX
                   and rpc.TensorPipeRpcBackendOptions is ucxrpc.TensorPipeRpcBackendOptions
@@ -211,9 +226,10 @@ def test_install_puts_ucxrpc_in_place_of_torchs_modules() -> None:
                                     "torch_keeps_its_own")), got
         assert "register_backend" in got["missing"] and "no counterpart" in got["missing"]
         assert "RPC has not been initialized" in got["uninitialized"]
+        assert got["pyg"] == [False, True, {"worker0": ("trainer", 1, 0)}, ["worker0"], False]
 
     check(run_workers(_install_one, 1, timeout=60)[0])
 
 
 def _install_one(rank: int, world_size: int, init_method: str) -> dict[str, object]:
-    return _install_here()
+    return _install_here(init_method)

@@ -70,6 +70,14 @@ def _leaves_early(rank, world_size, init_method):
                 break
             time.sleep(0.05)
         out["after"] = rec
+        # rpc_async to the peer known gone: a failed future, as torch's agent
+        # gives, not an exception at the call
+        fut = rpc.rpc_async("worker1", c.add, args=(1, 1))
+        try:
+            fut.wait()
+            out["async"] = "answered"
+        except Exception as exc:
+            out["async"] = f"{type(exc).__name__}: {exc}"
         out["shutdown_s"] = c.timed_shutdown()  # worker1 is gone: not waited for
     else:
         t0 = time.monotonic()
@@ -87,6 +95,7 @@ def test_an_explicit_shutdown_timeout_is_honoured():
     after = r0["after"]
     assert after["type"] == "BrokenError" and "worker1" in after["message"], after
     assert "it shut down" in after["message"], after
+    assert r0["async"].startswith("BrokenError: worker worker1") and "it shut down" in r0["async"]
     c.check_shutdown(r0["shutdown_s"], "worker0")
 
 

@@ -13,6 +13,9 @@
   ValueError naming it, for ``rpc_sync``, ``rpc_async``, ``remote`` and
   ``to_here`` (torch fails the call at once, saying it ran for more than
   -5000 ms); -1 is the default (tests/test_timeouts.py has the rule).
+* torch's private ``_is_current_rpc_agent_set`` and ``_get_current_rpc_agent``
+  answer before ``init_rpc`` as torch's do (tests/rpc/test_all_gather.py has
+  them, and ``api._all_gather``, between workers).
 """
 
 from __future__ import annotations
@@ -204,3 +207,11 @@ def test_torchrls_options_run_on_the_ucx_transport_they_name(transports, want) -
         assert said is not None, f"{what} took a negative timeout"
         assert "timeout must be >= 0" in said and "got -" in said, said
     assert out["after"] == [2.0]
+
+
+def test_before_init_no_agent_is_set() -> None:
+    assert ucxrpc._is_current_rpc_agent_set() is False
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        ucxrpc._get_current_rpc_agent()
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        ucxrpc.api._all_gather(1)

@@ -472,6 +472,25 @@ class RpcAgent:
 
     # ---------------------------------------------------------------- info
 
+    # torch's RpcAgent methods, for code that reaches the agent itself
+    # (``rpc._get_current_rpc_agent().get_worker_infos()``: torch's sharding).
+
+    def get_worker_info(self, worker: str | int | None = None) -> WorkerInfo:
+        """This worker's WorkerInfo, or that of the worker named or numbered.
+
+        Raises:
+            RpcError: no such worker (naming it).
+        """
+        return self.info if worker is None else self.members.resolve(worker)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """Every worker of the job (this one too), by id."""
+        return [wi for _, wi in sorted(self.members.workers.items())]
+
+    def get_debug_info(self) -> dict[str, str]:
+        """:meth:`debug_info` with string values, as torch's agent gives it."""
+        return {k: str(v) for k, v in self.debug_info().items()}
+
     def debug_info(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters, peer_failures=self.members.failures,
                                    timeouts=self.calls.timeouts)

@@ -22,7 +22,11 @@ torch module                                in its place
                                             ``BackendType.TENSORPIPE``,
                                             ``TensorPipeRpcBackendOptions``,
                                             ``RpcBackendOptions``, ``is_available``
-``torch.distributed.rpc.api``               ``ucxrpc.api``, and ``_require_initialized``
+``torch.distributed.rpc.api``               ``ucxrpc.api`` (``_all_gather``, ``_barrier``,
+                                            ``_wait_all_workers``), and
+                                            ``_require_initialized``
+``torch._C._distributed_rpc.                ucxrpc's, for code that asks torch's C
+_is_current_rpc_agent_set``                 module (PyG)
 ``torch.distributed.rpc.functions``         ``ucxrpc.functions`` (``async_execution``)
 ``torch.distributed.rpc.constants``         ``ucxrpc.constants``
 ``torch.distributed.rpc.options``           ``TensorPipeRpcBackendOptions``, ucxrpc's
@@ -136,6 +140,14 @@ def install(*, children: bool = False) -> None:
 
         for name, module in build().items():
             _put(name, module)
+        # PyG asks torch's C module itself whether RPC is up ("from
+        # torch._C._distributed_rpc import _is_current_rpc_agent_set", at
+        # each call): there too, the answer is now ucxrpc's.  torch's own
+        # modules took their reference at import, before this.
+        from .. import api
+
+        setattr(importlib.import_module("torch._C._distributed_rpc"),
+                "_is_current_rpc_agent_set", api._is_current_rpc_agent_set)
         _installed = True
 
 

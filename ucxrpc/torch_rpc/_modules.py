@@ -137,7 +137,7 @@ def _rpc_modules() -> dict[str, types.ModuleType]:
     torch_names = dict(api=api, backend_registry=registry, constants=ucxrpc.constants,
                        functions=ucxrpc.functions, options=options,
                        is_available=ucxrpc.is_available,
-                       _get_debug_info=ucxrpc._get_debug_info)
+                       **{f.__name__: f for f in ucxrpc._TORCH_PRIVATE})
     ours = {name: getattr(ucxrpc, name) for name in ucxrpc.__all__}
     public = set(ours) | {name for name in torch_names if not name.startswith("_")}
     rpc = _as_package(_fill(
