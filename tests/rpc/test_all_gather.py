@@ -107,8 +107,9 @@ def _a_missing_worker_times_out():
                                            r"no object from worker2"):
         api._all_gather("worker0", timeout=0.3)
     err = late.wait()
-    assert isinstance(err, RuntimeError) and "waiting for the objects from its leader worker0" \
-        in str(err)
+    # (its object reached the leader in time, or, on a slow host, after it gave up)
+    assert isinstance(err, RuntimeError) and ("waiting for the objects from its leader worker0"
+                                              in str(err) or "came too late" in str(err)), err
     # worker2 comes too late: refused at once, not kept
     err = rpc.rpc_sync("worker2", gather_here, ("worker2", None, 5.0))
     assert isinstance(err, RuntimeError) and "came too late" in str(err)
