@@ -310,7 +310,7 @@ class _Gatherings:
     calls for a set of workers alike, since all of them make the same calls
     in the same order (torch's rule)."""
 
-    def __init__(self, agent: RpcAgent) -> None:
+    def __init__(self, agent: RpcAgent) -> None:  # (made per agent: a new job numbers from 0)
         self.lock = threading.Lock()
         self.next: dict[tuple[str, ...], int] = {}
         self.open: dict[str, _Gathering] = {}
@@ -344,8 +344,9 @@ def _gatherings(agent: RpcAgent) -> _Gatherings:
 @_plain
 def _gather_at_leader(seq: str, name: str, obj: Any, names: frozenset[str]) -> None:
     """On the leader: ``name``'s object for all-gather ``seq``."""
-    g = _gatherings(_current()).get(seq, names)
-    with _gatherings(_current()).lock:
+    states = _gatherings(_current())
+    g = states.get(seq, names)
+    with states.lock:
         if g.ended:
             raise RpcError(f"_all_gather {seq} already ended on its leader (it timed out): "
                            f"{name}'s object came too late")
@@ -361,8 +362,9 @@ def _gather_at_leader(seq: str, name: str, obj: Any, names: frozenset[str]) -> N
 def _answer_follower(seq: str, objects: dict[str, Any]) -> None:
     """On a follower: every worker's object, from the leader.  One come
     after this worker gave up (its own error said so) is dropped."""
-    g = _gatherings(_current()).get(seq, frozenset(objects))
-    with _gatherings(_current()).lock:
+    states = _gatherings(_current())
+    g = states.get(seq, frozenset(objects))
+    with states.lock:
         if not g.ended:
             g.objects = objects
             g.answered.set()
