@@ -1,4 +1,5 @@
-"""``torch.futures.wait_all`` and ``collect_all`` that fail as soon as one future fails.
+"""``torch.futures.wait_all`` and ``collect_all`` that fail as soon as one
+future fails, and reads of a failed future that keep nothing alive.
 
 torch documents both as exiting early when one of the futures fails, and its
 own RPC's futures do: its C++ agent fails them with a C++ error, which its
@@ -29,9 +30,10 @@ watcher) and appears in that traceback is a cycle the collector never
 frees: every failed ``rpc_sync``, ``to_here`` or failed ``remote()`` kept
 its callers' frames, their arguments and the RRef alive for good (its owner
 never freed the value), and a future waited on in a loop grew its
-traceback without end.  ucxrpc's own waits therefore go through these two;
-a user's ``fut.wait()`` on a future ucxrpc returned behaves as torch's own
-(which has the same property).
+traceback without end.  ucxrpc's own waits therefore go through these two,
+and a call's future (``agent.calls.CallFuture``) raises copies from its
+``wait()`` and ``value()`` too; a plain torch future (from its ``then()``)
+behaves as torch's own, which has the same property.
 """
 
 from __future__ import annotations
@@ -119,14 +121,16 @@ def fail(fut: Any, exc: BaseException) -> None:
     fut.set_exception(exc)
 
 
-def forward(src: Any, dst: Any) -> None:
-    """Complete ``dst`` as ``src`` completed (a callback of ``src``);
-    ``set_exception`` keeps the error's type, where ``then()`` would not."""
+def forward(src: Any, dst: Any, transform: Callable[[Any], Any] | None = None) -> None:
+    """Complete ``dst`` as ``src`` completed (a callback of ``src``), with
+    ``transform(value)`` where given; ``set_exception`` keeps the error's
+    type, where ``then()`` would not."""
     exc = failure(src)
     if exc is not None:
         dst.set_exception(exc)
     else:
-        dst.set_result(src.value())
+        value = src.value()
+        dst.set_result(value if transform is None else transform(value))
 
 
 def _strip(exc: BaseException, reader: Any) -> BaseException:

@@ -269,14 +269,8 @@ def _serve_async(settings: Settings, func: Any, args: tuple[Any, ...],
         out.set_exception(not_a_future(func, inner))
         return out
 
-    def done(f: torch.futures.Future) -> None:
-        exc = _torch_futures.failure(f)
-        if exc is not None:
-            out.set_exception(exc)
-            return
-        out.set_result(_Profiled(f.value(), profile.events()))
-
-    inner.add_done_callback(done)
+    inner.add_done_callback(lambda f: _torch_futures.forward(
+        f, out, lambda value: _Profiled(value, profile.events())))
     return out
 
 

@@ -174,12 +174,6 @@ def _run_async(context_id: int, sender: int, send_id: int, capture: GradCapture,
             f"{type(inner).__name__}, not a torch.futures.Future"))
         return out
 
-    def done(f: torch.futures.Future) -> None:
-        exc = _torch_futures.failure(f)
-        if exc is not None:
-            out.set_exception(exc)
-            return
-        out.set_result(_reply(tbl, ctx, context_id, sender, f.value()))
-
-    inner.add_done_callback(done)
+    inner.add_done_callback(lambda f: _torch_futures.forward(
+        f, out, lambda value: _reply(tbl, ctx, context_id, sender, value)))
     return out
