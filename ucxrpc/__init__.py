@@ -15,7 +15,7 @@ from .api import (_get_current_rpc_agent, _get_debug_info, _is_current_rpc_agent
 from .errors import (AuthenticationError, BrokenError, ClosedError, ConnectError,
                      DistAutogradError, FrameError, PeerLeftError, RemoteError, RpcError,
                      RpcTimeoutError, RRefError, SerializationError, TransportError,
-                     WorkerNameError)
+                     UnreachableError, WorkerNameError)
 from .options import RpcBackendOptions, UcxRpcBackendOptions
 from .rref import RRef, remote
 from .tensorpipe import TensorPipeRpcBackendOptions
@@ -46,6 +46,7 @@ __all__ = [
     "SerializationError",
     "TensorPipeRpcBackendOptions",
     "TransportError",
+    "UnreachableError",
     "WorkerNameError",
     "UcxRpcBackendOptions",
     "WorkerInfo",

@@ -11,7 +11,9 @@ exceptions are converted inside ``transport/`` and chained with ``from exc``.
     │   ├── ConnectError        a pipe to the peer could not be opened
     │   ├── ClosedError         we closed it (shutdown, close())
     │   └── BrokenError         peer or network failed; __cause__ says how
-    │       └── PeerLeftError   the peer left its dynamic group
+    │       ├── PeerLeftError   the peer left its dynamic group
+    │       └── UnreachableError  the peer's host cannot be reached now; its
+    │                           process may live, and the pipe comes back
     ├── RpcTimeoutError         also a TimeoutError; message says it timed out
     ├── RemoteError             carries worker name, remote type, traceback
     ├── SerializationError      cannot pickle / unpickle / decode a frame
@@ -31,6 +33,7 @@ __all__ = [
     "ClosedError",
     "BrokenError",
     "PeerLeftError",
+    "UnreachableError",
     "RpcTimeoutError",
     "RemoteError",
     "SerializationError",
@@ -65,6 +68,13 @@ class BrokenError(TransportError):
 class PeerLeftError(BrokenError):
     """The peer left its dynamic group: its calls fail as a dead peer's do
     (what it was asked may not have run), but nothing went wrong."""
+
+
+class UnreachableError(BrokenError):
+    """The peer's host answers nothing (a partition, a host gone silent) or
+    its pipe failed while its process lives: calls in flight to it fail, as
+    a dead peer's do, but the peer is not taken for dead.  The pipe is
+    re-established once its host answers again (docs/reliability.md)."""
 
 
 class RpcTimeoutError(RpcError, TimeoutError):

@@ -137,7 +137,7 @@ def test_on_gone_sees_the_worker_still_in_the_table(rec: Recorder) -> None:
      "pipe to worker w2 (id 2) refused: bad secret"),
     (PeerLeftError("bye"), PeerLeftError, "worker w2 (id 2) left the group"),
     (ClosedError("shut down"), ClosedError, "worker w2 (id 2) is gone: shut down"),
-    (OSError("reset"), BrokenError, "worker w2 (id 2) is unreachable: reset")])
+    (OSError("reset"), BrokenError, "worker w2 (id 2) failed: reset")])
 def test_a_failed_peers_error_says_how_and_names_it(members: Members, rec: Recorder, cause,
                                                     kind, message) -> None:
     members.fail(2, cause)
@@ -152,7 +152,7 @@ def test_the_first_failure_is_the_one_kept(members: Members, rec: Recorder) -> N
     members.fail(2, OSError("first"))
     members.fail(2, OSError("second"))
     assert len(rec.gone) == 1 and members.failures == 1
-    assert str(members.peer_error(2)).endswith("unreachable: first")
+    assert str(members.peer_error(2)).endswith("failed: first")
 
 
 def test_a_failure_of_a_stranger_or_a_leaver_is_ignored(members: Members,
@@ -232,3 +232,22 @@ def test_a_map_replaced_by_the_job_wide_check_is_decided_anew(members: Members) 
     assert members.device_targets(1, [0]) == [1]
     members.device_maps = {1: {D("cuda:0"): D("cuda:4")}}  # as RpcAgent.check_device_maps sets it
     assert members.device_targets(1, [0]) == [4]
+
+
+def test_an_unreachable_peer_is_restored_and_a_dead_one_is_not(members: Members,
+                                                               rec: Recorder) -> None:
+    from ucxrpc.errors import UnreachableError
+    members.fail(2, UnreachableError("silent host"))
+    err = members.peer_error(2)
+    assert type(err) is UnreachableError and "worker w2 (id 2) is unreachable" in str(err)
+    members.fail(2, UnreachableError("again"))  # the first cause is kept
+    assert "silent host" in str(members.peer_error(2)) and members.failures == 1
+    members.restore(2)
+    assert not members.is_broken(2)
+    # Found gone after being unreachable: failed again, with that.
+    members.fail(2, UnreachableError("silent host"))
+    members.fail(2, BrokenError("its process is gone"))
+    assert type(members.peer_error(2)) is BrokenError and members.failures == 3
+    assert [type(e) for _, e in rec.gone][-2:] == [UnreachableError, BrokenError]
+    members.restore(2)  # a dead peer stays failed
+    assert members.is_broken(2)

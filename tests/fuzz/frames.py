@@ -237,7 +237,7 @@ def classify(tag: int, data: bytes, real_id: int, limits: Limits) -> str:
         return "counted"
     if frame.kind is Kind.HELLO:
         try:
-            claimed, _ = auth.parse_hello(frame.payload)
+            claimed, _, _ = auth.parse_hello(frame.payload)
         except FrameError:
             return "counted"
         return "hello" if claimed == real_id else "counted"

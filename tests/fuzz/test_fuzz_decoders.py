@@ -249,11 +249,11 @@ nonces = st.binary(min_size=auth.NONCE_LEN, max_size=auth.NONCE_LEN)
 @given(payload=st.binary(max_size=80))
 def test_parse_hello_on_random_payloads(payload):
     try:
-        x, nx = auth.parse_hello(memoryview(payload))
+        x, nx, gen = auth.parse_hello(memoryview(payload))
     except FrameError:
-        assert len(payload) != 4 + auth.NONCE_LEN
+        assert len(payload) != 4 + auth.NONCE_LEN + 4
         return
-    assert auth.hello(x, nx) == payload
+    assert auth.hello(x, nx, gen) == payload
 
 
 @fuzz(300)

@@ -15,7 +15,6 @@ genuine peer is still served afterwards.
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -28,17 +27,14 @@ from hypothesis import strategies as st
 
 from tests.fuzz.frames import (FRAME, HANDSHAKE, Shot, as_array, classify, handshake_frame,
                                rogue_corpus, tag_of)
+from tests.transport.fakenet import Net, Pair, fake_net, pair  # noqa: F401  (fixtures)
 from ucxrpc.errors import FrameError
 from ucxrpc.transport.wire import auth, tags
 
-from ucxrpc.transport.engine import Transport
 from ucxrpc.transport.pipe import OutState
-from ucxrpc.transport.pipe import Peer as PeerRecord
 from ucxrpc.transport.wire.frame import Kind, Limits
 from ucxrpc.transport.ucx.binding import Probe
 
-
-SECRET = b"job-secret"
 SCALE = float(os.environ.get("UCXRPC_FUZZ_SCALE", "1"))
 pytestmark = pytest.mark.timeout(60 * max(1.0, SCALE))
 
@@ -47,172 +43,6 @@ def fuzz(n: int) -> settings:
     return settings(max_examples=max(1, int(n * SCALE)), deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow,
                                            HealthCheck.function_scoped_fixture])
-
-
-# ------------------------------------------------------------- fake UCX
-
-class _Request:
-    def __init__(self, done: bool = True) -> None:
-        self.done = done
-
-    def error(self) -> None:
-        return None
-
-
-class _Net:
-    """Tag messages in flight, by destination address."""
-
-    def __init__(self) -> None:
-        self.queues: dict[bytes, list[tuple[int, bytes]]] = {}
-        self.addresses = itertools.count()
-
-
-class _FakeWorker:
-    net: _Net
-
-    def __init__(self, transports: Any, host_timeout: float = 10.0, *,
-                 device_memory: bool = False, device_path: str = "ucp") -> None:
-        self.address = b"w%d" % next(self.net.addresses)
-        self.device_ucp = device_path == "ucp"
-        self.net.queues[self.address] = []
-        self.cuda_memory = False
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.posted: list[tuple[int, Any]] = []
-        self.probes: list[Probe] = []   # frames waiting to be probed
-        self.received: list[int] = []   # sizes of the buffers frames went into
-
-    def progress(self) -> None:
-        pass
-
-    def arm(self) -> bool:
-        return True
-
-    def tag(self, value: int) -> int:
-        return value
-
-    def probe(self, tag: int, mask: int) -> Probe | None:
-        return self.probes.pop(0) if self.probes else None
-
-    def recv_probed(self, buf: np.ndarray, probe: Probe) -> _Request:
-        self.received.append(buf.nbytes)
-        return _Request()
-
-    def tag_recv(self, buf: Any, tag: int) -> _Request:
-        self.posted.append((tag, buf))
-        return _Request(done=False)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-class _FakeEndpoint:
-    net: _Net
-
-    def __init__(self, worker: _FakeWorker, address: bytes, on_error: Any) -> None:
-        self.address = address
-
-    def tag_send(self, buf: Any, tag: int) -> _Request:
-        data = buf.numpy().tobytes() if isinstance(buf, torch.Tensor) else np.asarray(buf).tobytes()
-        self.net.queues.setdefault(self.address, []).append((int(tag), data))
-        return _Request()
-
-    def transports(self) -> list[tuple[str, str]]:
-        return []
-
-    def close(self) -> None:
-        pass
-
-
-class Peer:
-    """One transport and what its callbacks saw."""
-
-    def __init__(self, my_id: int, limits: Limits = Limits()) -> None:
-        self.messages: list[tuple[int, bytes]] = []
-        self.frame_errors: list[tuple[int, int, BaseException]] = []
-        self.broken: list[tuple[int, BaseException]] = []
-        self.tr = Transport(
-            my_id=my_id, secret=SECRET, limits=limits,
-            on_message=lambda peer, payload, bufs: self.messages.append((peer, bytes(payload))),
-            on_frame_error=lambda peer, hint, exc: self.frame_errors.append((peer, hint, exc)),
-            on_broken=lambda peer, exc: self.broken.append((peer, exc)),
-            worker=_FakeWorker, endpoint=_FakeEndpoint)
-
-    @property
-    def address(self) -> bytes:
-        return self.tr.address
-
-    def counted(self) -> int:
-        return self.tr._rx.refused + self.tr._rx.frame_errors
-
-
-class Pair:
-    """Worker 0 and worker 1, each the other's peer, over the fake network."""
-
-    def __init__(self, net: _Net, limits1: Limits = Limits()) -> None:
-        self.net = net
-        self.w0 = Peer(0)
-        self.w1 = Peer(1, limits1)
-        self.w0.tr.add_peer(PeerRecord(1, "worker1", self.w1.address))
-        self.w1.tr.add_peer(PeerRecord(0, "worker0", self.w0.address))
-        self.peers = {self.w0.address: self.w0, self.w1.address: self.w1}
-
-    def deliver_one(self, peer: Peer) -> bool:
-        """Hand ``peer`` the oldest frame sent to it (data buffers are dropped)."""
-        queue = self.net.queues[peer.address]
-        while queue:
-            tag, data = queue.pop(0)
-            if tag >> tags.KIND_SHIFT in (HANDSHAKE, FRAME):
-                peer.tr._rx.on_frame(tag, as_array(data))
-                return True
-        return False
-
-    def step(self) -> bool:
-        busy = False
-        for peer in (self.w0, self.w1):
-            busy = peer.tr._run_tasks() or busy
-            busy = self.deliver_one(peer) or busy
-        return busy
-
-    def settle(self) -> None:
-        for _ in range(200):
-            if not self.step():
-                return
-        raise AssertionError("the fake network never went quiet")
-
-    def open(self) -> None:
-        """Both directions authenticated, through the genuine handshake."""
-        self.w0.tr.send(1, b"first", [])
-        self.settle()
-        self.w1.tr.send(0, b"reply", [])
-        self.settle()
-        assert self.w1.messages == [(0, b"first")] and self.w0.messages == [(1, b"reply")]
-        self.w0.messages.clear()
-        self.w1.messages.clear()
-
-    def still_serving(self) -> None:
-        """Both peers can still talk to each other."""
-        self.w0.tr.send(1, b"ping-from-0", [])
-        self.w1.tr.send(0, b"ping-from-1", [])
-        self.settle()
-        assert (0, b"ping-from-0") in self.w1.messages, self.w1.messages
-        assert (1, b"ping-from-1") in self.w0.messages, self.w0.messages
-        assert not self.w0.broken and not self.w1.broken, (self.w0.broken, self.w1.broken)
-
-
-@pytest.fixture
-def fake_net(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Net]:
-    net = _Net()
-    monkeypatch.setattr(_FakeWorker, "net", net, raising=False)
-    monkeypatch.setattr(_FakeEndpoint, "net", net, raising=False)
-    yield net
-
-
-@pytest.fixture
-def pair(fake_net: _Net) -> Iterator[Pair]:
-    p = Pair(fake_net)
-    yield p
-    p.w0.tr.close()
-    p.w1.tr.close()
 
 
 def test_the_fake_network_carries_a_genuine_handshake(pair: Pair) -> None:
@@ -278,7 +108,7 @@ def _shoot(pair: Pair, shot: Shot) -> None:
 
 @fuzz(60)
 @given(batch=st.lists(shots(), min_size=1, max_size=25), opened=st.booleans())
-def test_rogue_frames_are_counted_and_change_nothing(fake_net: _Net, batch: list[Shot],
+def test_rogue_frames_are_counted_and_change_nothing(fake_net: Net, batch: list[Shot],
                                                      opened: bool) -> None:
     """Before or after the genuine handshake, whatever a rogue sends is counted
     and ignored; the genuine pipe then opens (or stays open) and serves."""
@@ -395,7 +225,7 @@ def test_a_rogue_cannot_spoil_a_genuine_handshake(pair: Pair, at: int, name: str
 # ----------------------------------------------------------- oversize
 
 @pytest.fixture
-def pairs(fake_net: _Net) -> Iterator[dict[bool, Pair]]:
+def pairs(fake_net: Net) -> Iterator[dict[bool, Pair]]:
     """A pair whose pipes are open and one whose pipes never opened."""
     out = {True: Pair(fake_net), False: Pair(fake_net)}
     out[True].open()
@@ -441,7 +271,7 @@ def test_frames_nobody_can_accept_are_not_received_at_their_claimed_size(pair: P
     assert w1.tr._worker.received[-1] <= 64 << 10, w1.tr._worker.received
 
 
-def test_messages_over_max_message_bytes_are_answered_not_received(fake_net: _Net) -> None:
+def test_messages_over_max_message_bytes_are_answered_not_received(fake_net: Net) -> None:
     pair = Pair(fake_net, limits1=Limits(max_message_bytes=1 << 20))
     try:
         pair.open()

@@ -27,8 +27,9 @@ def _pipes() -> tuple[Pipe, Pipe]:
 
 def _open(out: Pipe, inc: Pipe, secret_1: bytes = SECRET, secret_2: bytes = SECRET) -> bytes:
     chal = handshake.challenge(inc, memoryview(handshake.hello(out, 1)), secret_2, 2)
-    proof, key = handshake.prove(out, memoryview(chal), secret_1, 1)
-    handshake.accept(inc, memoryview(proof), secret_2, 2)
+    proof, key, epoch = handshake.prove(out, memoryview(chal), secret_1, 1)
+    assert handshake.accept(inc, memoryview(proof), secret_2, 2) == out.gen
+    assert epoch == inc.auth.in_epoch  # both ends tag the direction's data alike
     return key
 
 
@@ -76,8 +77,35 @@ def test_forged_hellos_do_not_spoil_a_genuine_handshake_and_proofs_do_not_replay
     forger = Pipe(2, "worker2", b"addr2")
     for _ in range(handshake.PENDING - 1):  # a forger's HELLOs under worker 1's id
         handshake.challenge(inc, memoryview(handshake.hello(forger, 1)), SECRET, 2)
-    proof, key = handshake.prove(out, memoryview(chal), SECRET, 1)
+    proof, key, _ = handshake.prove(out, memoryview(chal), SECRET, 1)
     handshake.accept(inc, memoryview(proof), SECRET, 2)
     assert inc.auth.in_key == key
     with pytest.raises(AuthenticationError, match="PROOF without HELLO"):
         handshake.accept(inc, memoryview(proof), SECRET, 2)  # replayed
+
+
+def test_the_generation_is_proved_and_bound_into_the_key():
+    out, inc = _pipes()
+    out.gen = 3
+    chal = handshake.challenge(inc, memoryview(handshake.hello(out, 1)), SECRET, 2)
+    proof, key, _ = handshake.prove(out, memoryview(chal), SECRET, 1)
+    assert handshake.accept(inc, memoryview(proof), SECRET, 2) == 3
+    assert inc.auth.in_key == key
+    # The same nonces under another generation give another key: a HELLO's
+    # generation cannot be changed on the way without failing every MAC.
+    out2, inc2 = _pipes()
+    hello = bytearray(handshake.hello(out2, 1))
+    hello[-4:] = (7).to_bytes(4, "little")  # forged generation
+    chal = handshake.challenge(inc2, memoryview(bytes(hello)), SECRET, 2)
+    with pytest.raises(AuthenticationError, match="worker 2 failed authentication"):
+        handshake.prove(out2, memoryview(chal), SECRET, 1)  # out2 said generation 0
+
+
+def test_the_responder_names_an_epoch_unlike_the_recent_ones():
+    avoid = set(range(256)) - {42}
+    for _ in range(5):
+        out, inc = _pipes()
+        chal = handshake.challenge(inc, memoryview(handshake.hello(out, 1)), SECRET, 2, avoid)
+        proof, _, epoch = handshake.prove(out, memoryview(chal), SECRET, 1)
+        handshake.accept(inc, memoryview(proof), SECRET, 2)
+        assert epoch == inc.auth.in_epoch == 42

@@ -91,7 +91,8 @@ class RpcAgent:
                         max_message_bytes=options.max_message_bytes)
         self.transport = Transport(my_id=rank, secret=secret, on_message=self._on_message,
                                    on_frame_error=self._on_frame_error,
-                                   on_broken=self._on_broken, limits=limits,
+                                   on_broken=self._on_broken,
+                                   on_restored=self._on_restored, limits=limits,
                                    transports=options.transports,
                                    progress_mode=options.progress or "adaptive",
                                    spin_while=self._spin_while,
@@ -460,13 +461,16 @@ class RpcAgent:
         # The transport is made before the members, so it calls back here.
         self.members.fail(peer, exc)
 
+    def _on_restored(self, peer: int) -> None:
+        self.members.restore(peer)
+
     def _peer_gone(self, peer: int, err: BaseException) -> None:
         """``peer`` failed or left (see :class:`Members`): its calls fail
         with ``err``, then the layers above drop what it held."""
         self.calls.fail_peer(peer, err)
         for hook in list(self.hooks.on_peer_failure):
             try:
-                hook(peer)
+                hook(peer, err)
             except Exception:
                 logger.exception("%s: peer-failure hook failed", self.info)
 

@@ -32,9 +32,10 @@ class Hooks:
     #: ``(timeout)`` at a graceful shutdown, before in-flight work is drained
     #: (RRefs flush their deletions).
     before_shutdown: list[Callable[[float | None], None]] = field(default_factory=list)
-    #: ``(peer id)`` when a peer failed or left (RRef forks and autograd
-    #: contexts it held are dropped).
-    on_peer_failure: list[Callable[[int], None]] = field(default_factory=list)
+    #: ``(peer id, error)`` when a peer failed, became unreachable, or left
+    #: (RRef forks and autograd contexts it held are dropped; ``error`` is
+    #: what its calls fail with, so what is asked for later can say why).
+    on_peer_failure: list[Callable[[int, BaseException], None]] = field(default_factory=list)
     #: Each adds its counters to ``_get_debug_info()``.
     debug_sources: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
     #: Distributed autograd wraps calls made inside a context.

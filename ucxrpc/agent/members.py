@@ -15,7 +15,11 @@ Contract:
   failure: it joined again (maybe at a new address, which the transport
   opens a new pipe to).
 * A peer's first failure is kept; later reports of it are ignored, and so
-  are reports about a worker that is not (or no longer) a member.
+  are reports about a worker that is not (or no longer) a member, with one
+  exception: a peer failed as unreachable (:class:`UnreachableError`: its
+  process may live on) that is then found gone is failed again, with that.
+* An unreachable peer is :meth:`restore`-d once its pipe is re-established:
+  its calls work again.
 * ``on_gone`` runs once per failure or departure, while the worker is still
   in the table (its name still resolves in what ``on_gone`` does).
 """
@@ -27,12 +31,18 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .. import devices
-from ..errors import AuthenticationError, BrokenError, ClosedError, PeerLeftError, RpcError
+import logging
+import time
+
+from ..errors import (AuthenticationError, BrokenError, ClosedError, PeerLeftError, RpcError,
+                      UnreachableError)
 from ..transport import Peer
 from .rendezvous import Member
 from .info import WorkerInfo
 
 __all__ = ["AddPeer", "Members"]
+
+logger = logging.getLogger(__name__)
 
 #: The transport's ``add_peer(peer)``.
 AddPeer = Callable[[Peer], None]
@@ -57,6 +67,8 @@ class Members:
         self.device_maps: dict[int, devices.DeviceMap] = {}
         self.reverse_device_maps: dict[int, devices.DeviceMap] = {}
         self._broken: dict[int, BaseException] = {}
+        #: When each peer now unreachable was found so (monotonic seconds).
+        self._unreachable_since: dict[int, float] = {}
         # (peer, replying) -> (the map it was learnt from, device -> target).
         self._target_cache: dict[tuple[int, bool], tuple[Any, dict[int, int]]] = {}
         #: How many pipes to peers broke (departures not counted).
@@ -77,6 +89,7 @@ class Members:
                     dst: src for src, dst in devices.to_device_map(theirs).items()}
             self._add_peer(m.peer())
             self._broken.pop(m.rank, None)
+            self._unreachable_since.pop(m.rank, None)
         wi = WorkerInfo(m.name, m.rank)
         self.workers[m.rank] = wi
         self._names[m.name] = wi
@@ -138,11 +151,30 @@ class Members:
         """The pipe to ``peer`` broke, ``exc`` says how (the transport's
         report): recorded and passed to ``on_gone``, unless the peer left
         the group or failed already (the first cause is the one to tell:
-        a pipe's later errors follow from it)."""
-        if peer not in self.workers or peer in self._broken:
+        a pipe's later errors follow from it) -- but a peer failed as
+        unreachable and now found gone is failed again."""
+        if peer not in self.workers:
+            return
+        before = self._broken.get(peer)
+        if before is not None and not (isinstance(before, UnreachableError)
+                                       and not isinstance(exc, UnreachableError)):
             return
         self.failures += 1
+        if isinstance(exc, UnreachableError):
+            self._unreachable_since.setdefault(peer, time.monotonic())
+        else:
+            self._unreachable_since.pop(peer, None)
         self._gone(peer, exc)
+
+    def restore(self, peer: int) -> None:
+        """``peer``, failed as unreachable, has its pipe back: calls to it
+        work again.  Any other failure stays."""
+        if not isinstance(self._broken.get(peer), UnreachableError):
+            return
+        del self._broken[peer]
+        since = self._unreachable_since.pop(peer, None)
+        logger.warning("worker %s is reachable again%s", self.name_of(peer),
+                       "" if since is None else f" after {time.monotonic() - since:.1f} s")
 
     def _gone(self, peer: int, exc: BaseException) -> None:
         self._broken[peer] = exc
@@ -169,8 +201,12 @@ class Members:
             err = PeerLeftError(f"{who} left the group")
         elif isinstance(cause, ClosedError):
             err = ClosedError(f"{who} is gone: {cause}")
-        else:
-            err = BrokenError(f"{who} is unreachable: {cause}")
+        elif isinstance(cause, UnreachableError):
+            err = UnreachableError(f"{who} is unreachable: {cause}; calls to it fail until "
+                                   "its pipe is re-established, once its process answers "
+                                   "again")
+        else:  # gone for good (unreachable is said only of a peer that may be back)
+            err = BrokenError(f"{who} failed: {cause}")
         err.__cause__ = cause
         return err
 

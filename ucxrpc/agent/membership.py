@@ -2,7 +2,10 @@
 a running group, one worker at a time, as torch does.
 
 Join, under the group lock (:class:`rendezvous.GroupLock`): check that the
-rank and the name are free, publish this worker's record, check everyone's
+rank and the name are free (or held by an earlier process of this worker,
+one its kernel says is gone: a process restarted under its name and rank
+takes its place, a new incarnation the others reach at its new address),
+publish this worker's record, check everyone's
 device maps with it included, start serving, add the rank to the group, then
 tell every present worker (an RPC each, so that when ``init_rpc`` returns
 every worker knows the newcomer, as in torch).  A present worker learns where
@@ -46,6 +49,17 @@ def join(agent: RpcAgent, timeout: float | None, welcome: Callable[[str], None],
     with rendezvous.GroupLock(store, _token(agent), timeout):
         present = {r: rendezvous.member(store, r) for r in rendezvous.group_ranks(store)}
         me = agent.info
+        held = present.get(me.id)
+        if held is not None and held.name == me.name:
+            # A process restarted under its name and rank: it takes the
+            # place of the one that died, once that one's kernel says so.
+            gone = agent.transport.process_gone(held.peer())
+            if gone is None:
+                raise RpcError(f"rank {me.id} is already in the group, as {me.name!r}, "
+                               "whose process lives (or does not answer); ranks must be "
+                               "unique")
+            logger.warning("%s takes the place of its earlier process: %s", me, gone)
+            del present[me.id]
         if me.id in present:
             raise RpcError(f"rank {me.id} is already in the group, as "
                            f"{present[me.id].name!r}; ranks must be unique")

@@ -46,8 +46,10 @@ _MAX_WORKER_ID = (1 << 16) - 1
 _TOMBSTONES = 4096
 
 
-def unknown_context(context_id: int) -> DistAutogradError:
-    return DistAutogradError(f"Could not find autograd context with id: {context_id}")
+def unknown_context(context_id: int, why: str | None = None) -> DistAutogradError:
+    """torch's error for an unknown context, with why it is gone where known."""
+    return DistAutogradError(f"Could not find autograd context with id: {context_id}"
+                             + ("" if why is None else f" ({why})"))
 
 
 @dataclass(slots=True)
@@ -155,6 +157,10 @@ class ContextTable:
         self._send_ids = itertools.count(1)
         self._released: deque[int] = deque(maxlen=_TOMBSTONES)
         self._released_set: set[int] = set()
+        #: Contexts dropped because their creator failed or became
+        #: unreachable, and why (the latest _TOMBSTONES): a pass that comes
+        #: back for one after an outage is told so.
+        self._dropped: dict[int, str] = {}
         self.backward_passes = 0  # running now, on this worker
 
     def new(self) -> DistAutogradContext:
@@ -169,7 +175,7 @@ class ContextTable:
     def get(self, context_id: int) -> DistAutogradContext:
         ctx = self._contexts.get(context_id)
         if ctx is None:
-            raise unknown_context(context_id)
+            raise unknown_context(context_id, self._dropped.get(context_id))
         return ctx
 
     def find(self, context_id: int) -> DistAutogradContext | None:
@@ -196,11 +202,19 @@ class ContextTable:
                 self._released_set.add(context_id)
         return ctx
 
-    def drop_created_by(self, worker: int) -> None:
-        """Forget the contexts a worker that died or left created: the
-        release it would have sent never comes."""
+    def drop_created_by(self, worker: int, err: BaseException | None = None) -> None:
+        """Forget the contexts a worker that died, became unreachable or
+        left created (``err``: how its calls fail): the release it would
+        have sent never comes, or no longer means anything.  A later use of
+        one is told why."""
         with self._lock:
             ids = [i for i in self._contexts if i >> _COUNTER_BITS == worker]
+            why = (f"dropped on worker {self.me} when {err} (a distributed autograd context "
+                   "does not outlive a failure, or an outage, between the workers it spans)")
+            for i in ids:
+                self._dropped[i] = why
+            while len(self._dropped) > _TOMBSTONES:
+                del self._dropped[next(iter(self._dropped))]
         for i in ids:
             self.pop(i)
 

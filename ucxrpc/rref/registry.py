@@ -8,12 +8,14 @@ import logging
 import queue
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Protocol
 
 import torch
 
 from .. import devices
 from ..agent import RpcAgent
+from ..errors import RRefError
 
 __all__ = ["ForkId", "Handle", "Owned", "RRefId", "Registry", "new_id"]
 
@@ -22,6 +24,8 @@ logger = logging.getLogger(__name__)
 RRefId = tuple[int, int]   # (creating worker, number)
 ForkId = tuple[int, int]   # (worker that made the fork, number)
 _ids = itertools.count(0)  # one counter for RRef and fork ids, from 0, as torch's
+#: How many values freed by a peer's failure are remembered (:attr:`Registry.lost`).
+LOST_KEPT = 4096
 
 
 class Handle(Protocol):
@@ -78,14 +82,28 @@ class Registry:
         self.users = 0          # live user RRefs on this worker
         self.pending_users = 0  # of which not yet confirmed by their owner
         self.deletions: queue.SimpleQueue[tuple[int, RRefId, ForkId]] = queue.SimpleQueue()
+        #: Values freed because the peers holding their forks failed or
+        #: became unreachable, and why: a user that comes back after an
+        #: outage and asks for one is told so (:meth:`entry`), instead of
+        #: waiting for a value that will never be made.  The latest kept.
+        self.lost: OrderedDict[RRefId, str] = OrderedDict()
 
     # -- owner side --------------------------------------------------------
 
     def entry(self, rref_id: RRefId) -> Owned:
-        """The record of ``rref_id``, created if a message got here first."""
+        """The record of ``rref_id``, created if a message got here first.
+
+        Raises:
+            RRefError: the value was freed when the peers holding it failed
+                (:meth:`drop_forks_of`), naming them and why.
+        """
         with self.lock:
             e = self.owned.get(rref_id)
             if e is None:
+                why = self.lost.get(rref_id)
+                if why is not None:
+                    raise RRefError(f"RRef {rref_id} owned by {self.agent.info.name} is gone: "
+                                    f"{why}")
                 e = self.owned[rref_id] = Owned(self.agent.devices)
                 # _maybe_free keeps a value still being made; this looks again
                 # once it is made.
@@ -129,14 +147,25 @@ class Registry:
                 return
             del self.owned[rref_id]  # the value goes with it
 
-    def drop_forks_of(self, peer: int) -> None:
-        """``peer`` died or left: the forks it held are gone."""
+    def drop_forks_of(self, peer: int, err: BaseException | None = None) -> None:
+        """``peer`` died, became unreachable or left (``err``: how its calls
+        fail): the forks it held are gone, and so are values nobody else
+        holds; a later request for one of those is told why."""
         with self.lock:
             gone = [(rid, fid) for rid, e in self.owned.items()
                     for fid, holder in e.forks.items() if holder == peer]
-        if gone:
-            logger.info("dropping %d RRef forks held by dead worker %d", len(gone), peer)
-            self.del_forks(gone)
+        if not gone:
+            return
+        logger.info("dropping %d RRef forks held by worker %d: %s", len(gone), peer, err)
+        self.del_forks(gone)
+        why = (f"it was freed when {err} (an RRef does not outlive a failure, or an outage, "
+               "between its owner and a worker holding it)")
+        with self.lock:
+            for rid, _ in gone:
+                if rid not in self.owned:
+                    self.lost[rid] = why
+            while len(self.lost) > LOST_KEPT:
+                self.lost.popitem(last=False)
 
     # -- user side ---------------------------------------------------------
 

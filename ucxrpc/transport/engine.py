@@ -29,14 +29,16 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import _cuda
-from ..errors import AuthenticationError, BrokenError, ClosedError
+from ..errors import AuthenticationError, BrokenError, ClosedError, UnreachableError
 from .cuda import bounce, context as cudactx, staging
 from .watch import canary
+from .watch.lifeline import probe as lifeline_probe
 from .hostmem import cma
 from .loop import progress
 from .by_address import ByAddress
@@ -74,6 +76,8 @@ _RECEIVE_ALLOCS: dict[int, tuple[torch.Tensor, tuple[int, int, int], Any]] = {}
 #: How long the progress loop polls after its last event, by default
 #: (``spin_s``), while a message is expected.
 SPIN_S = 0.01
+#: How many of a peer's recent epochs a new pipe's must differ from.
+EPOCHS_KEPT = 16
 
 OnBroken = Callable[[int, BaseException], None]
 
@@ -94,7 +98,13 @@ class Transport:
         on_frame_error: ``(peer_id, hint, error)`` for a message from an
             authenticated peer that broke a limit; ``hint`` is what the sender
             passed to :meth:`send`, so the caller can answer that message.
-        on_broken: ``(peer_id, error)`` once when a pipe fails.
+        on_broken: ``(peer_id, error)`` when a pipe fails: once for good
+            (a :class:`BrokenError`), or, while the peer's process may live
+            on, as an :class:`UnreachableError` (then ``on_restored`` once
+            it is re-established, or ``on_broken`` again once the peer is
+            found gone).
+        on_restored: ``(peer_id)`` once a pipe broken as unreachable is
+            re-established (a handshake of its next generation completed).
         progress_mode: the progress thread's strategy
             (:class:`.loop.progress.Mode` or its name).
         spin_s: how long the progress thread may poll after the last event
@@ -120,6 +130,7 @@ class Transport:
 
     def __init__(self, *, my_id: int, secret: bytes, on_message: OnMessage,
                  on_frame_error: OnFrameError, on_broken: OnBroken,
+                 on_restored: Callable[[int], None] = lambda peer_id: None,
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
                  allocator: Allocator | None = None,
                  progress_mode: progress.Mode | str = progress.Mode.ADAPTIVE,
@@ -135,6 +146,7 @@ class Transport:
         self._on_message = on_message
         self._on_frame_error = on_frame_error
         self._on_broken = on_broken
+        self._on_restored = on_restored
         self.limits = limits
         self.pool = HostPool()
         self._alloc = allocator or self._default_alloc
@@ -178,10 +190,19 @@ class Transport:
         self._by_address = ByAddress(sender=self._sender, send=self._send_or_queue,
                                      endpoint=self._endpoint,
                                      offered=self.cma_offer is not None)
+        #: By peer id: the epochs its data tags carried lately (a new
+        #: pipe's must differ: wire/tags.py).
+        self._epochs: dict[int, deque[int]] = {}
+        #: Pipes replaced by their next generation (their peer came back).
+        self.renewed = 0
+        #: Requests of ended pipes UCX has not ended yet (:meth:`_abandon`).
+        self._retired: list[tuple[Request, Any]] = []
         self._handshake = Handshake(my_id=my_id, secret=secret, limits=limits,
                                     sender=self._sender, endpoint=self._endpoint,
                                     watch=shared.watch, fail=self._break,
-                                    accepted=self._by_address.accepted)
+                                    accepted=self._authenticated, opened=self._restored,
+                                    successor=self._successor, install=self._install,
+                                    epochs=lambda peer: self._epochs.get(peer, ()))
         alloc_read = (self.pool.alloc if allocator is None
                       else lambda n, _phase: self._alloc(n, -1))
         self._grants = Grants(alloc=alloc_read, send=self._send_or_queue)
@@ -195,7 +216,7 @@ class Transport:
         self._closing = False
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
                                   host_timeout=host_timeout, pipes=shared.pipes,
-                                  fail=self._break)
+                                  fail=self._lifeline_verdict, back=self._came_back)
         #: What peers need to watch this process's lifeline (published).
         self.lifeline = self._liveness.address
         self._loop = progress.ProgressThread(
@@ -220,19 +241,37 @@ class Transport:
         old = self._pipes.get(peer.id)
         if old is not None and old.address == peer.address:
             return
-        pipe = Pipe(peer.id, peer.name, peer.address, peer.lifeline)
+        self._pipes[peer.id] = self._new_pipe(peer, 0)
+        if old is not None:
+            self._liveness.forget(old)
+            self._handshake.forget(peer.id)
+            with old.lock:
+                if not old.closed:  # its endpoint dies with the process
+                    old.move_to(OutState.CLOSED)
+            self._call_soon(functools.partial(self._abandon, old))
+
+    def _new_pipe(self, peer: Peer, gen: int) -> Pipe:
+        """A pipe of generation ``gen`` to what ``peer`` published."""
+        pipe = Pipe(peer.id, peer.name, peer.address, peer.lifeline, gen=gen, record=peer)
         pipe.direct = self.cuda_direct and peer.cuda_direct
         if peer.max_frame_bytes is not None:
             pipe.out.peer_max_frame = peer.max_frame_bytes
         if self.cma_offer is not None and peer.pid:
             pipe.cma.pid = peer.pid
             pipe.cma.offer = cma.parse(peer.cma_offer)
-        self._pipes[peer.id] = pipe
-        if old is not None:
-            self._liveness.forget(old)
-            with old.lock:
-                if not old.closed:  # its endpoint dies with the process
-                    old.move_to(OutState.CLOSED)
+        return pipe
+
+    def process_gone(self, peer: Peer, timeout: float = 2.0) -> str | None:
+        """Why the process ``peer`` published is gone, by its kernel's answer
+        at its lifeline port, asked now (blocking, at most ``timeout``
+        seconds per address); None where it answered, nothing did, or it
+        published no lifeline: no verdict."""
+        if not peer.lifeline:
+            return None
+        try:
+            return lifeline_probe(peer.lifeline, timeout)
+        except ValueError:
+            return None
 
     def check(self, peer_id: int) -> None:
         """Make sure the kernel watches ``peer_id`` for us (its lifeline is
@@ -241,9 +280,6 @@ class Transport:
         pipe = self._pipes.get(peer_id)
         if pipe is not None:
             self._liveness.watch(pipe)
-
-    def peer_ids(self) -> list[int]:
-        return list(self._pipes)
 
     def send(self, peer_id: int, payload: bytes | memoryview, buffers: Sequence[Buffer],
              hint: int = 0, devices: list[int] | None = None) -> None:
@@ -295,6 +331,8 @@ class Transport:
             transports = {t for t, _ in lanes}
             out.append({
                 "peer": pipe.name, "peer_id": pid, "state": pipe.out.state.value,
+                # Re-established this many times since its peer process joined.
+                "generation": pipe.gen,
                 "authenticated_in": pipe.auth.in_key is not None,
                 "transports": sorted(transports),
                 "lanes": [{"transport": t, "device": d} for t, d in lanes],
@@ -529,41 +567,195 @@ class Transport:
 
     # ------------------------------------------------------------- failure
 
-    def _break(self, pipe: Pipe, exc: BaseException, orderly: bool = False) -> None:
-        """Fail ``pipe`` for good (once; any thread).  ``orderly``: the peer
-        shut down, nothing went wrong."""
+    def _lifeline_verdict(self, pipe: Pipe, exc: BaseException, orderly: bool,
+                          final: bool) -> None:
+        """What the lifeline (or the queue check) found (any thread)."""
+        self._break(pipe, exc, orderly, final=final)
+
+    def _break(self, pipe: Pipe, exc: BaseException, orderly: bool = False, *,
+               final: bool = False, renew: bool = True) -> None:
+        """Fail ``pipe`` (once; any thread).  ``orderly``: the peer shut down,
+        nothing went wrong.  ``final``: the peer is gone for good (its
+        lifeline was cut, our queue is stuck).  Otherwise, where the peer's
+        process may live on (:meth:`.liveness.Liveness.alive`), the break is
+        for now: the error becomes an :class:`UnreachableError`, and once
+        the peer answers again the next generation replaces the pipe
+        (``renew``: ask its lifeline whether it answers; the caller
+        replaces it itself otherwise).  A verdict of death for a pipe
+        broken as unreachable is reported again."""
+        if not final and not orderly and not isinstance(exc, UnreachableError):
+            # UCX's word for an endpoint often comes before the lifeline
+            # thread has read the end the same exit put on the lifeline.
+            gone = self._liveness.gone(pipe)
+            if gone is not None:
+                exc, orderly, final = BrokenError(gone[0]), gone[1], True
+        recoverable = self._recoverable(pipe, exc, orderly, final)
+        # A UCX error while the lifeline holds: the lifeline is asked below.
+        # (A lost lifeline retries by itself; an installed successor needs
+        # nothing.)
+        verify = recoverable and renew and not isinstance(exc, UnreachableError)
+        if verify:
+            cause, exc = exc, UnreachableError(f"{exc} (its lifeline holds: its process is "
+                                               "asked whether it lives)")
+            exc.__cause__ = cause
         with pipe.lock:
-            if pipe.out.state in (OutState.BROKEN, OutState.CLOSED):
+            if pipe.out.state is OutState.CLOSED:
                 return
-            pipe.move_to(OutState.BROKEN)
-            pipe.error = exc
-            pipe.auth.in_key = None
-            pipe.out.backlog.clear()
-            pipe.out.outbox.clear()
-            pipe.out.outbox_bytes = 0
-            pipe.cma.held.clear()  # its process is gone or will never read them
-            self._grants.retire(pipe)
-            self._sender.holding.discard(pipe)
-            self._sender.holding_split.discard(pipe)
-            pipe.cma.reads = pipe.cma.read_by_peer = False
+            if pipe.out.state is OutState.BROKEN:
+                if not pipe.recoverable or recoverable:
+                    return
+                pipe.error = exc  # found gone since: that is what to tell
+                pipe.recoverable = False
+            else:
+                pipe.move_to(OutState.BROKEN)
+                pipe.error = exc
+                pipe.recoverable = recoverable
+                pipe.auth.in_key = None
+                pipe.out.backlog.clear()
+                pipe.out.outbox.clear()
+                pipe.out.outbox_bytes = 0
+                pipe.cma.held.clear()  # its process is gone or will never read them
+                self._grants.retire(pipe)
+                self._sender.holding.discard(pipe)
+                self._sender.holding_split.discard(pipe)
+                pipe.cma.reads = pipe.cma.read_by_peer = False
+                if not orderly:
+                    # Its receives posted for data that may never come, and
+                    # its data already waiting unmatched, go (on the loop,
+                    # which owns them).
+                    self._call_soon(functools.partial(self._abandon, pipe))
         if self._pipes.get(pipe.peer_id) is not pipe:
-            return  # replaced: the worker came back under a new address
+            return  # replaced: the worker came back under a new address, or a new generation
         (logger.info if orderly else logger.warning)("pipe to %s broke: %s", pipe.name, exc)
         # A peer that may have died mid-copy into our shared-memory receive
         # queue; one that shut down was not copying anything.
         if pipe.fifo is not False and not orderly and not isinstance(exc, ClosedError):
             self._call_soon(functools.partial(self._liveness.check_queue, pipe.name))
+        if verify:
+            # Its port is asked whether the same process answers; then the
+            # pipe is renewed (_came_back).
+            self._liveness.verify(pipe)
         try:
             self._on_broken(pipe.peer_id, self._pipe_error(pipe))
         except Exception:
             logger.exception("on_broken handler failed")
+
+    def _abandon(self, pipe: Pipe) -> None:
+        """Let go of what ``pipe``, ended, has in flight (on the loop): its
+        receives (:meth:`.receive.Receiver.abandon`) and its sends.  UCX
+        offers no cancel of a send, nor of a receive matched to a
+        rendezvous in progress, and one cut by an outage may never end
+        while the old connection lingers: they are no longer watched each
+        turn (a loop that watched them would poll for good), but kept, with
+        their buffers, until UCX ends them (:meth:`_prune_retired`)."""
+        self._retired.extend(self._rx.abandon(pipe))
+        while self._inflight:
+            self._watch.append(self._inflight.popleft())
+        kept: list[tuple[Request, Any]] = []
+        for entry in self._watch:
+            (self._retired if entry[1] is pipe else kept).append(entry)
+        self._watch[:] = kept
+        self._prune_retired()
+
+    def _prune_retired(self) -> None:
+        """Forget what UCX ended of the retired requests (their buffers go
+        with them); on the loop, which owns them, whenever a pipe ends or
+        is renewed."""
+        self._retired[:] = [e for e in self._retired if not e[0].done]
+
+    def _recoverable(self, pipe: Pipe, exc: BaseException, orderly: bool, final: bool) -> bool:
+        """Whether a break of ``pipe`` for ``exc`` is for now: the peer's
+        process may live on and answer again."""
+        if final or orderly or self._closing or isinstance(exc, (AuthenticationError,
+                                                                 ClosedError)):
+            return False
+        return isinstance(exc, UnreachableError) or self._liveness.alive(pipe)
+
+    # ------------------------------------------------------ generations
+
+    def _came_back(self, pipe: Pipe) -> None:
+        """``pipe``'s peer process answered on its lifeline again (on the
+        lifeline thread): re-establish the pipe if it broke meanwhile."""
+        if pipe.out.state is OutState.BROKEN and pipe.recoverable:
+            self._call_soon(functools.partial(self._renew, pipe))
+
+    def _renew(self, old: Pipe) -> None:
+        """Replace ``old``, broken while its peer lived, by its next
+        generation, which says HELLO at once (on the loop): the peer learns
+        from it that what was in flight is lost, and calls work again once
+        it answers (:meth:`_restored`).  Where the peer's own HELLO of a
+        newer generation was answered already, that pipe is the next one."""
+        if self._closing or self._pipes.get(old.peer_id) is not old \
+                or not (old.out.state is OutState.BROKEN and old.recoverable):
+            return
+        nxt = self._handshake.take_tentative(old.peer_id, old.gen)
+        self._install(old, nxt if nxt is not None else self._successor(old, old.gen + 1))
+
+    def _successor(self, pipe: Pipe, gen: int) -> Pipe:
+        """A pipe of generation ``gen`` to ``pipe``'s peer process (not
+        installed): what it published, and nothing else of ``pipe``."""
+        record = pipe.record or Peer(pipe.peer_id, pipe.name, pipe.address,
+                                     lifeline=pipe.lifeline)
+        nxt = self._new_pipe(record, gen)
+        nxt.watched = pipe.watched  # the lifeline is the peer process's, not the pipe's
+        return nxt
+
+    def _install(self, old: Pipe, new: Pipe) -> None:
+        """Put ``new``, the next generation, in ``old``'s place and start its
+        handshake (on the loop).  ``old`` ends: quietly where it never
+        carried anything; else broken, with everything in flight on it,
+        naming the outage, as the peer has lost what it had of it too."""
+        if self._closing or self._pipes.get(old.peer_id) is not old:
+            return
+        with old.lock:
+            pristine = old.out.state is OutState.NEW and old.auth.in_key is None
+            if pristine:
+                old.move_to(OutState.CLOSED)
+        if not pristine and not old.closed:
+            self._break(old, UnreachableError(
+                f"{old.name} re-established its pipe to this worker after losing it (an "
+                "outage between the two hosts, or a failure of UCX): what was in flight on "
+                "it is lost"), renew=False)
+        with old.lock:
+            # An endpoint UCX has not failed (TCP kept retransmitting through
+            # the outage) would deliver the old generation's frames late and
+            # hold its connection for good.  (One UCX failed is left alone:
+            # closing such crashed ucxx.)
+            if old.ep is not None and getattr(old.ep, "alive", False):
+                old.ep.close()
+        self._pipes[new.peer_id] = new
+        self.renewed += 1
+        self._prune_retired()
+        logger.info("pipe to %s: generation %d replaces %d", new.name, new.gen, old.gen)
+        with new.lock:
+            new.move_to(OutState.HELLO_SENT)
+        self._start_handshake(new)
+
+    def _authenticated(self, pipe: Pipe) -> None:
+        """The peer's direction of ``pipe`` was proved (on the loop)."""
+        recent = self._epochs.setdefault(pipe.peer_id, deque(maxlen=EPOCHS_KEPT))
+        recent.append(pipe.auth.in_epoch)
+        self._by_address.accepted(pipe)
+        self._restored(pipe)
+
+    def _restored(self, pipe: Pipe) -> None:
+        """A handshake of ``pipe`` completed: if it is a later generation,
+        its peer is reachable again (the agent stops failing its calls)."""
+        if pipe.gen and not pipe.restored and self._pipes.get(pipe.peer_id) is pipe \
+                and not pipe.closed:
+            pipe.restored = True
+            try:
+                self._on_restored(pipe.peer_id)
+            except Exception:
+                logger.exception("on_restored handler failed")
 
     def _pipe_error(self, pipe: Pipe) -> BaseException:
         if pipe.out.state is OutState.CLOSED:
             return ClosedError(f"pipe to {pipe.name} is closed")
         if isinstance(pipe.error, AuthenticationError):
             return pipe.error
-        err = BrokenError(f"pipe to {pipe.name} is broken: {pipe.error}")
+        err = (UnreachableError if pipe.recoverable else BrokenError)(
+            f"pipe to {pipe.name} is broken: {pipe.error}")
         err.__cause__ = pipe.error
         return err
 
@@ -595,6 +787,9 @@ class Transport:
                 # Peers whose last frame said their loop may not poll.
                 "peers_busy": sum(p.inbound.peer_busy for p in list(self._pipes.values())),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
+                # Requests of ended pipes that UCX still holds (not watched).
+                "retired_requests": len(self._retired),
+                "pipes_renewed": self.renewed,
                 **self._liveness.stats(), "progress": self._loop.info(),
                 "cuda_context": self.cuda_context,
                 # How device buffers reach UCX (UCXRPC_DEVICE_PATH).

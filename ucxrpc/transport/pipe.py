@@ -25,6 +25,14 @@ error is kept and raised for every later send), CLOSED when we closed it
 (or a new incarnation of the peer replaced this pipe).  :data:`_OUT_MOVES`
 lists the moves.  The incoming side is authenticated once ``auth.in_key``
 is set.
+
+A pipe object is one *generation* of the relationship with one process of
+the peer (``gen``, carried in the handshake: wire/auth.py).  BROKEN is
+final for the object; where the peer's process lives on (its host went
+silent, or UCX failed while its lifeline held: ``recoverable``), the
+transport replaces the object by the next generation once the peer answers
+again, and nothing of the old one (keys, sequence numbers, data tags'
+epoch, requests in flight) carries over (engine.py, handshake.py).
 """
 
 from __future__ import annotations
@@ -146,9 +154,14 @@ class Auth:
 
     out_key: bytes = b""   # our direction's MAC key, once the peer proved itself
     out_nonce: bytes = b""
-    #: Handshakes answered and not yet proved, ny -> nx: several, so that a
-    #: forged HELLO or PROOF cannot spoil a genuine one in progress.
-    in_nonces: dict[bytes, bytes] = field(default_factory=dict)
+    #: The epoch our data tags carry (wire/tags.py), named by the peer's
+    #: CHALLENGE; and the epoch the peer's carry, named by ours.
+    out_epoch: int = 0
+    in_epoch: int = -1  # -1: no PROOF accepted yet
+    #: Handshakes answered and not yet proved, ny -> (nx, generation):
+    #: several, so that a forged HELLO or PROOF cannot spoil a genuine one
+    #: in progress.
+    in_nonces: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
     in_key: bytes | None = None  # the peer's direction's key, once we proved ourselves
 
 
@@ -161,6 +174,9 @@ class Inbound:
     #: Whether the peer's loop could not poll when it sent its last frame
     #: (frame.py: ``busy``): large buffers go to it by address sooner.
     peer_busy: bool = False
+    #: The pipe ended and what it was receiving was let go
+    #: (:meth:`.receive.Receiver.abandon`): nothing of it is delivered.
+    abandoned: bool = False
 
 
 @dataclass(slots=True)
@@ -201,12 +217,23 @@ class Pipe:
     """Both directions to one peer: our endpoint out, their frames in."""
 
     def __init__(self, peer_id: int, name: str, address: bytes,
-                 lifeline: str | None = None) -> None:
+                 lifeline: str | None = None, *, gen: int = 0,
+                 record: Peer | None = None) -> None:
         self.peer_id = peer_id
         self.name = name
         self.address = address
         self.lifeline = lifeline  # the peer's lifeline address, if it published one
         self.watched = False      # its lifeline is (being) connected
+        #: What the peer published (the next generation is made from it).
+        self.record = record
+        #: Which generation of the pipe to this process of the peer this is.
+        self.gen = gen
+        #: BROKEN while the peer's process lives on (UnreachableError): the
+        #: next generation replaces it once the peer answers.
+        self.recoverable = False
+        #: A later generation whose first handshake completed: its peer was
+        #: said to be reachable again (once).
+        self.restored = False
         self.ep: Endpoint | None = None
         self.direct = False  # device memory goes to UCX as is (else: staged)
         self.fifo: bool | None = None  # whether it reaches us through a shared-memory FIFO

@@ -36,7 +36,8 @@ from .grants import Grants
 from .handshake import Handshake
 from .pipe import Incoming, Piece, Pipe, Shared
 from .hostmem.pool import PAGE
-from .wire.tags import HANDSHAKE, HINT_MASK, data_tag, kind_of, sender_of
+from .wire.tags import (HANDSHAKE, HINT_MASK, data_tag, epoch_base, epoch_mask, kind_of,
+                        sender_of)
 from .ucx.binding import Request, Worker
 
 __all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
@@ -44,6 +45,9 @@ __all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
 logger = logging.getLogger(__name__)
 
 MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
+#: Why a frame being received is dropped: its pipe ended (not counted: it
+#: was nobody's fault).
+ENDED = "its pipe ended"
 
 OnMessage = Callable[[int, memoryview, list[torch.Tensor]], None]
 OnFrameError = Callable[[int, int, BaseException], None]
@@ -111,8 +115,9 @@ class Receiver:
         self._by_address = by_address
         self._grants = grants
         self.read_bytes = 0
-        #: Frames being received: (request, buffer, tag, length, why dropped).
-        self.frames: list[tuple[Request, np.ndarray, int, int, str | None]] = []
+        #: Frames being received: (request, buffer, tag, length, why
+        #: dropped, the sender's pipe when it was probed).
+        self.frames: list[tuple[Request, np.ndarray, int, int, str | None, Pipe | None]] = []
         self.refused = 0
         self.frame_errors = 0
 
@@ -129,7 +134,8 @@ class Receiver:
             drop = self.unwanted(probe.sender_tag, probe.length)
             buf = np.empty(1 if drop else probe.length, dtype=np.uint8)
             req = self._worker.recv_probed(buf, probe)
-            self.frames.append((req, buf, probe.sender_tag, probe.length, drop))
+            self.frames.append((req, buf, probe.sender_tag, probe.length, drop,
+                                self._pipes.get(sender_of(probe.sender_tag))))
         if self.frames:
             # A large frame (rendezvous) completes after a small one sent
             # behind it; frames are delivered in the order each sender sent
@@ -140,7 +146,7 @@ class Receiver:
             seen = 0
             try:
                 for entry in frames:
-                    req, buf, tag, length, drop = entry
+                    req, buf, tag, length, drop, pipe = entry
                     sender = sender_of(tag)
                     seen += 1  # first: an entry is never handled twice
                     if sender in waiting or not req.done:
@@ -148,7 +154,9 @@ class Receiver:
                         still.append(entry)
                         continue
                     busy = True
-                    if drop:
+                    if drop is ENDED:
+                        logger.debug("a frame from worker id %d's ended pipe dropped", sender)
+                    elif drop:
                         self.dropped(tag, length, drop)
                     elif req.error() is None:
                         self.on_frame(tag, buf)
@@ -167,11 +175,17 @@ class Receiver:
             return f"exceeds max_frame_bytes={self.limits.max_frame_bytes}"
         if kind_of(tag) == HANDSHAKE:
             return "too large for a handshake" if length > MAX_HANDSHAKE_FRAME else None
-        pipe = self._pipes.get(sender_of(tag))
+        sender = sender_of(tag)
+        pipe = self._pipes.get(sender)
         if pipe is None:
             return "from an unknown worker id"
         if pipe.auth.in_key is None and not pipe.auth.in_nonces:
-            return "from a peer that has not authenticated"
+            # A peer that re-established its pipe sends its first frames
+            # right behind the PROOF, probed in the same turn, before that
+            # PROOF installs the next generation that answered its HELLO.
+            nxt = self._handshake.tentative.get(sender)
+            if nxt is None or not nxt.auth.in_nonces:
+                return "from a peer that has not authenticated"
         return None
 
     def dropped(self, tag: int, length: int, why: str) -> None:
@@ -210,7 +224,12 @@ class Receiver:
             logger.warning("%s", exc)
         except FrameError as exc:
             self.frame_errors += 1
-            logger.warning("dropped a frame from %s: %s", pipe.name, exc)
+            # A pipe of a later generation may still see a frame its
+            # predecessor's connection delivers late (TCP retransmitting
+            # after an outage): its MAC, made with the old key, fails.
+            logger.warning("dropped a frame from %s: %s%s", pipe.name, exc,
+                           " (maybe one of its pipe's earlier generation, delivered late)"
+                           if pipe.gen else "")
 
     # ----------------------------------------------------------- messages
 
@@ -272,7 +291,7 @@ class Receiver:
 
     def _post(self, msg: Incoming, i: int, d: BufferDesc) -> torch.Tensor:
         """Post the receives of buffer ``i`` of ``msg``; what it lands in."""
-        tag = data_tag(msg.pipe.peer_id, msg.frame.seq, i)
+        tag = data_tag(msg.pipe.peer_id, msg.pipe.auth.in_epoch, msg.frame.seq, i)
         target: torch.Tensor | None = None
         if msg.error is None:
             try:
@@ -380,7 +399,8 @@ class Receiver:
                 continue
             for _ in range(staging.receives(d)):
                 sink = np.empty(1, dtype=np.uint8)
-                req = self._worker.tag_recv(sink, data_tag(pipe.peer_id, frame.seq, i))
+                req = self._worker.tag_recv(sink, data_tag(pipe.peer_id, pipe.auth.in_epoch,
+                                                                   frame.seq, i))
                 self._watch.append((req, None))
 
     def completed(self, req: Request, owner: Incoming | Piece) -> None:
@@ -401,7 +421,66 @@ class Receiver:
         if owner.waiting == 0:
             self._deliver(owner)
 
+    def abandon(self, pipe: Pipe) -> list[tuple[Request, Any]]:
+        """``pipe`` ended (broken, or replaced by a new generation or a new
+        process of its peer): let go of what it was receiving, so nothing
+        is watched for it any more and the loop goes quiet (on the loop).
+        Returns what was taken off the loop's lists: the transport keeps
+        them until UCX ends them (their buffers may still be written).
+
+        Its receives posted for data that may never come (a peer whose host
+        went silent sends nothing more, and UCX fails them only where a
+        kernel reset the connection) are cancelled where UCX can
+        (``ucp_request_cancel`` ends a receive not yet matched; one matched
+        to a rendezvous in progress, or made through ucxx, cannot be), and
+        all of them, with its frames still being received, are no longer
+        watched; its data already waiting unmatched in UCX's unexpected
+        queue is drained (its tags carry the pipe's epoch, which no later
+        pipe from that peer reuses: wire/tags.py).  A message of it being
+        received is never delivered.
+        """
+        if pipe.inbound.abandoned:
+            return []
+        pipe.inbound.abandoned = True
+        taken: list[tuple[Request, Any]] = []
+        kept: list[tuple[Request, Any]] = []
+        cancelled = 0
+        for req, owner in self._watch:
+            msg = owner.msg if isinstance(owner, Piece) else owner
+            if isinstance(msg, Incoming) and msg.pipe is pipe:
+                cancelled += self._worker.cancel(req)
+                taken.append((req, owner))
+            else:
+                kept.append((req, owner))
+        self._watch[:] = kept
+        # A message frame of it still being received (a large one comes by
+        # rendezvous) goes too; a handshake frame is not its (it may start
+        # the next generation) and is judged on its own.
+        frames = []
+        for entry in self.frames:
+            req, _, tag, _, _, of = entry
+            if of is pipe and kind_of(tag) != HANDSHAKE:
+                cancelled += self._worker.cancel(req)
+                taken.append((req, None))
+            else:
+                frames.append(entry)
+        self.frames = frames
+        drained = 0
+        if pipe.auth.in_epoch >= 0:
+            base = epoch_base(pipe.peer_id, pipe.auth.in_epoch)
+            while (probe := self._worker.probe(base, epoch_mask())) is not None:
+                sink = np.empty(1, dtype=np.uint8)  # truncated: UCX drops the rest
+                self._watch.append((self._worker.recv_probed(sink, probe), None))
+                drained += 1
+        if taken or drained:
+            logger.info("pipe to %s ended: %d receives let go (%d cancelled), %d unmatched "
+                        "buffers drained", pipe.name, len(taken), cancelled, drained)
+        return taken
+
     def _deliver(self, msg: Incoming) -> None:
+        if msg.pipe.inbound.abandoned:  # its calls were failed when the pipe ended
+            logger.debug("a message from %s's ended pipe dropped", msg.pipe.name)
+            return
         msg.pipe.inbound.received += 1
         buffers = msg.buffers
         if msg.error is None and msg.frame.delivered >= 0:

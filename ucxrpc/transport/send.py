@@ -155,7 +155,7 @@ class Sender:
         reqs: list[tuple[Request, Pipe]] = [(sent, pipe)]
         try:
             for i in separate:
-                tag = data_tag(self.my_id, seq, i)
+                tag = data_tag(self.my_id, pipe.auth.out_epoch, seq, i)
                 for part in (buffers[i],) if out is None else out.parts(i):
                     reqs.append((pipe.ep.tag_send(part, tag), pipe))
                     if type(part) is Gather:

@@ -4,7 +4,10 @@ A child process holds a lifeline port; this process watches it.  What the
 kernel says decides: a killed child is cut at once, an orderly close says
 goodbye, a stopped child is never cut however long it stays stopped, a
 closed port or another process's port is a gone peer, and a lifeline that
-cannot be set up at all gives no verdict.  All traffic is on loopback.
+cannot be set up at all gives no verdict.  A reset lifeline, or one asked to
+verify, asks the port again: the same token is the same process (back), a
+refusal a gone one.  All traffic is on loopback (a host gone silent, LOST,
+needs two hosts: tests/hosts/test_outage.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import time
 from pathlib import Path
 
@@ -252,3 +256,142 @@ def test_close_is_idempotent_and_releases_the_port():
     lines.close()
     with socket.socket() as s:
         assert s.connect_ex((LOOPBACK, port)) != 0  # refused: the port is closed
+
+
+# -- losses, resets and verifications ------------------------------------------
+
+class Events:
+    """Records every verdict of one line: ("cut", reason, orderly),
+    ("lost", reason), ("back",)."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+
+    def cut(self, reason: str, orderly: bool) -> None:
+        self.q.put(("cut", reason, orderly))
+
+    def lost(self, reason: str) -> None:
+        self.q.put(("lost", reason))
+
+    def back(self) -> None:
+        self.q.put(("back",))
+
+    def next(self, timeout: float = 10.0) -> tuple:
+        return self.q.get(timeout=timeout)
+
+    def watch(self, lines: Lifelines, address: str) -> None:
+        lines.watch("peer", "p", address, self.cut, on_lost=self.lost, on_back=self.back)
+
+
+class Peer:
+    """A lifeline port of our own on loopback: it answers with ``token``;
+    ``reset`` drops a connection with a reset (as a kernel that forgot it
+    does), ``stop`` closes the port (a gone process's refuses)."""
+
+    def __init__(self, token: bytes = b"p" * TOKEN_BYTES) -> None:
+        self.token = token
+        self.server = socket.socket()
+        self.server.bind((LOOPBACK, 0))
+        self.server.listen(8)
+        self.conns: list[socket.socket] = []
+
+    @property
+    def address(self) -> str:
+        return _here(self.server.getsockname()[1], self.token)
+
+    def accept(self) -> socket.socket:
+        self.server.settimeout(10)
+        conn, _ = self.server.accept()
+        conn.sendall(self.token)
+        self.conns.append(conn)
+        return conn
+
+    @staticmethod
+    def reset(conn: socket.socket) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    def stop(self) -> None:
+        self.server.close()
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        self.server.close()
+
+
+@pytest.fixture
+def peer():
+    p = Peer()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_first_contact_says_back_so_a_pipe_broken_meanwhile_is_renewed(lines, peer):
+    events = Events()
+    events.watch(lines, peer.address)
+    peer.accept()
+    assert events.next() == ("back",)
+    wait_state(lines, "peer", LineState.UP)
+
+
+def test_a_reset_lifeline_is_asked_again_and_the_same_process_is_back(lines, peer):
+    """After a partition, the peer's end may have given up first: its kernel
+    resets ours.  Its port answers with the same token: it lives."""
+    events = Events()
+    events.watch(lines, peer.address)
+    first = peer.accept()
+    assert events.next() == ("back",)
+    Peer.reset(first)
+    peer.accept()  # the line asks again on a new connection
+    assert events.next() == ("back",)
+    assert lines.state("peer") is LineState.UP
+
+
+def test_a_reset_lifeline_whose_port_is_closed_is_a_gone_process(lines, peer):
+    events = Events()
+    events.watch(lines, peer.address)
+    first = peer.accept()
+    assert events.next() == ("back",)
+    peer.stop()
+    Peer.reset(first)
+    kind, reason, orderly = events.next()
+    assert kind == "cut" and "nothing listens at its lifeline port" in reason and not orderly
+    assert lines.state("peer") is LineState.CUT
+
+
+def test_a_verification_asks_the_port_and_says_back_or_gone(lines, peer):
+    """A pipe failed while its lifeline held (a UCX error): the port is asked
+    on a new connection; the same token is the same process."""
+    events = Events()
+    events.watch(lines, peer.address)
+    peer.accept()
+    assert events.next() == ("back",)
+    lines.verify("peer")
+    peer.accept()
+    assert events.next() == ("back",)
+    assert lines.state("peer") is LineState.UP
+    # Asked again, with the port closed: refused, the process is gone.
+    peer.stop()
+    lines.verify("peer")
+    kind, reason, _ = events.next()
+    assert kind == "cut" and "refused" in reason, reason
+
+
+def test_gone_reads_nothing_from_a_live_line(lines, peer):
+    events = Events()
+    events.watch(lines, peer.address)
+    peer.accept()
+    assert events.next() == ("back",)
+    wait_state(lines, "peer", LineState.UP)
+    assert lines.gone("peer") is None
+    assert lines.gone("nobody") is None
+
+
+def test_every_move_of_a_line_is_the_tables():
+    from ucxrpc.transport.watch.lifeline import _MOVES
+    assert not _MOVES[LineState.CUT] and not _MOVES[LineState.NONE]
+    assert LineState.LOST not in _MOVES[LineState.CONNECTING]  # no answer at first: NONE
+    assert _MOVES[LineState.LOST] == {LineState.UP, LineState.CUT}

@@ -12,8 +12,8 @@ from ucxrpc.transport.wire import auth
 def test_handshake_accepts_the_secret_and_refuses_others():
     secret = b"job-secret"
     nx = auth.new_nonce()
-    x, y = auth.parse_hello(memoryview(auth.hello(3, nx)))
-    assert x == 3 and y == nx
+    x, y, gen = auth.parse_hello(memoryview(auth.hello(3, nx, 9)))
+    assert x == 3 and y == nx and gen == 9
     ny = auth.new_nonce()
     ch = auth.challenge(secret, 3, 5, nx, ny)
     assert auth.check_challenge(secret, memoryview(ch), 3, 5, nx) == ny
@@ -29,3 +29,16 @@ def test_handshake_accepts_the_secret_and_refuses_others():
     with pytest.raises(FrameError, match="PROOF of 3 bytes"):
         auth.check_proof(secret, memoryview(b"abc"), 3, 5, nx, ny)
     assert auth.session_key(secret, 3, 5, nx, ny) != auth.session_key(secret, 5, 3, nx, ny)
+
+
+def test_every_mac_binds_the_generation():
+    secret, nx, ny = b"job-secret", auth.new_nonce(), auth.new_nonce()
+    ch = auth.challenge(secret, 3, 5, nx, ny, 2)
+    assert auth.check_challenge(secret, memoryview(ch), 3, 5, nx, 2) == ny
+    with pytest.raises(AuthenticationError):
+        auth.check_challenge(secret, memoryview(ch), 3, 5, nx, 1)
+    pr = auth.proof(secret, 3, 5, nx, ny, 2)
+    assert auth.proof_matches(secret, memoryview(pr), 3, 5, nx, ny, 2)
+    assert not auth.proof_matches(secret, memoryview(pr), 3, 5, nx, ny, 3)
+    assert auth.session_key(secret, 3, 5, nx, ny, 2) != auth.session_key(secret, 3, 5, nx, ny, 3)
+    assert auth.epoch_of(ny) == ny[0]

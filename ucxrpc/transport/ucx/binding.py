@@ -24,7 +24,7 @@ from ...errors import BrokenError
 from ..wire.gather import Gather
 from .failures import endpoint_closed, endpoint_failed, open_failed, request_failed
 from .environment import _NEED_CUDA_COPY, environment_problem, ucx_environment
-from .ucp import ucp
+from .ucp import UcpRequest, ucp
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,11 @@ class Endpoint:
             logger.debug("ucp_ep_query failed", exc_info=True)
             return []
 
+    @property
+    def alive(self) -> bool:
+        """Whether UCX still holds the endpoint usable (not failed, not closed)."""
+        return bool(self._handle) and bool(self._ep.alive)
+
     def close(self) -> None:
         self._handle = 0
         try:
@@ -247,6 +252,16 @@ class Worker:
     def recv_probed(self, buf: np.ndarray, probe: Probe) -> Request:
         """Receive a probed message into host array ``buf``."""
         return self._ucp.receive(self._handle, buf, probe.raw)
+
+    def cancel(self, req: Request) -> int:
+        """Cancel a receive still in flight (it then completes, failed, at a
+        later progress, and its owner frees it as any other); 1 if it was
+        cancelled, 0 if it was done already or is ucxx's (which offers no
+        cancel of one request: it ends when UCX ends it)."""
+        if type(req) is not UcpRequest or req.done:
+            return 0
+        self._ucp.cancel(self._handle, req)
+        return 1
 
     def tag_recv(self, buf: Any, tag: int) -> Request:
         """Post a receive of the message with exactly ``tag`` into ``buf``:

@@ -204,6 +204,9 @@ class Ucp:
         self.free = lib.ucp_request_free
         self.free.argtypes = [vp]
         self.free.restype = None
+        self._cancel = lib.ucp_request_cancel
+        self._cancel.argtypes = [vp, vp]
+        self._cancel.restype = None
         self._ep_query = lib.ucp_ep_query
         self._ep_query.argtypes = [vp, ctypes.POINTER(_EpAttr)]
         self._ep_query.restype = ctypes.c_int
@@ -222,6 +225,12 @@ class Ucp:
         self._cuda_param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE,
                                          memory_type=_MEMORY_TYPE_CUDA)
         self._cuda_param_address = ctypes.addressof(self._cuda_param)
+
+    def cancel(self, worker: int, req: UcpRequest) -> None:
+        """Cancel ``req`` (a receive posted on worker handle ``worker``, not
+        yet seen complete by its owner, who calls this): UCX completes it
+        with UCS_ERR_CANCELED, and the owner frees it when it sees that."""
+        self._cancel(worker, req._ptr)
 
     def failure(self, status: int) -> BrokenError:
         return request_failed(self._status_string(status).decode(), status)

@@ -67,8 +67,9 @@ from ...errors import FrameError
 
 MAGIC = b"UX"
 # 2: the BATCH kind; 3: REMOTE buffers, CMA_OK and CMA_DONE; 4: ack; 5: state;
-# 6: WRITTEN buffers and GRANT
-VERSION = 6
+# 6: WRITTEN buffers and GRANT; 7: a HELLO carries its pipe's generation,
+# a data tag its pipe's epoch (auth.py, tags.py)
+VERSION = 7
 PREFIX = struct.Struct("<2sBBHHIQQ")
 DESC = struct.Struct("<QQhBxI")
 MAC_LEN = 16

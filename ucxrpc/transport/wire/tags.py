@@ -5,25 +5,39 @@ claims to come from (a claim: only a frame's MAC proves the sender)::
     61-46 sender worker id
     45-0  message frames: the sender's opaque *hint* (the agent's message
           id and kind), readable even when a frame is too large to receive
-    45-16 data buffers: message sequence number
+    45-38 data buffers: the pipe's *epoch*, which the receiver chose in the
+          handshake (:mod:`.auth`)
+    37-16 data buffers: message sequence number (wraps)
     15-0  data buffers: buffer index
 
 Distinct tags per buffer let concurrent large messages on one pipe proceed
 side by side; probes match a kind with :data:`KIND_MASK`.
+
+A data buffer's tag is all UCX matches it by, so the epoch is what keeps a
+pipe's buffers apart from an earlier pipe's between the same two worker ids:
+a pipe re-established after an outage, or to a peer that restarted under
+the same id, starts its sequence numbers again, and a buffer of the old
+pipe still in flight (or waiting in UCX's unexpected queue) must never land
+in a receive posted for the new one.  The receiver picks each new pipe's
+epoch unlike its recent ones with that peer id (``Transport``), so the two
+never match.
 """
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["CANARY", "DATA", "FRAME", "HANDSHAKE", "HINT_MASK", "ID_MASK", "ID_SHIFT",
-           "KIND_SHIFT", "MAX_WORKER_ID", "SEQ_MASK", "TagKind", "data_tag", "kind_base",
-           "kind_of", "sender_of"]
+__all__ = ["CANARY", "DATA", "EPOCHS", "EPOCH_SHIFT", "FRAME", "HANDSHAKE", "HINT_MASK", "ID_MASK",
+           "ID_SHIFT", "KIND_SHIFT", "MAX_WORKER_ID", "SEQ_MASK", "TagKind", "data_tag",
+           "epoch_base", "epoch_mask", "kind_base", "kind_of", "sender_of"]
 
 KIND_SHIFT = 62
 ID_SHIFT = 46
 ID_MASK = 0xFFFF
-SEQ_MASK = (1 << 30) - 1
+EPOCH_SHIFT = 38
+#: How many epochs a data tag tells apart.
+EPOCHS = 256
+SEQ_MASK = (1 << 22) - 1
 MAX_WORKER_ID = ID_MASK
 HINT_MASK = (1 << ID_SHIFT) - 1
 
@@ -43,8 +57,22 @@ def kind_base(kind: int, sender: int) -> int:
     return (kind << KIND_SHIFT) | (sender << ID_SHIFT)
 
 
-def data_tag(sender: int, seq: int, index: int) -> int:
-    return (DATA << KIND_SHIFT) | (sender << ID_SHIFT) | ((seq & SEQ_MASK) << 16) | index
+def data_tag(sender: int, epoch: int, seq: int, index: int) -> int:
+    """The tag of buffer ``index`` of message ``seq`` on a pipe of ``epoch``."""
+    return ((DATA << KIND_SHIFT) | (sender << ID_SHIFT) | (epoch << EPOCH_SHIFT)
+            | ((seq & SEQ_MASK) << 16) | index)
+
+
+def epoch_base(sender: int, epoch: int) -> int:
+    """The tag of data from ``sender`` on a pipe of ``epoch``, with nothing
+    below the epoch: with :func:`epoch_mask`, every such buffer (to drain
+    what an ended pipe left in UCX's unexpected queue)."""
+    return (DATA << KIND_SHIFT) | (sender << ID_SHIFT) | (epoch << EPOCH_SHIFT)
+
+
+def epoch_mask() -> int:
+    """The bits :func:`epoch_base` sets."""
+    return ((1 << 64) - 1) ^ ((1 << EPOCH_SHIFT) - 1)
 
 
 def sender_of(tag: int) -> int:
