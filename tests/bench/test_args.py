@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -119,3 +120,89 @@ def test_the_bench_compares_with_torch_and_raw_ucxx_unless_told_otherwise():
     assert compared(build_parser().parse_args([]).compare) == ["torch", "ucxx"]
     assert compared(build_parser().parse_args(["--compare", "torch"]).compare) == ["torch"]
     assert compared(build_parser().parse_args(["--compare", "none"]).compare) == []
+
+
+# -- --hosts netns -----------------------------------------------------------------
+
+def test_hosts_netns_parses_and_only_netns():
+    assert build_parser().parse_args([]).hosts is None   # as before: this host, or torchrun
+    assert build_parser().parse_args(["--hosts", "netns"]).hosts == "netns"
+
+
+def test_hosts_takes_no_other_value(capsys):
+    assert main(["--hosts", "docker"]) == 2
+    assert "invalid choice: 'docker'" in capsys.readouterr().err
+
+
+def test_help_documents_hosts_netns(capsys):
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--hosts {netns}" in text and "simulated hosts" in text
+    assert "Needs root" in text
+    # The "across two hosts" epilog names it too.
+    epilog = text[text.index("across two hosts:"):]
+    assert "--hosts netns" in epilog and "needs root" in epilog
+
+
+def test_hosts_netns_without_root_says_what_it_needs(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["--hosts", "netns", "--quick", "--no-json", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "--hosts netns" in err and "need root" in err
+    assert "iproute2" in err and "util-linux" in err
+
+
+def test_hosts_netns_ignores_the_launcher_variables(monkeypatch, capsys):
+    # Like --local: both ranks run on this machine, whatever RANK/WORLD_SIZE say.
+    for key, value in {**LAUNCH, "WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["--hosts", "netns", "--quick", "--no-json", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "need root" in err and "WORLD_SIZE" not in err
+
+
+def test_a_rank_started_by_hosts_netns_is_a_launched_rank(monkeypatch, capsys):
+    # The ranks get the user's argv, --hosts netns and --local included, and
+    # the invoker's variable: they run as launched ranks, never making hosts.
+    from ucxrpc.bench import simhosts
+
+    for key, value in {**LAUNCH, "WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(simhosts.ENV, json.dumps({"kind": "netns", "machine": "m"}))
+    assert main(["--hosts", "netns", "--local", "--quick", "--no-json", "--no-plot"]) == 2
+    assert "WORLD_SIZE=3" in capsys.readouterr().err
+
+
+def test_a_malformed_simulated_hosts_variable_is_a_usage_error(monkeypatch, capsys):
+    from ucxrpc.bench import simhosts
+
+    assert simhosts.simulated_hosts({}) is None
+    assert simhosts.simulated_hosts({simhosts.ENV: '{"kind": "netns"}'}) == {"kind": "netns"}
+    monkeypatch.setenv(simhosts.ENV, "not json")
+    assert main(["--quick", "--no-json", "--no-plot"]) == 2
+    assert f"{simhosts.ENV} is set but malformed" in capsys.readouterr().err
+
+
+def test_each_rank_is_launched_as_across_two_hosts():
+    from ucxrpc.bench import simhosts
+    from ucxrpc.bench.netns import Hosts
+
+    hosts = Hosts()   # names and addresses only: nothing is made before __enter__
+    a, b = hosts.hosts
+    mine = {"RANK": "7", "WORLD_SIZE": "9", "LOCAL_RANK": "3", "TORCHELASTIC_RUN_ID": "x",
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "UCX_NET_DEVICES": "eth0",
+            "UCX_TLS": "tcp", "PYTHONPATH": "/elsewhere", "HOME": "/root"}
+    doc = {"kind": "netns", "machine": "m"}
+    envs = [simhosts.rank_env(hosts, h, doc, mine) for h in (a, b)]
+    for rank, (host, env) in enumerate(zip((a, b), envs)):
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), "2", "0")
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (a.address, "29500")
+        assert env["UCX_NET_DEVICES"] == env["TP_SOCKET_IFNAME"] == host.veth
+        assert not any(k.startswith("TORCHELASTIC_") for k in env)
+        assert env["UCX_TLS"] == "tcp" and env["HOME"] == "/root"   # the user's, kept
+        assert env["PYTHONPATH"].endswith(os.pathsep + "/elsewhere")
+        assert json.loads(env[simhosts.ENV]) == doc
+        launched = host_env(env)
+        assert launched is not None and launched.rank == rank and not launched.agent_store
+    hosts.close()

@@ -1,7 +1,8 @@
 """A network partition between two hosts (network namespaces).
 
-worker0 (and the rendezvous store) run in namespace A, worker1 in B,
-joined by a veth pair, over TCP only.  Once both have exchanged calls, the
+worker0 (and the rendezvous store) run on host A, worker1 on host B
+(:mod:`ucxrpc.bench.netns`: network namespaces joined by a veth pair, each
+worker in namespaces of its own), over TCP only.  Once both have exchanged calls, the
 link goes down: a call across it fails on each side, naming the other
 worker, once TCP keepalive on the lifeline has gone unanswered for
 ``peer_timeout`` (no FIN comes from a host that vanished).  Then (see :mod:`tests.faults._netns_worker`):
@@ -28,9 +29,9 @@ from pathlib import Path
 import pytest
 
 from tests.faults import _common as c
-from tests.faults import _netns
 from tests.faults._netns_worker import CUT_OFF_SHUTDOWN_TIMEOUT_S, write
-from ucxrpc._launch import die_with_parent, free_port
+from ucxrpc._launch import free_port
+from ucxrpc.bench.netns import Hosts, Unavailable
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
@@ -42,32 +43,32 @@ CUT_OFF_SHUTDOWN_BOUND_S = CUT_OFF_SHUTDOWN_TIMEOUT_S + 10.0
 
 
 class _Job:
-    """The two workers, started with ``ip netns exec``; killed in :meth:`stop`."""
+    """The two workers, one on each host (:meth:`Hosts.popen`: its own
+    namespaces, dying with the test); killed in :meth:`stop`."""
 
-    def __init__(self, ctl: Path, mode: str) -> None:
+    def __init__(self, hosts: Hosts, ctl: Path, mode: str) -> None:
+        self.hosts = hosts
         self.ctl = ctl
         self.mode = mode
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, sides: tuple[_netns.Side, _netns.Side]) -> None:
-        init_method = f"tcp://{sides[0].address}:{free_port()}"
-        for rank, side in enumerate(sides):
-            env = dict(os.environ, UCX_NET_DEVICES=side.veth, PYTHONPATH=str(REPO))
+    def start(self) -> None:
+        init_method = f"tcp://{self.hosts.hosts[0].address}:{free_port()}"
+        for rank, host in enumerate(self.hosts.hosts):
+            env = dict(os.environ, UCX_NET_DEVICES=host.veth, PYTHONPATH=str(REPO))
             with open(self.ctl / f"worker{rank}.log", "w") as log:
-                self.procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", side.netns, sys.executable, "-m",
-                     "tests.faults._netns_worker", str(self.ctl), str(rank), init_method,
-                     self.mode],
-                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                    preexec_fn=die_with_parent))
+                self.procs.append(self.hosts.popen(
+                    host, [sys.executable, "-m", "tests.faults._netns_worker", str(self.ctl),
+                           str(rank), init_method, self.mode],
+                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
 
-    def cut(self, sides: tuple[_netns.Side, _netns.Side]) -> None:
+    def cut(self) -> None:
         """Start both workers, wait until they exchanged calls, then take the
         link down and tell them when."""
-        self.start(sides)
+        self.start()
         self.wait_for("ready0")
         self.wait_for("ready1")
-        _netns.set_link(sides[0], "down")
+        self.hosts.set_link(self.hosts.hosts[0], False)
         write(self.ctl / "down", repr(time.monotonic()))
 
     def wait_for(self, name: str, timeout: float = STEP_WAIT_S) -> str:
@@ -95,9 +96,11 @@ class _Job:
         return out
 
     def dump_stacks(self) -> None:
+        # To the worker itself: the Popen is `unshare`, which SIGUSR1 kills.
         for proc in self.procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGUSR1)
+            pid = self.hosts.worker_pid(proc)
+            if pid is not None:
+                os.kill(pid, signal.SIGUSR1)
         time.sleep(1.0)
 
     def logs(self) -> str:
@@ -126,25 +129,28 @@ class _Job:
 
 
 @pytest.fixture
-def sides():
-    """Namespaces A and B joined by a veth link; skipped where they cannot be made."""
+def hosts():
+    """Hosts A and B joined by a veth link; skipped where they cannot be made."""
     try:
-        with _netns.netns_pair() as pair:
-            yield pair
-    except _netns.Unavailable as exc:
+        pair = Hosts().__enter__()
+    except Unavailable as exc:
         pytest.skip(str(exc))
+    try:
+        yield pair
+    finally:
+        pair.close()
 
 
 @pytest.mark.parametrize("mode", ["heal", "cut-off"])
-def test_partition(sides, tmp_path, mode):
-    a, _ = sides
-    job = _Job(tmp_path, mode)
+def test_partition(hosts, tmp_path, mode):
+    a, _ = hosts.hosts
+    job = _Job(hosts, tmp_path, mode)
     try:
-        job.cut(sides)
+        job.cut()
         r0 = job.result(0)  # worker0 shuts down during the partition
         job.wait_for("detected1")
         if mode == "heal":
-            _netns.set_link(a, "up")
+            hosts.set_link(a, True)
             write(tmp_path / "up", "1")
             r1 = job.result(1)
         else:
@@ -163,14 +169,14 @@ def test_partition(sides, tmp_path, mode):
         assert r1["shutdown_s"] < CUT_OFF_SHUTDOWN_BOUND_S
 
 
-def test_partition_then_rejoin(sides, tmp_path):
-    a, _ = sides
-    job = _Job(tmp_path, "rejoin")
+def test_partition_then_rejoin(hosts, tmp_path):
+    a, _ = hosts.hosts
+    job = _Job(hosts, tmp_path, "rejoin")
     try:
-        job.cut(sides)
+        job.cut()
         job.wait_for("detected0")
         job.wait_for("detected1")
-        _netns.set_link(a, "up")
+        hosts.set_link(a, True)
         write(tmp_path / "up", "1")
         r1 = job.result(1)
         r0 = job.result(0)

@@ -3,8 +3,9 @@
 Each series (an implementation, under one UCX transport choice) runs the
 same workload (:mod:`ucxrpc.bench.workload`, :mod:`ucxrpc.bench.raw`) in
 fresh processes: two on this host, or one on each of two hosts when launched
-by torchrun (:mod:`ucxrpc.bench.hosts`). The results become a table and a
-JSON document (:mod:`ucxrpc.bench.report`) and a PNG plot
+by torchrun (:mod:`ucxrpc.bench.hosts`) or, with ``--hosts netns``, on two
+simulated hosts of this machine (:mod:`ucxrpc.bench.simhosts`). The results
+become a table and a JSON document (:mod:`ucxrpc.bench.report`) and a PNG plot
 (:mod:`ucxrpc.bench.plot`). Entry point: :func:`main`, called by the
 ``ucxrpc bench`` command, ``python -m ucxrpc.bench`` and
 ``benchmarks/bench_rpc.py``.
@@ -25,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from . import report
+from . import report, simhosts
 from .hosts import HostSession, host_env, local_device
 from .launch import RunOutcome, busy_load
 from .plan import (DEFAULT_MAX_SIZE, build_series, default_sizes, format_size, parse_sizes,
@@ -56,6 +57,9 @@ across two hosts: run the same command on both under torchrun (or anything
     torchrun --nnodes 2 --nproc-per-node 1 --node-rank N \\
         --master-addr HOST0 --master-port 29500 -m ucxrpc.bench --compare torch
   rank 0's options apply to both; rank 0 prints and writes the results.
+  --hosts netns does this between two simulated hosts on this machine (network
+  namespaces joined by a veth pair, nothing else shared; needs root), e.g.
+    ucxrpc bench --hosts netns --quick
 """
 
 
@@ -129,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
              "every implementation alike: a busy host, as a training node is (default: 0)")
     add("--local", action="store_true",
         help="run both ranks on this host even when RANK/WORLD_SIZE are set")
+    add("--hosts", choices=("netns",), default=None,
+        help="netns: run the two ranks on two simulated hosts of this machine, network "
+             "namespaces joined by a veth pair that share nothing else (no shared memory: "
+             "every implementation goes over TCP on the veth), launched as across two hosts; "
+             "RANK/WORLD_SIZE are ignored. Needs root, iproute2 and util-linux (default: "
+             "both ranks on this host, or one per host under torchrun)")
     add("--replot", metavar="JSON", default=None,
         help="run nothing: draw the plot of a saved JSON result (to --plot, default: "
              "next to it)")
@@ -207,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = _config(args)
             choices = parse_transports(args.transports)
-            env = None if args.local else host_env()
+            # A rank that --hosts netns started is a launched rank, whatever
+            # its (the user's) --hosts and --local say.
+            simulated = simhosts.simulated_hosts()
+            launched = simulated is not None or (args.hosts is None and not args.local)
+            env = host_env() if launched else None
         except ValueError as exc:
             parser.error(str(exc))
     except SystemExit as exc:
@@ -219,18 +233,23 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + timeout
     if env is None and args.device == "cuda" and (problem := _check_cuda()):
         return _fail(problem)
-    with _sigterm_as_exit(), busy_load(args.load):
+    if args.hosts == "netns" and simulated is None:
+        with _sigterm_as_exit():
+            return simhosts.run(list(sys.argv[1:] if argv is None else argv), timeout)
+    # On simulated hosts rank 0 runs the load: both ranks share this machine's CPUs.
+    load = 0 if simulated is not None and env is not None and env.rank == 1 else args.load
+    with _sigterm_as_exit(), busy_load(load):
         if env is None:
             return _bench(args, cfg, choices, argv, deadline, None)
         try:
-            session = HostSession(env, timeout)
+            session = HostSession(env, timeout, same_machine=simulated is not None)
         except Exception as exc:   # the store is unreachable: nothing to run
             role = "host" if env.rank == 0 and not env.agent_store else "reach"
             return _fail(f"cannot {role} the store at {env.master_addr}:{env.master_port}: {exc}")
         try:
             if env.rank == 1:
                 return serve_rank1(session, deadline)
-            return _bench(args, cfg, choices, argv, deadline, session)
+            return _bench(args, cfg, choices, argv, deadline, session, simulated)
         except RuntimeError as exc:
             return _fail(str(exc))
         finally:
@@ -238,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace, cfg: WorkloadConfig, choices: Any, argv: list[str] | None,
-           deadline: float, session: HostSession | None) -> int:
-    """Rank 0 (or the only process): run everything, report, write files."""
+           deadline: float, session: HostSession | None,
+           simulated: dict[str, Any] | None = None) -> int:
+    """Rank 0 (or the only process): run everything, report, write files.
+
+    ``simulated``: what ``--hosts netns`` told rank 0 (:mod:`.simhosts`).
+    """
     impls = tuple(dict.fromkeys([args.impl] + compared(args.compare)))
     series = build_series(impls, choices)
     runs = plan_runs(series, args.repeat)
@@ -253,6 +276,10 @@ def _bench(args: argparse.Namespace, cfg: WorkloadConfig, choices: Any, argv: li
                                              deadline - time.monotonic()), deadline)
         info.update(peer_host=peer["host"], peer_device=peer["device"],
                     master=f"{session.env.master_addr}:{session.env.master_port}")
+        if simulated is not None:   # the user ran the invoker: record its command
+            info["command"] = simulated.get("command", info["command"])
+            info["simulated_hosts"] = {k: simulated.get(k) for k in ("kind", "machine", "link",
+                                                                     "hosts")}
 
         def run_remote(index: int, run: Any, run_cfg: WorkloadConfig, until: float,
                        on_progress: Any) -> RunOutcome:
@@ -294,7 +321,10 @@ def _report(args: argparse.Namespace, cfg: WorkloadConfig, series: Any,
     if raw is not None:
         info["ucx"] = raw.get("ucx_version")
     config = describe_config(cfg)
-    config.update(repeat=args.repeat, stat=args.stat, device=device, load=args.load,
+    # Where the two ranks ran: one host, two hosts, two simulated hosts (--hosts netns).
+    hosts = "netns" if info.get("simulated_hosts") else "two" if info.get("peer_host") \
+        else "local"
+    config.update(repeat=args.repeat, stat=args.stat, device=device, load=args.load, hosts=hosts,
                   transport_choices=[list(c) if c else None for c in
                                      dict.fromkeys(s.transports for s in series
                                                    if s.impl != "torch")])

@@ -17,6 +17,9 @@ same rule as torch's ``env://`` rendezvous. Keys, under one prefix:
                    free on rank 0>``, hosted by rank 0's child
 ``run<i>/raw/*``   the raw baseline's UCX worker addresses
 ``run<i>/error1``  rank 1's child failed (rank 0 stops waiting)
+``run<i>/cpu1``    CPU seconds rank 1 used for run ``i`` (its coordinator
+                   and child); with ``same_machine`` rank 0 does not count
+                   them as other processes' (``--hosts netns``)
 ``run<i>/end``     rank 0's run is over: ``ok`` or ``failed``
 ``done``, ``bye``  the end, and rank 1's acknowledgement (rank 0 keeps the
                    store up until then)
@@ -41,6 +44,7 @@ __all__ = ["HostEnv", "HostSession", "host_env", "local_device"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _BYE_WAIT_S = 15.0
+_CPU_WAIT_S = 5.0    # same machine: how long rank 0 waits for rank 1's CPU seconds
 
 
 @dataclass(frozen=True)
@@ -128,12 +132,17 @@ def _url_host(host: str) -> str:
 
 class HostSession:
     """One rank's coordinator; :meth:`close` is idempotent and always releases
-    the store."""
+    the store.
 
-    def __init__(self, env: HostEnv, timeout_s: float) -> None:
+    ``same_machine``: both ranks share this machine's CPUs (two simulated
+    hosts), so rank 0 tells rank 1's CPU time apart from other processes'.
+    """
+
+    def __init__(self, env: HostEnv, timeout_s: float, same_machine: bool = False) -> None:
         import torch.distributed as dist
 
         self.env = env
+        self.same_machine = same_machine
         self._address = StoreAddress(env.master_addr, env.master_port, env.prefix)
         self._tcp = dist.TCPStore(env.master_addr, env.master_port, is_master=(
             env.rank == 0 and not env.agent_store), wait_for_workers=False,
@@ -200,8 +209,18 @@ class HostSession:
             stop_children(procs, [results])
             self.store.set(f"run{index}/end", "ok" if outcome.error is None else "failed")
             outcome.wall_s = time.monotonic() - start
-            outcome.cpu_others = meter.others()
+            outcome.cpu_others = meter.others(self._peer_cpu(index))
         return outcome
+
+    def _peer_cpu(self, index: int) -> float:
+        """Rank 1's CPU seconds for run ``index`` when it shares this machine
+        (bounded wait; 0 when it did not say)."""
+        if not self.same_machine:
+            return 0.0
+        try:
+            return float(self._get(f"run{index}/cpu1", time.monotonic() + _CPU_WAIT_S))
+        except (RuntimeError, ValueError):
+            return 0.0
 
     # --- rank 1 --------------------------------------------------------------
 
@@ -237,7 +256,7 @@ class HostSession:
 
         results = multiprocessing.get_context("spawn").Queue()
         procs: list[Any] = []
-        start = time.monotonic()
+        start, cpu = time.monotonic(), CpuMeter.own()
         try:
             start_children(procs, [self._spec(impl, 1, init, cfg, device, index, deadline)],
                            [f"{key}-worker1"], results, [(None, None)])
@@ -247,6 +266,7 @@ class HostSession:
             stop_children(procs, [results])
             if outcome.error is not None:
                 self.store.set(f"run{index}/error1", outcome.error)
+            self.store.set(f"run{index}/cpu1", repr(CpuMeter.own() - cpu))
             outcome.wall_s = time.monotonic() - start
         return outcome
 

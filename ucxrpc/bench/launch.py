@@ -235,7 +235,13 @@ class CpuMeter:
         self._start = self._sample()
 
     @staticmethod
-    def _sample() -> tuple[float, float, float] | None:
+    def own() -> float:
+        """CPU seconds this process and its reaped children used so far."""
+        return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                   for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+    @classmethod
+    def _sample(cls) -> tuple[float, float, float] | None:
         try:
             with open("/proc/stat", encoding="ascii") as f:
                 fields = [int(x) for x in f.readline().split()[1:9]]
@@ -243,17 +249,17 @@ class CpuMeter:
             return None
         ticks = os.sysconf("SC_CLK_TCK")
         busy = (sum(fields) - fields[3] - fields[4]) / ticks    # all but idle, iowait
-        own = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-                  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-        return busy, own, time.monotonic()
+        return busy, cls.own(), time.monotonic()
 
-    def others(self) -> float | None:
-        """Fraction of all CPUs used by other processes since construction."""
+    def others(self, exclude: float = 0.0) -> float | None:
+        """Fraction of all CPUs used by other processes since construction,
+        less ``exclude`` CPU seconds (the peer rank's, when it shares this
+        machine: ``--hosts netns``)."""
         end = self._sample()
         if self._start is None or end is None or end[2] <= self._start[2]:
             return None
         busy, own, wall = (b - a for a, b in zip(self._start, end))
-        return max(0.0, min(1.0, (busy - own) / (wall * (os.cpu_count() or 1))))
+        return max(0.0, min(1.0, (busy - own - exclude) / (wall * (os.cpu_count() or 1))))
 
 
 # A busy process: killed with the bench even if the bench itself is killed

@@ -95,6 +95,8 @@ def _title(doc: Mapping[str, Any]) -> str:
     parts = ["ucxrpc bench", str(machine.get("hostname", "?"))]
     if machine.get("peer_host"):
         parts[-1] += f" ↔ {machine['peer_host']}"
+    if machine.get("simulated_hosts"):
+        parts[-1] += " (simulated hosts, netns)"
     parts.append(str(config.get("device", "cpu")))
     if config.get("load"):
         parts.append(f"load {config['load']}")

@@ -21,6 +21,13 @@ _DESCRIPTIONS = {
 
 
 def _where(info: dict[str, Any], device: str) -> str:
+    simulated = info.get("simulated_hosts")
+    if simulated and info.get("peer_host"):
+        return (f"  hosts:       rank 0 {info['hostname']} ({device}) <-> rank 1 "
+                f"{info['peer_host']} ({info.get('peer_device', '?')}): two simulated hosts "
+                f"on {simulated.get('machine', '?')},\n"
+                "               network namespaces joined by a veth pair (--hosts netns), "
+                f"store {info.get('master', '?')}")
     if info.get("peer_host"):
         return (f"  hosts:       rank 0 {info['hostname']} ({device}) <-> rank 1 "
                 f"{info['peer_host']} ({info.get('peer_device', '?')}), store "

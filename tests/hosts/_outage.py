@@ -1,0 +1,226 @@
+"""A worker of the outage test (tests/hosts/test_outage.py), on a simulated host.
+
+``python -m tests.hosts._outage CTL RANK INIT_METHOD``
+
+worker0 (with the store) on host 0, worker1 on host 1, over TCP, with a
+short ``peer_timeout`` (:data:`PEER_TIMEOUT`).  Each calls the other all the
+time (a 1 MiB tensor every :data:`CALL_EVERY_S`, its echo checked) and
+records every call: when it started and ended, and what it returned or
+raised.  Before the outages worker0 also makes state that spans them: an
+RRef owned by worker1 and a distributed autograd context whose forward pass
+crossed to worker1.  The test cuts and heals the link; the files in ``CTL``:
+
+=================  ====================================================
+``ready<R>``       the worker is up and calling (worker)
+``big``            worker1: start a 256 MiB call to worker0 now, so that
+                   the cut finds it in flight (test); ``big-started``
+                   (worker1)
+``lost<R>``        the worker's first call failed as unreachable (worker)
+``quiet``          stop calling (test); ``paused<R>`` (worker, with its
+                   transport's debug info: nothing may be left watched)
+``resume``         call again (test)
+``done``           stop; then the spanning state is tried, both shut
+                   down and write ``worker<R>.json`` (test, then worker)
+=================  ====================================================
+
+Every wait has a deadline; SIGUSR1 dumps every thread's stack to the log.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.faults import _common as c
+
+#: Seconds a silent host is given before it is declared unreachable.
+PEER_TIMEOUT = 3.0
+#: Far above every bound of the test: a call that fails before it failed
+#: because its peer was found unreachable, not by its own timeout.
+RPC_TIMEOUT = 30.0
+CALL_EVERY_S = 0.05
+PAYLOAD = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+BIG = torch.ones(64 << 20, dtype=torch.float32)       # 256 MiB
+STEP_TIMEOUT_S = 90.0
+
+
+def write(path: Path, text: str = "1") -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def wait_file(path: Path, timeout: float = STEP_TIMEOUT_S, every: float = 0.02) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(every)
+    return path.read_text()
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def make_value(v: int) -> int:
+    return v
+
+
+class Caller(threading.Thread):
+    """Calls ``peer`` every CALL_EVERY_S while not paused; records each call."""
+
+    def __init__(self, ctl: Path, rank: int, peer: str) -> None:
+        super().__init__(name="outage-caller", daemon=True)
+        self.ctl, self.rank, self.peer = ctl, rank, peer
+        self.records: list[dict[str, Any]] = []
+        self.calling = threading.Event()
+        self.calling.set()
+        self.idle = threading.Event()
+        self.stop = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        import ucxrpc as rpc
+
+        n = 0
+        while not self.stop.is_set():
+            if not self.calling.is_set():
+                self.idle.set()
+                self.calling.wait(STEP_TIMEOUT_S)  # no wake-ups: the test measures our CPU
+                continue
+            self.idle.clear()
+            n += 1
+            sent = PAYLOAD + n
+            start = time.monotonic()
+            rec: dict[str, Any] = {"start": start}
+            try:
+                got = rpc.rpc_sync(self.peer, echo, args=(sent,))
+                rec["ok"] = bool(torch.equal(got, sent))
+                if not rec["ok"]:
+                    rec["error"] = "wrong value"
+            except Exception as exc:  # the point: what a caller sees
+                rec.update(ok=False, type=type(exc).__name__,
+                           classes=[k.__name__ for k in type(exc).__mro__],
+                           error=str(exc).split("\n", 1)[0][:400])
+                if not self.lost and rec["type"] == "UnreachableError":
+                    self.lost = True
+                    write(self.ctl / f"lost{self.rank}")
+            rec["end"] = time.monotonic()
+            self.records.append(rec)
+            time.sleep(max(0.0, CALL_EVERY_S - (rec["end"] - start)))
+
+
+def _attempt(fn: Any) -> dict[str, Any]:
+    try:
+        return {"value": fn()}
+    except Exception as exc:  # the point: what a user sees
+        return {"type": type(exc).__name__, "classes": [k.__name__ for k in type(exc).__mro__],
+                "error": str(exc)}
+
+
+def run(ctl: Path, rank: int, init_method: str) -> dict[str, Any]:
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    peer = f"worker{1 - rank}"
+    c.init(rank, 2, init_method, transports=["tcp"], peer_timeout=PEER_TIMEOUT,
+           rpc_timeout=RPC_TIMEOUT)
+    out: dict[str, Any] = {"pipes": rpc.get_pipe_info()}
+    assert torch.equal(rpc.rpc_sync(peer, echo, args=(PAYLOAD,)), PAYLOAD)
+    with dist_autograd.context() as ctx:
+        rref = x = loss = None
+        if rank == 0:
+            rref = rpc.remote(peer, make_value, args=(41,))
+            assert rref.to_here() == 41
+            x = torch.ones(4, requires_grad=True)
+            loss = rpc.rpc_sync(peer, torch.mul, args=(x, 3.0)).sum()
+        caller = Caller(ctl, rank, peer)
+        caller.start()
+        write(ctl / f"ready{rank}")
+        if rank == 1:
+            wait_file(ctl / "big")
+            big = rpc.rpc_async(peer, echo, args=(BIG,))
+            write(ctl / "big-started")
+        wait_file(ctl / "quiet")
+        caller.calling.clear()
+        caller.idle.wait(10)
+        time.sleep(0.5)  # the loop's last requests complete or are let go
+        info = rpc._get_debug_info()
+        out["quiet"] = {"watched_requests": info["watched_requests"],
+                        "poll_decision": info["progress"]["poll_decision"],
+                        "broken_peers": info["broken_peers"]}
+        write(ctl / f"paused{rank}", json.dumps(out["quiet"]))
+        wait_file(ctl / "resume", every=0.5)  # seldom: the test measures our CPU meanwhile
+        caller.calling.set()
+        wait_file(ctl / "done")
+        caller.stop.set()
+        caller.calling.set()
+        caller.join(10)
+        out["calls"] = caller.records
+        if rank == 1:
+            out["big"] = _attempt(lambda: torch.equal(big.wait(), BIG))
+        else:
+            # State that spanned the outage: it goes on, or fails naming it.
+            out["rref"] = _attempt(rref.to_here)
+            out["rref_new"] = _attempt(
+                lambda: rpc.remote(peer, make_value, args=(42,)).to_here())
+            out["backward"] = _attempt(
+                lambda: bool(dist_autograd.backward(ctx, [loss]) or
+                             torch.equal(dist_autograd.get_gradients(ctx)[x],
+                                         torch.full((4,), 3.0))))
+    if rank == 0:
+        def fresh_backward() -> bool:
+            with dist_autograd.context() as ctx2:
+                y = torch.ones(4, requires_grad=True)
+                dist_autograd.backward(ctx2, [rpc.rpc_sync(peer, torch.mul, args=(y, 2.0)).sum()])
+                return bool(torch.equal(dist_autograd.get_gradients(ctx2)[y],
+                                        torch.full((4,), 2.0)))
+        out["backward_new"] = _attempt(fresh_backward)
+    out["debug"] = {k: v for k, v in rpc._get_debug_info().items()
+                    if k in ("lifelines_lost", "lifelines_back", "lifeline_cuts", "peer_failures",
+                             "watched_requests", "frame_errors", "refused_frames",
+                             "outstanding_calls", "pending_requests")}
+    agent = rpc.api._agent
+    tr = agent.transport
+    out["debug"]["unanswered"] = agent._server.unanswered
+    out["debug"]["pipes"] = {k: (p.gen, p.out.state.value, p.auth.in_epoch, p.auth.out_epoch,
+                                 p.inbound.seq, p.out.seq, len(p.out.backlog))
+                             for k, p in tr._pipes.items()}
+    out["debug"]["old_eps"] = list({(id(o), bool(o.ep._handle), bool(o.ep._ep.alive))
+                                     for _, o in list(tr._watch) if hasattr(o, "ep") and o.ep})
+    out["debug"]["watch"] = [(type(o).__name__,
+                              getattr(o, "gen", None) if hasattr(o, "gen")
+                              else getattr(getattr(o, "pipe", None), "gen", None),
+                              getattr(getattr(o, "frame", None), "seq", None))
+                             for _, o in list(tr._watch)]
+    out["debug"]["calls"] = [repr(x) for x in list(agent.calls._calls.items())[:5]] \
+        if hasattr(agent.calls, "_calls") else None
+    write(ctl / f"debug{rank}", json.dumps(out["debug"], default=str))
+    out["shutdown_s"] = c.timed_shutdown()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ctl, rank, init_method = Path(argv[1]), int(argv[2]), argv[3]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        out = run(ctl, rank, init_method)
+    except BaseException as exc:  # reported to the test, not lost in a log
+        out = {"error": "".join(traceback.format_exception(exc))}
+    write(ctl / f"worker{rank}.json", json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
