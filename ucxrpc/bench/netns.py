@@ -10,9 +10,10 @@ nothing but a link, on one Linux machine:
 * with ``isolate=True`` (the default) a worker started on a host also gets
   UTS, IPC, PID and mount namespaces of its own (``unshare``), a private
   tmpfs on ``/dev/shm``, the host's name as hostname and an ``/etc/hosts``
-  that names both hosts.  So UCX's shared-memory transports (System V
-  segments live in the IPC namespace, POSIX ones in ``/dev/shm``, and UCX
-  tells machines apart by hostname) and ucxrpc's reads by address
+  that names both hosts (names resolve from it alone: a host has no DNS).
+  So UCX's shared-memory transports (System V segments live in the IPC
+  namespace, POSIX ones in ``/dev/shm``, and UCX tells machines apart by
+  hostname) and ucxrpc's reads by address
   (:mod:`ucxrpc.transport.hostmem.cma` checks the PID namespace) cannot
   join two workers on different hosts: UCX must pick ``tcp`` over the veth,
   as between two machines.  The filesystem is still shared, so paths, the
@@ -65,10 +66,15 @@ ISOLATION = ("unshare", "--uts", "--ipc", "--pid", "--mount", "--fork", "--kill-
              "--mount-proc")
 
 # Run by `sh -c` in the worker's namespaces: $0 is the host's name, $1 the
-# hosts file, the rest the worker's argv.  The mount namespace is private
-# (unshare's default propagation), so neither mount reaches the caller's.
+# hosts file, $2 the name service switch, the rest the worker's argv.  The
+# mount namespace is private (unshare's default propagation), so no mount
+# reaches the caller's.  Names resolve from the hosts file alone: a host
+# has no DNS, and c10d's store looks up each client's address by name
+# (a lookup that fails prints a warning in every worker's output).
 _SETUP = ('mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm'
-          ' && mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"')
+          ' && mount --bind "$1" /etc/hosts'
+          ' && { [ ! -e /etc/nsswitch.conf ] || mount --bind "$2" /etc/nsswitch.conf; }'
+          ' && hostname "$0" && shift 2 && exec "$@"')
 
 _PREFIX_LEN = 30
 _IP_TIMEOUT_S = 10.0
@@ -198,6 +204,14 @@ class Hosts:
             f.write("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
                     + "".join(f"{h.address}\t{h.netns}\n" for h in self.hosts))
         os.chmod(os.path.join(self._dir, "hosts"), 0o644)
+        try:
+            with open("/etc/nsswitch.conf") as f:
+                switch = [line for line in f if not line.startswith("hosts:")]
+        except OSError:
+            switch = []
+        with open(os.path.join(self._dir, "nsswitch.conf"), "w") as f:
+            f.writelines([*switch, "hosts: files\n"])
+        os.chmod(os.path.join(self._dir, "nsswitch.conf"), 0o644)
         # What a container may refuse (a PID namespace, mounting proc or
         # tmpfs) is found here, once, rather than in every worker.
         probe = _run(self.command(a, ["true"]))
@@ -263,7 +277,8 @@ class Hosts:
             return [*enter, *argv]
         assert self._dir is not None
         return [*enter, *ISOLATION, "sh", "-c", _SETUP, host.netns,
-                os.path.join(self._dir, "hosts"), *argv]
+                os.path.join(self._dir, "hosts"), os.path.join(self._dir, "nsswitch.conf"),
+                *argv]
 
     def popen(self, host: Host, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               isolate: bool = True, **kwargs: Any) -> subprocess.Popen[Any]:
