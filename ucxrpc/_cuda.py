@@ -22,10 +22,16 @@ nothing per message builds a ``torch.cuda.Stream``.
 Callers reach this module only with CUDA in use (a CUDA tensor or device in
 hand): nothing here initialises CUDA by itself, except through
 :func:`stream`'s first use.
+
+Private names may change with torch: on first use the bindings are checked
+once against the public API (:func:`_check`: the current device, the
+current stream's key); where they disagree or fail, a warning says so and
+the public helpers run from then on.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,6 +51,33 @@ _set_device = getattr(_C, "_cuda_setDevice", None)
 
 # Stream objects by key, made once: query() and synchronize() need one.
 _streams: dict[Key, Any] = {}
+_checked = False
+
+
+def _check() -> None:
+    """Once, on first use: do the private bindings say what the public API
+    says (this thread's device, its current stream's key)?  If not, or if
+    one fails, warn and use the public helpers from now on."""
+    global _checked, _get_stream, _set_stream, _get_device, _set_device
+    _checked = True
+    if _get_stream is None and _get_device is None:
+        return
+    why = ""
+    try:
+        index = torch.cuda.current_device()
+        if _get_device is not None and _get_device() != index:
+            why = f"_cuda_getDevice() gave {_get_device()}, torch.cuda {index}"
+        elif _get_stream is not None:
+            got, want = tuple(_get_stream(index)), key_of(torch.cuda.current_stream(index))
+            if got != want:
+                why = f"_cuda_getCurrentStream({index}) gave {got}, torch.cuda {want}"
+    except Exception as exc:  # a changed signature, a missing symbol
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        warnings.warn(f"torch {torch.__version__}'s private CUDA stream bindings disagree with "
+                      f"torch.cuda ({why}): ucxrpc uses the public helpers, which cost a few "
+                      "microseconds more per CUDA message", RuntimeWarning, stacklevel=3)
+        _get_stream = _set_stream = _get_device = _set_device = None
 
 
 def key_of(s: Any) -> Key:
@@ -54,6 +87,8 @@ def key_of(s: Any) -> Key:
 
 def current(index: int) -> Key:
     """The key of the current stream of CUDA device ``index`` on this thread."""
+    if not _checked:
+        _check()
     if _get_stream is None:
         return key_of(torch.cuda.current_stream(index))
     return _get_stream(index)
@@ -70,11 +105,15 @@ def stream(key: Key) -> Any:
 
 def device() -> int:
     """This thread's current CUDA device."""
+    if not _checked:
+        _check()
     return _get_device() if _get_device is not None else torch.cuda.current_device()
 
 
 def set_device(index: int) -> None:
     """Make CUDA device ``index`` current on this thread."""
+    if not _checked:
+        _check()
     if _set_device is not None:
         _set_device(index)
     else:
@@ -83,6 +122,8 @@ def set_device(index: int) -> None:
 
 def _make_current(key: Key) -> None:
     # As torch.cuda.set_stream: it also makes the stream's device current.
+    if not _checked:
+        _check()
     if _set_stream is not None:
         _set_stream(stream_id=key[0], device_index=key[1], device_type=key[2])
     else:

@@ -258,9 +258,50 @@ def _fresh_thread(rank, world_size, init_method):
 
 def test_a_thread_that_never_used_cuda_calls_with_device_tensors():
     # It waits for its reply by driving UCX itself (agent/core.py, _drive),
-    # which needs a CUDA context on the thread: the transport makes the
-    # device's current where the thread has none (cudactx.ensure_current).
+    # which needs a CUDA context on the thread: the transport lends it the
+    # device's while it drives, where it has none (cudactx.Borrowed).
     assert run_workers(_fresh_thread, 2, timeout=150)[0] == [True, True]
+
+
+def _host_arguments_cuda_reply(rank, world_size, init_method):
+    import ctypes
+    import threading
+
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, BOTH)
+    out = None
+    if rank == 0:
+        lib = ctypes.CDLL("libcuda.so.1")
+        seen: dict = {}
+
+        def context() -> int:
+            ctx = ctypes.c_void_p()
+            lib.cuCtxGetCurrent(ctypes.byref(ctx))
+            return ctx.value or 0
+
+        def call() -> None:
+            # Host arguments only: nothing before the wait makes a CUDA call
+            # on this thread (cuda_targets settles nothing), so the drive is
+            # the first to need a context here.
+            seen["before"] = context()
+            got = rpc.rpc_sync("worker1", fives, (1 << 20,))
+            seen["after"] = context()  # popped again: the thread as it was found
+            seen["ok"] = bool(torch.equal(got, torch.full((1 << 20,), 5.0, device="cuda")))
+            seen["device"] = torch.cuda.current_device()
+
+        th = threading.Thread(target=call)
+        th.start()
+        th.join(60)
+        out = seen
+    rpc.shutdown()
+    return out
+
+
+def test_a_thread_with_host_arguments_gets_a_cuda_reply_and_is_left_as_found():
+    seen = run_workers(_host_arguments_cuda_reply, 2, timeout=150)[0]
+    assert seen["before"] == 0 and seen["after"] == 0, seen
+    assert seen["ok"] and seen["device"] == 0, seen
 
 
 def _freed_with_work_pending(rank, world_size, init_method):
@@ -283,6 +324,40 @@ def _freed_with_work_pending(rank, world_size, init_method):
         out = results
     rpc.shutdown()
     return out
+
+
+def small_fives(count, n):
+    return [torch.full((n,), 5.0, device="cuda") for _ in range(count)]
+
+
+def _packed_freed_with_work_pending(rank, world_size, init_method):
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, BOTH)
+    out = None
+    if rank == 0:
+        count, n = 12, 1 << 14  # 12 tensors of 64 KiB: one pack (staging.PACK_MIN_COUNT)
+        small_fives(count, n)  # warm
+        results = []
+        for _ in range(3):
+            xs = [torch.full((n,), 3.0, device="cuda") for _ in range(count)]
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SPIN)
+            ys = [x * 2 for x in xs]  # queued behind the spin: they still read xs
+            del xs                    # their blocks go back to this stream's pool at once
+            got = rpc.rpc_sync("worker1", small_fives, (count, n))  # cut out of the pack here
+            results.append((min(y.min().item() for y in ys), max(y.max().item() for y in ys),
+                            min(g.min().item() for g in got)))
+        out = results
+    rpc.shutdown()
+    return out
+
+
+def test_a_packed_reply_never_lands_in_memory_freed_with_work_pending():
+    # The same race for tensors cut out of a pack on arrival (staging.finish):
+    # they are allocated by the transport's allocator, on its receive stream.
+    results = run_workers(_packed_freed_with_work_pending, 2, timeout=150)[0]
+    assert results == [(6.0, 6.0, 5.0)] * 3, results
 
 
 def test_a_receive_never_lands_in_memory_freed_with_work_pending():

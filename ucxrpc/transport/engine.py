@@ -69,8 +69,10 @@ logger = logging.getLogger(__name__)
 # read it.  On a stream that only allocates, no queued work ever reads a
 # block it hands out: a received tensor's uses on other streams are
 # recorded on them (a served call's pool streams, a CUDA-aware future's
-# waiter), so its block comes back only after those.  High priority: torch
-# hands out pool streams round-robin, and user code rarely asks for those.
+# waiter), so its block comes back only after those.  The stream is one of
+# ucxrpc's own (cuda/context.py, private_stream), not one of torch's pooled
+# streams, which torch hands out round-robin to user code too: a user
+# kernel on it reading a received tensor would break that premise.
 _RECEIVE_ALLOCS: dict[int, tuple[torch.Tensor, tuple[int, int, int], Any]] = {}
 
 #: How long the progress loop polls after its last event, by default
@@ -513,17 +515,23 @@ class Transport:
         """Progress on the calling thread until ``done()`` holds (True) or
         polling stops paying (:meth:`.loop.progress.ProgressThread.drive`):
         messages are then handled, and callbacks run, on the caller's
-        thread.  Where UCX may move CUDA memory, the thread first gets a
-        CUDA context if it has none (UCX's CUDA transports work through the
-        calling thread's: :func:`.cuda.context.ensure_current`); where it cannot,
-        the progress thread keeps the work (False)."""
-        if self._cuda_device is not None:
-            try:
-                cudactx.ensure_current(self._cuda_device)
-            except (OSError, RuntimeError) as exc:
-                logger.debug("not driving UCX on this thread: %s", exc)
-                return False
-        return self._loop.drive(done)
+        thread.  Where UCX may move CUDA memory, a thread with no CUDA
+        context has one current while it drives, and none again after
+        (UCX's CUDA transports work through the calling thread's:
+        :class:`.cuda.context.Borrowed`); where it cannot, the progress
+        thread keeps the work (False)."""
+        if self._cuda_device is None:
+            return self._loop.drive(done)
+        borrowed = cudactx.Borrowed(self._cuda_device)
+        try:
+            borrowed.__enter__()
+        except (OSError, RuntimeError) as exc:
+            logger.debug("not driving UCX on this thread: %s", exc)
+            return False
+        try:
+            return self._loop.drive(done)
+        finally:
+            borrowed.__exit__()
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         self._tasks.append(fn)
@@ -765,7 +773,8 @@ class Transport:
         its own (:data:`_RECEIVE_ALLOCS`)."""
         entry = _RECEIVE_ALLOCS.get(device)
         if entry is None:
-            stream = torch.cuda.Stream(device=device, priority=-1)
+            stream = torch.cuda.ExternalStream(cudactx.private_stream(device),
+                                               device=torch.device("cuda", device))
             proto = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device))
             entry = _RECEIVE_ALLOCS[device] = (proto, _cuda.key_of(stream), stream)
         with _cuda.StreamScope([entry[1]]):

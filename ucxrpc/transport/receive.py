@@ -485,7 +485,8 @@ class Receiver:
         buffers = msg.buffers
         if msg.error is None and msg.frame.delivered >= 0:
             try:
-                buffers = staging.finish(buffers, msg.frame.buffers, msg.frame.delivered)
+                buffers = staging.finish(buffers, msg.frame.buffers, msg.frame.delivered,
+                                         self._alloc)
             except Exception as exc:
                 msg.error = exc
         try:

@@ -75,9 +75,18 @@ def test_finish_cuts_members_out_of_their_pack():
     n = len(bufs)
     descs = [BufferDesc(b.numel(), w[2], -1, w[0], w[1]) for b, w in zip(out.buffers, out.ways)]
     received = [None] * n + [out.buffers[n].clone()]
-    got = staging.finish(received, descs, n)
+    made: list[tuple[int, int]] = []
+
+    def alloc(nbytes: int, device: int) -> torch.Tensor:  # the transport's, as receives are
+        made.append((nbytes, device))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    got = staging.finish(received, descs, n, alloc)
     assert len(got) == n and all(torch.equal(a, b) for a, b in zip(got, bufs))
     assert len({t.data_ptr() for t in got}) == n  # tensors of their own, not views of the pack
+    # Made by the allocator given (on a GPU: the receive stream), not on
+    # whatever stream is current.
+    assert made == [(b.numel(), -1) for b in bufs]
 
 
 def test_finish_cuts_a_pack_apart_without_the_kernel_too(monkeypatch):
@@ -91,7 +100,8 @@ def test_finish_cuts_a_pack_apart_without_the_kernel_too(monkeypatch):
     descs = [BufferDesc(b.numel(), w[2], -1, w[0], w[1]) for b, w in zip(out.buffers, out.ways)]
     monkeypatch.setattr(_kernels, "kernel_usable", lambda device: False)
     monkeypatch.setattr(_kernels, "multi_copy", None)  # not called: it would raise
-    got = staging.finish([None] * n + [out.buffers[n].clone()], descs, n)
+    got = staging.finish([None] * n + [out.buffers[n].clone()], descs, n,
+                         lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8))
     assert all(torch.equal(a, b) for a, b in zip(got, bufs))
 
 

@@ -163,3 +163,14 @@ def test_workers_refuse_a_segment_that_ucx_would_wrap_and_take_the_largest_it_ca
                        env={"UCX_SYSV_SEG_SIZE": str(MAX_SHM_SEG_SIZE),
                             "UCX_POSIX_SEG_SIZE": str(MAX_SHM_SEG_SIZE)})
     assert good[0] is not None and good[0][0], good
+
+
+@pytest.mark.parametrize("value", ["y", "yes", "ON", "1"])
+def test_the_memory_type_cache_is_refused_where_device_memory_may_go(value):
+    environ = {"UCX_MEMTYPE_CACHE": value}
+    problem = environment_problem(environ, device_memory=True)
+    assert problem is not None and f"UCX_MEMTYPE_CACHE={value}" in problem
+    assert "UCX_MEMTYPE_CACHE=n" in problem
+    # A host-only process may keep it; and "n" is what ucxrpc sets anyway.
+    assert environment_problem(environ) is None
+    assert environment_problem({"UCX_MEMTYPE_CACHE": "n"}, device_memory=True) is None

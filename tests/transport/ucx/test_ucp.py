@@ -15,6 +15,8 @@ worker in a child process, through an endpoint to itself.
   tensors go through ucxx and arrive the same.
 * After the endpoint is closed, sending raises BrokenError instead of
   handing UCX a stale handle.
+* The installed UCX gives the worker the multi-threaded mode ucxrpc needs
+  (``ucp_worker_query``; the Worker refuses to start otherwise).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _scenario(rank, world_size, init_method, name):
         probe, buf, req = take(TAG | 7)
         out = {"same": bool((buf == data).all()), "tag": probe.sender_tag == TAG | 7,
                "length": probe.length, "error": req.error(), "send_error": sent.error(),
-               "direct": type(sent).__name__, "is_done": sent is ucp.DONE}
+               "direct": type(sent).__name__, "is_done": sent is ucp.DONE,
+               "thread_mode": ucp.ucp().thread_mode(worker._handle)}
     elif name == "large":
         data = np.random.default_rng(1).integers(0, 255, 4 << 20, dtype=np.uint8)
         sent = ep.tag_send(data, TAG | 8)
@@ -187,3 +190,7 @@ def test_host_byte_tensors_go_directly_and_other_tensors_through_ucxx():
     for label in ("empty", "float"):
         assert res[label] == ("UcxxRequest", "UcxxRequest", None, True), (label, res)
     assert res["endpoint_errors"] == [], res
+
+
+def test_the_installed_ucx_makes_the_worker_multi_threaded():
+    assert _run("small")["thread_mode"] == 2  # UCS_THREAD_MODE_MULTI

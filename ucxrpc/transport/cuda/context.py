@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ensure_current", "ipc_shareable", "make_current", "wanted_device"]
+__all__ = ["Borrowed", "ipc_shareable", "make_current", "private_stream", "wanted_device"]
 
 _CUDA_NAMES = ("cuda", "gdr")  # transports= names that bring UCX's CUDA support
 
@@ -83,28 +83,100 @@ def make_current(device: int) -> None:
                                "context current for UCX")
 
 
-_checked = threading.local()
+_local = threading.local()
+_driver: ctypes.CDLL | None = None
 
 
-def ensure_current(device: int) -> None:
-    """Make sure a CUDA context is current on the calling thread before it
-    drives UCX (a caller that waits for its reply by progressing UCX
-    itself): ``device``'s primary context where none is, and whatever is
-    current left alone (a thread that used CUDA has the one torch made
-    current for its current device; switching it would switch torch's
-    current device under the user).  Asked once per thread.
+def _lib() -> ctypes.CDLL:
+    global _driver
+    if _driver is None:
+        _driver = ctypes.CDLL("libcuda.so.1")
+    return _driver
+
+
+def _primary(device: int) -> ctypes.c_void_p:
+    """``device``'s primary context, retained (once per process and device:
+    it lives as long as the process, as torch's does)."""
+    ctxs = _primaries
+    ctx = ctxs.get(device)
+    if ctx is None:
+        lib, handle, ctx = _lib(), ctypes.c_int(), ctypes.c_void_p()
+        for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(handle), device)),
+                           ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), handle))):
+            code = getattr(lib, call)(*args)
+            if code != 0:
+                raise RuntimeError(f"{call} failed with CUDA error {code} for cuda:{device}")
+        ctxs[device] = ctx
+    return ctx
+
+
+_primaries: dict[int, ctypes.c_void_p] = {}
+
+
+class Borrowed:
+    """A ``with`` block in which a CUDA context is current on the calling
+    thread, for a caller that drives UCX (progresses it to wait for its
+    reply): UCX's CUDA transports work through the calling thread's
+    context.  A thread with a context of its own keeps it (a thread that
+    used CUDA has the one torch made current for its device; switching it
+    would switch torch's current device under the user).  A thread with
+    none has ``device``'s primary context pushed for the block and popped
+    after it, so the thread is left as it was found: its torch device
+    (``cudaGetDevice``) does not change for good.  Whether a thread has a
+    context of its own is asked once per thread.
+
+    Raises (on entry):
+        RuntimeError: the CUDA driver refused, naming the call and its code.
+    """
+
+    __slots__ = ("_device", "_pushed")
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+        self._pushed = False
+
+    def __enter__(self) -> None:
+        own = getattr(_local, "own", None)
+        if own is None:
+            ctx = ctypes.c_void_p()
+            code = _lib().cuCtxGetCurrent(ctypes.byref(ctx))
+            own = _local.own = code == 0 and bool(ctx.value)
+        if not own:
+            code = _lib().cuCtxPushCurrent(_primary(self._device))
+            if code != 0:
+                raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {code} for "
+                                   f"cuda:{self._device}")
+            self._pushed = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pushed:
+            self._pushed = False
+            _lib().cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
+
+
+def private_stream(device: int) -> int:
+    """A CUDA stream of ucxrpc's own on ``device`` (``cuStreamCreate``,
+    non-blocking, never destroyed), as the address torch's
+    ``ExternalStream`` takes: one no user code can be handed, as it can
+    any of the streams torch pools.
 
     Raises:
         RuntimeError: the CUDA driver refused, naming the call and its code.
     """
-    if getattr(_checked, "done", False):
-        return
-    lib = ctypes.CDLL("libcuda.so.1")
-    ctx = ctypes.c_void_p()
-    code = lib.cuCtxGetCurrent(ctypes.byref(ctx))
-    if code != 0 or not ctx.value:  # none yet (or CUDA not initialised on this thread)
-        make_current(device)
-    _checked.done = True
+    lib, stream = _lib(), ctypes.c_void_p()
+    code = lib.cuCtxPushCurrent(_primary(device))
+    if code != 0:
+        raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {code} for cuda:{device}")
+    try:
+        code = lib.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING)
+    finally:
+        lib.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
+    if code != 0:
+        raise RuntimeError(f"cuStreamCreate failed with CUDA error {code} on cuda:{device}")
+    return int(stream.value or 0)
+
+
+_CU_STREAM_NON_BLOCKING = 1
 
 
 # cuPointerGetAttribute's selector (cuda.h; the driver API keeps it stable).

@@ -275,17 +275,20 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
 
-def finish(buffers: list[Any], descs: Sequence[BufferDesc], delivered: int) -> list[torch.Tensor]:
+def finish(buffers: list[Any], descs: Sequence[BufferDesc], delivered: int,
+           alloc: Callable[[int, int], torch.Tensor]) -> list[torch.Tensor]:
     """A message's buffers once every receive completed: staged copies done,
-    packs cut into tensors of their own; only the first ``delivered``."""
+    packs cut into tensors of their own; only the first ``delivered``.
+    ``alloc(nbytes, device)`` makes the cut tensors (-1: host memory), as
+    every receive's target is made: where nothing the user queued can still
+    read what it hands out (the transport's receive stream, engine.py)."""
     devices = {b.device.index or 0 for b in buffers if isinstance(b, torch.Tensor) and b.is_cuda}
     for p in range(delivered, len(descs)):
         members = [i for i in range(delivered) if descs[i].flags == PACKED and descs[i].arg == p]
         pack = buffers[p]
-        outs = [torch.empty(descs[i].nbytes, dtype=torch.uint8, device=pack.device)
-                for i in members]
-        # The outputs were allocated above, on the current stream; only the
-        # copy runs on the side stream that the message waits for.
+        where = (pack.device.index or 0) if pack.is_cuda else -1
+        outs = [alloc(descs[i].nbytes, where) for i in members]
+        # Only the copy runs on the side stream that the message waits for.
         side = (torch.cuda.stream(_side_stream(pack.device.index or 0, "in")) if pack.is_cuda
                 else contextlib.nullcontext())
         with side:

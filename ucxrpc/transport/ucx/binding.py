@@ -24,7 +24,7 @@ from ...errors import BrokenError
 from ..wire.gather import Gather
 from .failures import endpoint_closed, endpoint_failed, open_failed, request_failed
 from .environment import _NEED_CUDA_COPY, environment_problem, ucx_environment
-from .ucp import UcpRequest, ucp
+from .ucp import THREAD_MODE_MULTI, THREAD_MODES, UcpRequest, loaded_library, ucp
 
 logger = logging.getLogger(__name__)
 
@@ -202,12 +202,14 @@ class Worker:
     Raises:
         ValueError: a ``UCX_*`` setting known to break pipes
             (:func:`environment_problem`), before UCX loads.
+        RuntimeError: UCX made the worker single-threaded
+            (:func:`check_thread_mode`).
     """
 
     def __init__(self, transports: Sequence[str] | None, host_timeout: float = 10.0, *,
                  device_memory: bool = False, device_path: str = DEVICE_PATHS[0]) -> None:
         # device_memory: this process may send CUDA memory (see ucx_environment)
-        if (problem := environment_problem()) is not None:
+        if (problem := environment_problem(device_memory=device_memory)) is not None:
             raise ValueError(problem)
         #: Device buffers go through :mod:`.ucp` (else ucxx): see DEVICE_PATHS.
         self.device_ucp = device_path == "ucp"
@@ -235,6 +237,7 @@ class Worker:
         self.fd: int = self.raw.epoll_file_descriptor
         self._ucp = ucp()
         self._handle = int(self.raw.handle)
+        check_thread_mode(self._ucp.thread_mode(self._handle))
 
     def progress(self) -> None:
         self.raw.progress()
@@ -284,6 +287,28 @@ class Worker:
         # cancel_inflight_requests) crashed with SIGSEGV in ucxx 0.52; a closed
         # worker is parked instead and dies with the process.
         _retired.append((self._ctx, self.raw))
+
+
+def check_thread_mode(mode: int) -> None:
+    """Refuse a worker UCX did not make multi-threaded: user and pool threads
+    post sends and receives while another thread progresses it, which only
+    ``UCS_THREAD_MODE_MULTI`` allows (ucxx asks for it, but a UCX built
+    without ``--enable-mt`` runs single-threaded and only logs it; requests
+    and queues would then be corrupted without a word).
+
+    Raises:
+        RuntimeError: ``mode`` is not MULTI, naming the UCX library loaded
+            and how to get one that is.
+    """
+    if mode == THREAD_MODE_MULTI:
+        return
+    lib = loaded_library("libucp.so") or "libucp.so"
+    raise RuntimeError(
+        f"the UCX library {lib} runs its worker in thread mode "
+        f"{THREAD_MODES.get(mode, f'unknown ({mode})')!r}, but ucxrpc posts sends and "
+        "receives from several threads and needs 'multi': use a UCX built with "
+        "--enable-mt (the libucx wheels are; for a system UCX, configure it with "
+        "--enable-mt, or unset RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY to use the wheel's)")
 
 
 def ucx_version() -> str:

@@ -111,10 +111,23 @@ def _memunits(text: str) -> float | None:
     return float(found[1]) * 1024 ** "bkmgt".index((found[2] or "b").lower())
 
 
-def environment_problem(environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+def environment_problem(environ: dict[str, str] | os._Environ[str] = os.environ, *,
+                        device_memory: bool = False) -> str | None:
     """What in the ``UCX_*`` settings is known to break pipes without a word
     from UCX, naming the variable and what to set instead; None if nothing.
-    (:class:`Worker` refuses to start on it; ``ucxrpc info`` shows it.)"""
+    (:class:`Worker` refuses to start on it; ``ucxrpc info`` shows it.)
+    ``device_memory``: the process may hand UCX device memory."""
+    cache = environ.get("UCX_MEMTYPE_CACHE", "").strip().lower()
+    if device_memory and cache in ("y", "yes", "on", "1", "true"):
+        # With the cache on but empty (torch allocated its segments before
+        # UCX's hooks existed), UCX 1.19-1.21 may send a small buffer inline
+        # as host memory whatever its memory type says (ucp_proto_is_inline
+        # asks ucs_memtype_cache_is_empty): a lone CUDA scalar is read from a
+        # device address on the host.
+        return (f"UCX_MEMTYPE_CACHE={environ['UCX_MEMTYPE_CACHE']} in a process that sends "
+                "CUDA memory: UCX's memory-type cache misses torch's allocations and may "
+                "then read a small device buffer as host memory; unset it or set "
+                "UCX_MEMTYPE_CACHE=n (ucxrpc's default)")
     for transport, name in _SHM_SEG_VARS.items():
         # A transport's own variable wins over the family's (UCX's prefixes).
         for var in (name, "UCX_MM_SEG_SIZE"):

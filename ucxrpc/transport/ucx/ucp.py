@@ -8,11 +8,16 @@ host data buffers (a bundle of small tensors, a large tensor) take the same
 calls, and their receives are posted here too: posting one through ucxx
 took ~10 µs of the receiver's frame handling (benchmarks/runs/Z.md).  CUDA
 buffers take them too (:meth:`Ucp.send_device`, :meth:`Ucp.tag_recv_device`),
-each request saying its memory is CUDA memory, so UCX does not detect the
-type of every buffer (its memory-type cache is off: environment.py); through ucxx a
-16 MiB buffer's send cost the caller ~130 µs on an H200
-(benchmarks/runs/AH.md), with a Python ``Array`` read
-from ``__cuda_array_interface__``.  Empty buffers go through ucxx.
+each request saying its memory is CUDA memory.  That hint does not spare UCX
+detecting the buffer's memory: with its default protocols
+(``UCX_PROTO_ENABLE=y``), 1.19-1.21 skip detection for host memory only and
+call ``ucp_memory_detect`` for a CUDA buffer anyway, on both sides (the hint
+is used only by the legacy protocols); what the direct path saves over ucxx
+is the Python work: through ucxx a 16 MiB buffer's send cost the caller
+~130 µs on an H200 (benchmarks/runs/AH.md), with a Python ``Array`` read
+from ``__cuda_array_interface__``.  Skipping detection and registration
+would take a memory handle mapped once (``UCP_OP_ATTR_FIELD_MEMH`` over
+``ucp_mem_map``'d regions).  Empty buffers go through ucxx.
 
 Two rules keep it safe beside ucxx:
 
@@ -42,7 +47,8 @@ import numpy as np
 from ...errors import BrokenError
 from .failures import request_failed
 
-__all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "host_address", "library", "loaded_library"]
+__all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "THREAD_MODES", "THREAD_MODE_MULTI",
+           "host_address", "library", "loaded_library"]
 
 _INPROGRESS = 1
 _ERR_LAST = -100  # UCS_ERR_LAST: status pointers at or above (2**64 - 100) are errors
@@ -68,6 +74,20 @@ class _RequestParam(ctypes.Structure):
 
 class _TagRecvInfo(ctypes.Structure):
     _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
+
+
+class _WorkerAttr(ctypes.Structure):
+    """``ucp_worker_attr_t`` as far as ``thread_mode``, padded well past its
+    end (UCX writes only the fields asked for, but the struct grows)."""
+
+    _fields_ = [("field_mask", ctypes.c_uint64), ("thread_mode", ctypes.c_int),
+                ("_rest", ctypes.c_byte * 256)]
+
+
+_WORKER_ATTR_FIELD_THREAD_MODE = 1 << 0
+#: ``ucs_thread_mode_t``.
+THREAD_MODES = {0: "single", 1: "serialized", 2: "multi"}
+THREAD_MODE_MULTI = 2
 
 
 class _TransportEntry(ctypes.Structure):
@@ -207,6 +227,9 @@ class Ucp:
         self._cancel = lib.ucp_request_cancel
         self._cancel.argtypes = [vp, vp]
         self._cancel.restype = None
+        self._worker_query = lib.ucp_worker_query
+        self._worker_query.argtypes = [vp, ctypes.POINTER(_WorkerAttr)]
+        self._worker_query.restype = ctypes.c_int
         self._ep_query = lib.ucp_ep_query
         self._ep_query.argtypes = [vp, ctypes.POINTER(_EpAttr)]
         self._ep_query.restype = ctypes.c_int
@@ -266,6 +289,14 @@ class Ucp:
         of CUDA memory at ``address``; ``keep`` holds that memory."""
         return self._outcome(self._tag_recv(worker, address, nbytes, tag, FULL_MASK,
                                             self._cuda_param_address), keep)
+
+    def thread_mode(self, worker: int) -> int:
+        """The thread mode UCX really gave worker handle ``worker``
+        (``ucs_thread_mode_t``: :data:`THREAD_MODES`); -1 if it would not say."""
+        attr = _WorkerAttr(field_mask=_WORKER_ATTR_FIELD_THREAD_MODE)
+        if self._worker_query(worker, ctypes.byref(attr)) != 0:
+            return -1
+        return int(attr.thread_mode)
 
     def transports(self, ep: int) -> list[tuple[str, str]]:
         """(transport, device) per lane of endpoint handle ``ep``, as UCX
