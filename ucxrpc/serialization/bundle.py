@@ -460,7 +460,7 @@ def unpack(payload: bytes | memoryview,
 def _split(whole: torch.Tensor, numels: list[int], itemsize: int) -> Sequence[torch.Tensor]:
     """The tensors of one bundle (``whole``, as their dtype): views of
     it, except where a view would travel on with the whole bundle (torch's
-    rule, :func:`._tensor_codec.compacted`: a bundle under 8 KiB, or a
+    rule, :func:`.tensors.compacted`: a bundle under 8 KiB, or a
     tensor over half of it).  Those get storages of their own, as torch's
     receiver gives every tensor: sent on (a reply echoing them), they stay
     a run and do not arrive sharing one storage."""

@@ -148,7 +148,7 @@ class Endpoint:
         on_error(endpoint_failed(status))
 
     def tag_send(self, buf: Any, tag: int) -> Request:
-        """Send ``buf`` with ``tag``: host arrays, a :class:`.Gather`'s parts
+        """Send ``buf`` with ``tag``: host arrays, a :class:`..wire.gather.Gather`'s parts
         and (by default) CUDA tensors directly, the rest through ucxx.  Only while open (callers
         hold the pipe's lock, as :meth:`close`'s callers do)."""
         if not self._handle:

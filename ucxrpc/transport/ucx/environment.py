@@ -21,7 +21,8 @@ from typing import Sequence
 
 from .ucp import library
 
-__all__ = ["INTRA_EAGER_MAX", "MAX_SHM_SEG_SIZE", "effective_settings", "effective_tls",
+__all__ = ["INTER_EAGER_MAX", "INTRA_EAGER_MAX", "MAX_SHM_SEG_SIZE", "TCP_SEG_SIZE",
+           "effective_settings", "effective_tls",
            "environment_problem", "keepalive_schedule", "ucx_environment", "ucx_tls"]
 
 def keepalive_schedule(host_timeout: float) -> tuple[int, int]:
@@ -80,6 +81,17 @@ def ucx_tls(transports: Sequence[str]) -> str:
 #: see :func:`ucx_environment`); large host buffers from it are read by
 #: address instead where the pipe allows it (cma.py).
 INTRA_EAGER_MAX = 2 << 20
+
+
+#: Across hosts, messages from this size go by rendezvous
+#: (``UCX_RNDV_THRESH``, see :func:`ucx_environment`).
+INTER_EAGER_MAX = 4 << 20
+
+
+#: The size of UCX's TCP fragments and receive buffers
+#: (``UCX_TCP_RX_SEG_SIZE``, see :func:`ucx_environment`); every process of
+#: a job must have the same (docs/ucx-notes.md, pitfall 20).
+TCP_SEG_SIZE = "512K"
 
 
 #: The largest shared-memory segment UCX 1.21 carries whole: its FIFO
@@ -209,8 +221,41 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # bench's bidirectional 1 MiB cost 58 ms of CPU per call eagerly
         # (benchmarks/runs/R.md).  Such a process takes UCX's
         # choice for its host messages too.
+        #
+        # Across hosts (TCP), messages from 4 MiB go by rendezvous, where
+        # UCX's own estimate sent everything below 22-25 MB eagerly.  A data
+        # buffer's receive is posted once its frame has been read, so an
+        # eager one landed in UCX's unexpected queue first (copied there out
+        # of TCP's receive buffer, then again into the tensor), and its
+        # sender pushed it into the socket inside ucp_tag_send_nbx, holding
+        # the worker's lock for a millisecond or more while the progress
+        # thread spun on that lock (10-16% of the sender's samples at
+        # 16 MiB).  By rendezvous only a request goes at once, and the data
+        # follows into the posted receive.  Below 4 MiB eagerly stays
+        # faster: the rendezvous' extra round trip waits for the receiver's
+        # frame handling (2 MiB one-way 1.4 GB/s eagerly, 0.9-1.1 by
+        # rendezvous).  Two hosts over TCP, 512 KiB segments (below):
+        # 16 MiB one-way 1.6 -> 2.0-2.1 GB/s, round trip 1.2 -> 1.8-2.0, CPU
+        # per call 21 -> 16 ms one-way, 48 -> 34 ms round trip
+        # (benchmarks/runs/AJ.md).
         "UCX_RNDV_THRESH": ("auto" if device_memory
-                            else f"intra:{INTRA_EAGER_MAX >> 20}M,inter:auto"),
+                            else f"intra:{INTRA_EAGER_MAX >> 20}M,inter:{INTER_EAGER_MAX >> 20}M"),
+        # UCX's TCP transport sends an active message (an eager fragment,
+        # a rendezvous' data fragment) of at most this size, and reads at
+        # most this much from a socket per progress call before copying it
+        # out: 64 KiB by default, so 16 MiB took 256 fragments, receive
+        # calls and turns of the loop.  With 512 KiB and the threshold
+        # above, two hosts over TCP (ucxrpc bench --hosts netns, medians of
+        # 3): 16 MiB one-way / round trip / bidirectional 1.19 / 1.31 /
+        # 1.23 -> 1.91 / 1.94 / 1.42 GB/s, 256 MiB 1.17 / 1.45 / 1.38 ->
+        # 2.53 / 2.09 / 1.78, CPU per 256 MiB one-way 424 -> 206 ms (raw
+        # ucxx, which takes these settings too: 16 MiB one-way 2.0 -> 3.5)
+        # (benchmarks/runs/AJ.md).  Within a host shared memory carries
+        # everything: unchanged.  Every process of a job must have the same
+        # size: a sender's fragments are sized by its own, and a receiver
+        # with a smaller one overruns its buffer (docs/ucx-notes.md,
+        # pitfall 20).
+        "UCX_TCP_RX_SEG_SIZE": TCP_SEG_SIZE,
         "UCX_KEEPALIVE_INTERVAL": "1s",
         "UCX_KEEPALIVE_NUM_EPS": "inf",
         "UCX_TCP_KEEPIDLE": f"{idle}s",

@@ -31,7 +31,7 @@ Two rules keep it safe beside ucxx:
   :class:`UcpRequest`: only that thread looks at it, and it frees it the
   first time it sees it complete.  The request keeps its buffer alive till
   then (UCX reads or writes it until completion).  An endpoint handle is
-  used only while its :class:`~.ucx.Endpoint` is open, which the pipe's
+  used only while its :class:`~.binding.Endpoint` is open, which the pipe's
   lock guarantees (ucxx closes a UCP endpoint only when told to, never in
   its error callback).
 """

@@ -27,10 +27,10 @@ straight into its final memory, or inline when ``offset`` is not NOT_INLINE):
 * PACKED: the buffer lives in the pack ``arg`` at ``offset``; the receiver
   cuts it out (one kernel launch per pack) when the pack arrives.
 * REMOTE: a host buffer the receiver reads out of the sender's memory at
-  address ``offset`` (:mod:`.cma`); nothing is sent for it.  Only a pipe
+  address ``offset`` (:mod:`..hostmem.cma`); nothing is sent for it.  Only a pipe
   whose receiver sent CMA_OK carries them.
 * WRITTEN: a host buffer its sender already wrote into the receiver's
-  memory, into the grant ``arg`` (:mod:`.grants`); nothing is sent for it.
+  memory, into the grant ``arg`` (:mod:`..grants`); nothing is sent for it.
 
 Every frame's ``ack`` says the sender has read (or given up on) the REMOTE
 buffers of all the receiver's frames up to that sequence number (0: none
@@ -43,7 +43,7 @@ Every frame's ``state`` says how its sender's loop waits (BUSY: it may not
 poll, its core being contended, or it blocks by choice).  A receiver that
 does not poll takes a large eager message as a run of wake-ups, one per
 batch of shared-memory fragments, so the peer sends such a receiver large
-host buffers by address sooner (:data:`.cma.BUSY_MIN_BYTES`).
+host buffers by address sooner (:data:`..hostmem.cma.BUSY_MIN_BYTES`).
 
 Small buffers travel inline because one tag message costs microseconds in
 Python, while copying a few KiB costs nanoseconds.  The MAC covers what is

@@ -11,7 +11,7 @@ claims to come from (a claim: only a frame's MAC proves the sender)::
     15-0  data buffers: buffer index
 
 Distinct tags per buffer let concurrent large messages on one pipe proceed
-side by side; probes match a kind with :data:`KIND_MASK`.
+side by side; probes match a kind by its top bits (:data:`KIND_SHIFT`).
 
 A data buffer's tag is all UCX matches it by, so the epoch is what keeps a
 pipe's buffers apart from an earlier pipe's between the same two worker ids:
