@@ -26,6 +26,7 @@ from typing import Iterator
 
 import pytest
 
+from tests.hosts import _harness as harness
 from ucxrpc.bench.netns import Host, Hosts, Unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,14 +37,8 @@ _NS = ("pid", "ipc", "uts", "mnt", "net")
 
 @pytest.fixture
 def two_hosts() -> Iterator[Hosts]:
-    try:
-        hosts = Hosts(tag="ucxb").__enter__()
-    except Unavailable as exc:
-        pytest.skip(f"simulated hosts unavailable: {exc}")
-    try:
+    with harness.two_hosts(tag="ucxb") as hosts:
         yield hosts
-    finally:
-        hosts.close()
 
 
 def _python(hosts: Hosts, host: Host, code: str, *, isolate: bool = True,

@@ -13,11 +13,15 @@ machine, so a fault caused in one process is timed in another.
 
 from __future__ import annotations
 
+import faulthandler
+import json
 import os
 import re
 import signal
 import threading
 import time
+import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 #: Short, so the partition tests are fast: seconds a peer's host may leave
@@ -38,6 +42,22 @@ SHUTDOWN_BOUND_S = 10.0
 WORLD = 3
 VICTIM = "worker2"      # run_with_victim makes the last rank the victim
 THIRD = "worker1"       # a worker the fault should not affect
+
+
+def report(path: Path, run: Callable[[], dict[str, Any]]) -> int:
+    """A worker's ``main``: SIGUSR1 dumps every thread's stack to its log;
+    what ``run()`` returns, or the exception it raised as text (reported to
+    the test, not lost in a log), goes to ``path`` as JSON, written at once
+    (a reader never sees half of it).  Returns the exit status."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        out = run()
+    except BaseException as exc:
+        out = {"error": "".join(traceback.format_exception(exc))}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, path)
+    return 0
 
 
 def init(rank: int, world_size: int, init_method: str, **options: Any) -> None:

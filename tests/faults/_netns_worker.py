@@ -27,10 +27,7 @@ to the veth interface.
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -150,18 +147,9 @@ def main(argv: list[str]) -> int:
     ctl, rank, init_method, mode = Path(argv[1]), int(argv[2]), argv[3], argv[4]
     if mode not in MODES:
         raise SystemExit(f"mode must be one of {MODES}, got {mode!r}")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        if mode == "rejoin":
-            out = run_rejoin(ctl, rank, init_method)
-        else:
-            out = run(ctl, rank, init_method, mode)
-    except BaseException as exc:  # reported to the test, not lost in a log
-        import traceback
-
-        out = {"error": "".join(traceback.format_exception(exc))}
-    write(ctl / f"result{rank}.json", json.dumps(out))
-    return 0
+    return c.report(ctl / f"result{rank}.json",
+                    lambda: run_rejoin(ctl, rank, init_method) if mode == "rejoin"
+                    else run(ctl, rank, init_method, mode))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,9 @@ STORE_PORT = 29500
 
 
 @contextmanager
-def two_hosts() -> Iterator[Hosts]:
+def two_hosts(tag: str = "ucxh") -> Iterator[Hosts]:
     """Two simulated hosts, deleted after; the test skips where they cannot be made."""
-    hosts = Hosts()
+    hosts = Hosts(tag)
     try:
         hosts.__enter__()
     except Unavailable as exc:

@@ -28,14 +28,11 @@ Every wait has a deadline; SIGUSR1 dumps every thread's stack to the log.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
-import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -189,37 +186,15 @@ def run(ctl: Path, rank: int, init_method: str) -> dict[str, Any]:
         out["backward_new"] = _attempt(fresh_backward)
     out["debug"] = {k: v for k, v in rpc._get_debug_info().items()
                     if k in ("lifelines_lost", "lifelines_back", "lifeline_cuts", "peer_failures",
-                             "watched_requests", "frame_errors", "refused_frames",
-                             "outstanding_calls", "pending_requests")}
-    agent = rpc.api._agent
-    tr = agent.transport
-    out["debug"]["unanswered"] = agent._server.unanswered
-    out["debug"]["pipes"] = {k: (p.gen, p.out.state.value, p.auth.in_epoch, p.auth.out_epoch,
-                                 p.inbound.seq, p.out.seq, len(p.out.backlog))
-                             for k, p in tr._pipes.items()}
-    out["debug"]["old_eps"] = list({(id(o), bool(o.ep._handle), bool(o.ep._ep.alive))
-                                     for _, o in list(tr._watch) if hasattr(o, "ep") and o.ep})
-    out["debug"]["watch"] = [(type(o).__name__,
-                              getattr(o, "gen", None) if hasattr(o, "gen")
-                              else getattr(getattr(o, "pipe", None), "gen", None),
-                              getattr(getattr(o, "frame", None), "seq", None))
-                             for _, o in list(tr._watch)]
-    out["debug"]["calls"] = [repr(x) for x in list(agent.calls._calls.items())[:5]] \
-        if hasattr(agent.calls, "_calls") else None
-    write(ctl / f"debug{rank}", json.dumps(out["debug"], default=str))
+                             "watched_requests", "retired_requests", "pipes_renewed",
+                             "frame_errors", "refused_frames")}
     out["shutdown_s"] = c.timed_shutdown()
     return out
 
 
 def main(argv: list[str]) -> int:
     ctl, rank, init_method = Path(argv[1]), int(argv[2]), argv[3]
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        out = run(ctl, rank, init_method)
-    except BaseException as exc:  # reported to the test, not lost in a log
-        out = {"error": "".join(traceback.format_exception(exc))}
-    write(ctl / f"worker{rank}.json", json.dumps(out))
-    return 0
+    return c.report(ctl / f"worker{rank}.json", lambda: run(ctl, rank, init_method))
 
 
 if __name__ == "__main__":

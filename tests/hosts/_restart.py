@@ -15,13 +15,9 @@ it fail), ``checked`` (worker0 is done with the new worker1), then
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
-import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +88,7 @@ def run(ctl: Path, role: str, init_method: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     ctl, role, init_method = Path(argv[1]), argv[2], argv[3]
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        out = run(ctl, role, init_method)
-    except BaseException as exc:  # reported to the test, not lost in a log
-        out = {"error": "".join(traceback.format_exception(exc))}
-    write(ctl / f"{role}.json", json.dumps(out))
-    return 0
+    return c.report(ctl / f"{role}.json", lambda: run(ctl, role, init_method))
 
 
 if __name__ == "__main__":

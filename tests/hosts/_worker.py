@@ -26,11 +26,9 @@ where the tensors are; what the test asserts comes back in the JSON.
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -462,13 +460,8 @@ def main(argv: list[str]) -> int:
     ctl, mode, rank, init_method = Path(argv[1]), argv[2], int(argv[3]), argv[4]
     if mode not in MODES:
         raise SystemExit(f"mode must be one of {MODES}, got {mode!r}")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        out = (run_pair if mode == "pair" else run_kill)(ctl, rank, init_method)
-    except BaseException as exc:  # reported to the test, not lost in a log
-        out = {"error": "".join(traceback.format_exception(exc))}
-    write(ctl / f"worker{rank}.json", json.dumps(out))
-    return 0
+    run = run_pair if mode == "pair" else run_kill
+    return c.report(ctl / f"worker{rank}.json", lambda: run(ctl, rank, init_method))
 
 
 if __name__ == "__main__":
