@@ -217,3 +217,20 @@ def test_unmatched_data_of_an_ended_pipe_is_drained(pair: Pair) -> None:
     _lose(pair.w0, 1)
     pair.w0.tr._run_tasks()
     assert [p.sender_tag for p in worker.probes] == [other]
+
+
+def test_a_peer_whose_tcp_fragments_differ_is_refused_naming_the_setting(pair: Pair) -> None:
+    """UCX's TCP transport sizes fragments by the sender's UCX_TCP_RX_SEG_SIZE,
+    and a receiver with a smaller one overruns its buffer: such a peer is
+    never sent to (docs/ucx-notes.md, pitfall 20)."""
+    from ucxrpc.errors import BrokenError
+    from ucxrpc.transport.pipe import Peer as PeerRecord
+
+    mine = pair.w0.tr.tcp_segment
+    assert mine is not None
+    pair.w0.tr.add_peer(PeerRecord(2, "worker2", b"elsewhere", tcp_segment=mine * 8))
+    with pytest.raises(BrokenError, match=rf"UCX_TCP_RX_SEG_SIZE is {mine} bytes here and "
+                                          rf"{mine * 8} on worker2"):
+        pair.w0.tr.send(2, b"x", [])
+    pair.w0.tr.add_peer(PeerRecord(3, "worker3", b"other", tcp_segment=mine))
+    assert _pipe(pair.w0, 3).out.state is OutState.NEW  # the same size: an ordinary pipe

@@ -149,7 +149,8 @@ class RpcAgent:
                                   cuda_direct=self.transport.cuda_direct,
                                   max_frame_bytes=self.transport.limits.max_frame_bytes,
                                   lifeline=self.transport.lifeline,
-                                  cma=self.transport.cma_offer)
+                                  cma=self.transport.cma_offer,
+                                  tcp_segment=self.transport.tcp_segment)
 
     def start(self) -> None:
         self.transport.start()

@@ -60,11 +60,12 @@ class Member:
     max_frame_bytes: int = 1 << 30  # its limit: senders check it first
     lifeline: str | None = None  # where the kernel watches it for us (transport/watch/lifeline.py)
     cma: str | None = None  # how a peer on its host may read it by address (transport/hostmem/cma.py)
+    tcp_segment: int | None = None  # its UCX TCP fragment size: every worker's must be one
 
     def peer(self) -> Peer:
         """What the transport needs of this record to reach the worker."""
         return Peer(self.rank, self.name, self.address, self.cuda_direct, self.max_frame_bytes,
-                    self.lifeline, self.pid, self.cma)
+                    self.lifeline, self.pid, self.cma, self.tcp_segment)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "name": self.name, "address": self.address.hex(),
@@ -72,7 +73,7 @@ class Member:
                            "device_count": self.device_count, "devices": list(self.devices),
                            "device_maps": self.device_maps, "cuda_direct": self.cuda_direct,
                            "max_frame_bytes": self.max_frame_bytes, "lifeline": self.lifeline,
-                           "cma": self.cma})
+                           "cma": self.cma, "tcp_segment": self.tcp_segment})
 
     @staticmethod
     def from_json(raw: bytes) -> "Member":
@@ -85,7 +86,8 @@ class Member:
                       bool(d.get("cuda_direct", False)),
                       int(d.get("max_frame_bytes", 1 << 30)),
                       None if d.get("lifeline") is None else str(d["lifeline"]),
-                      None if d.get("cma") is None else str(d["cma"]))
+                      None if d.get("cma") is None else str(d["cma"]),
+                      None if d.get("tcp_segment") is None else int(d["tcp_segment"]))
 
 
 # c10d stores need a finite timeout; this one stands for "no limit" (the
@@ -214,9 +216,11 @@ def publish(store: Any, rank: int, name: str, address: bytes, device_count: int 
             devices: tuple[str, ...] = (),
             device_maps: dict[str, dict[str, str]] | None = None,
             cuda_direct: bool = False, max_frame_bytes: int = 1 << 30,
-            lifeline: str | None = None, cma: str | None = None) -> Member:
+            lifeline: str | None = None, cma: str | None = None,
+            tcp_segment: int | None = None) -> Member:
     me = Member(rank, name, address, socket.gethostname(), os.getpid(), device_count,
-                devices, dict(device_maps or {}), cuda_direct, max_frame_bytes, lifeline, cma)
+                devices, dict(device_maps or {}), cuda_direct, max_frame_bytes, lifeline, cma,
+                tcp_segment)
     store.set(f"{PREFIX}member/{rank}", me.to_json())
     return me
 

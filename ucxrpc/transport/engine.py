@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import _cuda
-from ..errors import AuthenticationError, BrokenError, ClosedError, UnreachableError
+from ..errors import AuthenticationError, BrokenError, ClosedError, ConnectError, UnreachableError
 from .cuda import bounce, context as cudactx, staging
 from .watch import canary
 from .watch.lifeline import probe as lifeline_probe
@@ -53,7 +53,7 @@ from .receive import Allocator, OnFrameError, OnMessage, Receiver
 from .send import Sender
 from .wire.tags import HINT_MASK, MAX_WORKER_ID
 from .ucx.binding import Endpoint, Request, Worker, device_path
-from .ucx.environment import effective_tls
+from .ucx.environment import effective_tls, tcp_segment
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,8 @@ class Transport:
                               device_memory=self._cuda_device is not None,
                               device_path=device_path())
         self.address = self._worker.address
+        #: UCX's TCP fragment size here (published: a peer's must be the same).
+        self.tcp_segment = tcp_segment()
         self._host_as_device = staging.debug_host_as_device()
         #: What peers need to read our buffers by address (published), or
         #: None: not possible here, or the job's transports leave shared
@@ -253,8 +255,20 @@ class Transport:
             self._call_soon(functools.partial(self._abandon, old))
 
     def _new_pipe(self, peer: Peer, gen: int) -> Pipe:
-        """A pipe of generation ``gen`` to what ``peer`` published."""
+        """A pipe of generation ``gen`` to what ``peer`` published.  A peer
+        whose UCX TCP fragments differ in size from ours gets a pipe broken
+        from the start, naming both: UCX's TCP transport sizes fragments by
+        the sender's setting, and a receiver with a smaller one overruns its
+        buffer (docs/ucx-notes.md, pitfall 20)."""
         pipe = Pipe(peer.id, peer.name, peer.address, peer.lifeline, gen=gen, record=peer)
+        if peer.tcp_segment is not None and self.tcp_segment is not None \
+                and peer.tcp_segment != self.tcp_segment:
+            pipe.move_to(OutState.BROKEN)
+            pipe.error = ConnectError(
+                f"UCX_TCP_RX_SEG_SIZE is {self.tcp_segment} bytes here and "
+                f"{peer.tcp_segment} on {peer.name}: UCX's TCP transport overruns a receiver's "
+                "buffer when they differ; give every worker of the job the same (or leave it "
+                "unset: ucxrpc's default is 512K)")
         pipe.direct = self.cuda_direct and peer.cuda_direct
         if peer.max_frame_bytes is not None:
             pipe.out.peer_max_frame = peer.max_frame_bytes

@@ -93,8 +93,10 @@ class Peer:
     memory (``cuda_direct``), its ``max_frame_bytes`` (checked before
     sending: a frame over it would be dropped unread, with nobody to tell),
     its lifeline address (without one, only UCX errors tell of its death),
-    and its process and by-address offer (``pid``, ``cma_offer``: with
-    them, a peer on this host may exchange large buffers by address)."""
+    its process and by-address offer (``pid``, ``cma_offer``: with
+    them, a peer on this host may exchange large buffers by address), and
+    the size of its UCX TCP fragments (``tcp_segment``: UCX's TCP
+    transport corrupts memory between processes whose sizes differ)."""
 
     id: int
     name: str
@@ -104,6 +106,7 @@ class Peer:
     lifeline: str | None = None
     pid: int | None = None
     cma_offer: str | None = None
+    tcp_segment: int | None = None
 
 
 class OutState(enum.Enum):

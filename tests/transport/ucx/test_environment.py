@@ -24,8 +24,15 @@ REPO = Path(__file__).resolve().parents[3]
 def test_defaults_keep_shared_memory_with_error_handling_and_eager_intra_host():
     env = ucx_environment(None, 10.0, environ={})
     assert env["UCX_MM_ERROR_HANDLING"] == "y"
-    assert env["UCX_RNDV_THRESH"] == "intra:2M,inter:auto"
+    assert env["UCX_RNDV_THRESH"] == "intra:2M,inter:4M"
     assert "UCX_TLS" not in env  # UCX chooses
+
+
+def test_tcp_moves_512_kib_fragments_unless_the_user_set_the_size():
+    # Across hosts 64 KiB fragments took a loop turn each (benchmarks/runs/AJ.md).
+    assert ucx_environment(None, 10.0, environ={})["UCX_TCP_RX_SEG_SIZE"] == "512K"
+    assert "UCX_TCP_RX_SEG_SIZE" not in ucx_environment(
+        None, 10.0, environ={"UCX_TCP_RX_SEG_SIZE": "64K"})
 
 
 def test_a_process_that_may_send_device_memory_lets_ucx_pick_the_rendezvous_switch():
@@ -174,3 +181,12 @@ def test_the_memory_type_cache_is_refused_where_device_memory_may_go(value):
     # A host-only process may keep it; and "n" is what ucxrpc sets anyway.
     assert environment_problem(environ) is None
     assert environment_problem({"UCX_MEMTYPE_CACHE": "n"}, device_memory=True) is None
+
+
+def test_the_tcp_segment_published_is_the_one_ucx_reads():
+    from ucxrpc.transport.ucx.environment import tcp_segment
+
+    assert tcp_segment({}) == 64 << 10  # UCX's own default
+    assert tcp_segment(ucx_environment(None, 10.0, environ={})) == 512 << 10
+    assert tcp_segment({"UCX_TCP_RX_SEG_SIZE": "1m"}) == 1 << 20
+    assert tcp_segment({"UCX_TCP_RX_SEG_SIZE": "auto"}) is None

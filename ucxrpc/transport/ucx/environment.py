@@ -23,7 +23,8 @@ from .ucp import library
 
 __all__ = ["INTER_EAGER_MAX", "INTRA_EAGER_MAX", "MAX_SHM_SEG_SIZE", "TCP_SEG_SIZE",
            "effective_settings", "effective_tls",
-           "environment_problem", "keepalive_schedule", "ucx_environment", "ucx_tls"]
+           "environment_problem", "keepalive_schedule", "tcp_segment", "ucx_environment",
+           "ucx_tls"]
 
 def keepalive_schedule(host_timeout: float) -> tuple[int, int]:
     """TCP keepalive's idle time and probe interval, in whole seconds, for
@@ -121,6 +122,16 @@ def _memunits(text: str) -> float | None:
     if found is None:
         return None
     return float(found[1]) * 1024 ** "bkmgt".index((found[2] or "b").lower())
+
+
+def tcp_segment(environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
+    """The size of UCX's TCP fragments in this process, in bytes
+    (``UCX_TCP_RX_SEG_SIZE``, once :func:`ucx_environment` is applied), or
+    None where it is not a size ucxrpc can read (UCX then says what is
+    wrong).  Published with the worker's address: every worker of a job
+    must have the same (docs/ucx-notes.md, pitfall 20)."""
+    size = _memunits(environ.get("UCX_TCP_RX_SEG_SIZE", "64K"))
+    return None if size is None or size == math.inf else int(size)
 
 
 def environment_problem(environ: dict[str, str] | os._Environ[str] = os.environ, *,
@@ -234,10 +245,10 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # follows into the posted receive.  Below 4 MiB eagerly stays
         # faster: the rendezvous' extra round trip waits for the receiver's
         # frame handling (2 MiB one-way 1.4 GB/s eagerly, 0.9-1.1 by
-        # rendezvous).  Two hosts over TCP, 512 KiB segments (below):
-        # 16 MiB one-way 1.6 -> 2.0-2.1 GB/s, round trip 1.2 -> 1.8-2.0, CPU
-        # per call 21 -> 16 ms one-way, 48 -> 34 ms round trip
-        # (benchmarks/runs/AJ.md).
+        # rendezvous from 256 KiB or 1 MiB).  Two hosts over TCP, 512 KiB
+        # segments (below), a loop of rpc_sync, medians of 3: 16 MiB
+        # one-way 1.6 -> 2.1 GB/s, round trip 1.2 -> 2.0, CPU per call 21
+        # -> 16 ms one-way, 48 -> 34 ms round trip (benchmarks/runs/AJ.md).
         "UCX_RNDV_THRESH": ("auto" if device_memory
                             else f"intra:{INTRA_EAGER_MAX >> 20}M,inter:{INTER_EAGER_MAX >> 20}M"),
         # UCX's TCP transport sends an active message (an eager fragment,
@@ -245,11 +256,13 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # most this much from a socket per progress call before copying it
         # out: 64 KiB by default, so 16 MiB took 256 fragments, receive
         # calls and turns of the loop.  With 512 KiB and the threshold
-        # above, two hosts over TCP (ucxrpc bench --hosts netns, medians of
-        # 3): 16 MiB one-way / round trip / bidirectional 1.19 / 1.31 /
-        # 1.23 -> 1.91 / 1.94 / 1.42 GB/s, 256 MiB 1.17 / 1.45 / 1.38 ->
-        # 2.53 / 2.09 / 1.78, CPU per 256 MiB one-way 424 -> 206 ms (raw
-        # ucxx, which takes these settings too: 16 MiB one-way 2.0 -> 3.5)
+        # above, two hosts over TCP (ucxrpc bench --hosts netns, two
+        # invocations of medians of 3 each way): 16 MiB one-way / round
+        # trip / bidirectional 1.19 / 0.84-1.31 / 1.01-1.23 -> 1.80-1.91 /
+        # 1.90-1.94 / 1.42-1.81 GB/s, 256 MiB 1.17-1.99 / 1.45-1.54 /
+        # 1.38-2.40 -> 2.01-2.53 / 2.09-2.36 / 1.78-2.07; CPU per 16 MiB
+        # one-way call 27 -> 18 ms (raw ucxx, which takes these settings
+        # too: 16 MiB one-way 1.4-2.0 -> 2.3-3.5 GB/s)
         # (benchmarks/runs/AJ.md).  Within a host shared memory carries
         # everything: unchanged.  Every process of a job must have the same
         # size: a sender's fragments are sized by its own, and a receiver
