@@ -8,7 +8,13 @@
 # to all of them, in this order:
 #   facts     nvidia-smi, driver, compute mode, MIG, torch / CuPy / CUDA versions
 #   info      `ucxrpc info`: CUDA, CuPy, cuda_copy, cuda_ipc, memtype cache ready?
-#   pytest    every gpu test, UCXRPC_REQUIRE_GPU=1: a skip is a failure
+#   pytest    every gpu test, UCXRPC_REQUIRE_GPU=1: a skip is a failure; among
+#             them the first-run probes of the CUDA path review (2026-11-29):
+#             a packed reply into memory freed with work pending, a peer
+#             killed mid device transfer (nothing left posted or allocated),
+#             a thread with host arguments getting a CUDA reply (left as
+#             found), the receive stream, both device paths (tests/rpc/
+#             test_cuda_rpc.py); percall below compares the two paths' cost
 #   proto     what UCX picks for ucxrpc's own pipe (UCX_PROTO_INFO=y, probe 1)
 #   perftest  ucx_perftest between two processes, cuda memory, UCX_PROTO_INFO=y:
 #             sm,cuda_copy,cuda_ipc (expect cuda_ipc zero-copy) and

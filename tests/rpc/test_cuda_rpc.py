@@ -368,3 +368,76 @@ def test_a_receive_never_lands_in_memory_freed_with_work_pending():
     # `x * 2` still reads it; receives are allocated on a stream of the
     # transport's own (transport/engine.py, _RECEIVE_ALLOCS).
     assert run_workers(_freed_with_work_pending, 2, timeout=150)[0] == [(6.0, 6.0, 5.0)] * 3
+
+
+# -- a peer killed in the middle of a device transfer -----------------------------
+
+#: The victim's reply: large enough, over TCP, to be in flight when it dies.
+KILLED_NBYTES = 512 << 20
+
+
+def _victim(rank, world_size, init_method):
+    import time
+
+    _init(rank, world_size, init_method, {})
+    time.sleep(120)  # killed long before this ends
+
+
+def cuda_reply_then_die(nbytes, stamp):
+    import threading
+
+    from tests.faults import _common as c
+
+    value = torch.full((nbytes // 4,), 7.0, device="cuda")
+    torch.cuda.synchronize()
+    threading.Timer(0.05, c.kill_self, args=(stamp,)).start()
+    return value
+
+
+def _survivor(rank, world_size, init_method, full_world, stamp):
+    import gc
+    import time
+
+    import ucxrpc as rpc
+
+    _init(rank, full_world, init_method, {0: {"worker1": {0: 0}}})
+    assert torch.equal(rpc.rpc_sync("worker1", fives, (4,)), torch.full((4,), 5.0,
+                                                                        device="cuda"))
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    try:
+        rpc.rpc_sync("worker1", cuda_reply_then_die, (KILLED_NBYTES, stamp))
+        outcome = "returned"  # the transfer was over before the kill: nothing to check
+    except Exception as exc:  # the point: what the caller sees
+        outcome = f"{type(exc).__name__}: {exc}"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the loop lets go of the receive, then prunes it
+        info = rpc._get_debug_info()
+        gc.collect()
+        if not info["watched_requests"] and not info["retired_requests"] \
+                and torch.cuda.memory_allocated() == base:
+            break
+        time.sleep(0.1)
+    info = rpc._get_debug_info()
+    out = {"outcome": outcome, "watched": info["watched_requests"],
+           "retired": info["retired_requests"], "decision": info["progress"]["poll_decision"],
+           "leaked": torch.cuda.memory_allocated() - base}
+    rpc.shutdown()
+    return out
+
+
+def test_a_peer_killed_mid_device_transfer_leaves_nothing_posted_or_allocated(tmp_path):
+    # Over TCP (cuda_copy staging the device memory through UCX's own
+    # buffers) a 512 MiB reply is in flight for a while: the victim dies in
+    # it, and the survivor's receive, posted into device memory, must be
+    # let go, its memory freed, and the loop go quiet (transport/receive.py,
+    # Receiver.abandon).
+    from tests.workers import run_with_victim
+
+    out = run_with_victim(_victim, _survivor, 2, args=(2, str(tmp_path / "stamp")),
+                          timeout=150, env={"UCX_TLS": "tcp,cuda_copy"})[0]
+    assert out["outcome"] != "returned", "the reply arrived before the kill: nothing was tested"
+    assert "worker1" in out["outcome"] and "Error" in out["outcome"], out
+    assert out["watched"] == 0 and out["retired"] == 0, out
+    assert out["decision"] != "data in flight" and out["leaked"] == 0, out

@@ -80,6 +80,9 @@ _RECEIVE_ALLOCS: dict[int, tuple[torch.Tensor, tuple[int, int, int], Any]] = {}
 SPIN_S = 0.01
 #: How many of a peer's recent epochs a new pipe's must differ from.
 EPOCHS_KEPT = 16
+#: While requests of ended pipes are held, how often an idle turn asks
+#: whether UCX ended them (their buffers, device memory too, go then).
+PRUNE_EVERY_S = 1.0
 
 OnBroken = Callable[[int, BaseException], None]
 
@@ -201,6 +204,7 @@ class Transport:
         self.renewed = 0
         #: Requests of ended pipes UCX has not ended yet (:meth:`_abandon`).
         self._retired: list[tuple[Request, Any]] = []
+        self._next_prune = 0.0
         self._handshake = Handshake(my_id=my_id, secret=secret, limits=limits,
                                     sender=self._sender, endpoint=self._endpoint,
                                     watch=shared.watch, fail=self._break,
@@ -518,6 +522,11 @@ class Transport:
         busy = self._liveness.poll() or busy
         if self._by_address.due and not busy:
             self._by_address.send_due()
+        if self._retired and not busy:
+            now = time.monotonic()
+            if now >= self._next_prune:  # what UCX ended lets its buffers go
+                self._next_prune = now + PRUNE_EVERY_S
+                self._prune_retired()
         return busy
 
     def wake(self) -> None:
@@ -681,8 +690,8 @@ class Transport:
 
     def _prune_retired(self) -> None:
         """Forget what UCX ended of the retired requests (their buffers go
-        with them); on the loop, which owns them, whenever a pipe ends or
-        is renewed."""
+        with them); on the loop, which owns them: whenever a pipe ends or
+        is renewed, and on an idle turn every :data:`PRUNE_EVERY_S`."""
         self._retired[:] = [e for e in self._retired if not e[0].done]
 
     def _recoverable(self, pipe: Pipe, exc: BaseException, orderly: bool, final: bool) -> bool:
