@@ -6,8 +6,6 @@ reached it, and the pass waits for every send of its context."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -73,6 +71,80 @@ def test_a_recv_reached_by_two_parts_sends_its_gradient_once(pair):
     assert hooks == 1  # worker1's send of y ran once, with the summed gradient
 
 
+# -- a part that failed: the pass's later messages find it ended ----------------------
+
+_FAILS_LEFT = [0]
+
+
+class _FailOnce(torch.autograd.Function):
+    """y = 2x whose backward fails while ``_FAILS_LEFT`` says so."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FAILS_LEFT[0] > 0:
+            _FAILS_LEFT[0] -= 1
+            raise ValueError("the first part here fails")
+        return g * 2.0
+
+
+def fail_once(x):
+    return _FailOnce.apply(x)
+
+
+def arm(n):
+    _FAILS_LEFT[0] = n
+
+
+def passes_running():
+    import ucxrpc.autograd as dist_autograd
+    return dist_autograd._get_debug_info()["num_current_backward_passes"]
+
+
+def _late_messages_of_a_failed_pass():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+    from ucxrpc.errors import DistAutogradError
+
+    # Each backward sends eight gradients to worker1, its part there fails at
+    # the first it runs, and the other seven reach a part that ended (its
+    # pass failed) or, sooner, one that is stopping.  A late one must not
+    # begin a new part there, which would wait for the entry the failed
+    # part took until the timeout (5 s here, for the control's sake).
+    old = rpc.get_rpc_timeout()
+    rpc._set_rpc_timeout(5.0)
+    errors = []
+    try:
+        for _ in range(5):
+            rpc.rpc_sync("worker1", arm, (1,))
+            xs = [torch.full((2,), float(i), requires_grad=True) for i in range(8)]
+            with dist_autograd.context() as ctx:
+                ys = [rpc.rpc_sync("worker1", fail_once, (x,)) for x in xs]
+                try:
+                    dist_autograd.backward(ctx, [torch.stack(ys).sum()])
+                except DistAutogradError as e:
+                    errors.append(str(e).splitlines()[0])
+                errors.append(rpc.rpc_sync("worker1", passes_running))
+        # The context still trains afterwards.
+        rpc.rpc_sync("worker1", arm, (0,))
+        x = torch.ones(2, requires_grad=True)
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [rpc.rpc_sync("worker1", fail_once, (x,)).sum()])
+            grad = dist_autograd.get_gradients(ctx)[x].tolist()
+    finally:
+        rpc._set_rpc_timeout(old)
+    return errors, grad
+
+
+def test_a_failed_parts_late_messages_are_answered_not_begun_anew(pair):
+    errors, grad = pair.run(_late_messages_of_a_failed_pass)
+    assert errors == ["Error on Node 1: the first part here fails", 0] * 5
+    assert grad == [2.0, 2.0]
+
+
 # -- a hook writing another leaf's gradient during the pass ---------------------------
 
 def _hook_writes_other_leaf():
@@ -117,36 +189,86 @@ def test_a_callback_queued_in_the_pass_writes_the_pass_gradients(pair):
     assert a_local is None and b_local is None
 
 
-# -- a send the roots do not use: the pass waits, as torch's FAST mode ----------------
-
-def _unused_send(rank, world_size, init_method):
+def _callback_queued_in_the_first_part():
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
 
-    _init(rank, world_size, init_method)
-    out = None
-    if rank == 0:
-        t1, t2 = torch.rand(3, requires_grad=True), torch.rand(3, requires_grad=True)
-        finished = threading.Event()
+    a = torch.ones(3, requires_grad=True)   # the roots' part: runs first
+    b = torch.ones(3, requires_grad=True)   # the part of the send of b * 2: later
+    engine = torch.autograd.Variable._execution_engine
+    order: list[str] = []
 
-        def run() -> None:
-            with dist_autograd.context() as ctx:
-                rpc.rpc_sync("worker1", torch.add, (t1, t2))  # its result is never used
-                dist_autograd.backward(ctx, [(t1 * t2).sum()])
-            finished.set()
+    def finalize() -> None:
+        order.append(f"callback sees b.grad {b.grad is not None and b.grad.tolist()}")
+        b.grad.mul_(10.0)
 
-        threading.Thread(target=run, daemon=True).start()
-        # Long enough for a pass that does not wait to have returned many
-        # times over (it takes milliseconds); not a measure of speed.
-        out = finished.wait(1.0)
-        used = rpc.rpc_sync("worker1", torch.add, (t1, 1.0))  # the agent still serves
-        out = (out, used.shape)
-    rpc.shutdown()  # the waiting pass holds no call: nothing to drain
-    return out
+    def a_ready(grad_inputs, grad_outputs):
+        order.append("a")
+        engine.queue_callback(finalize)
+
+    # (AccumulateGrad nodes live while referenced: kept, as their hooks)
+    a_node = (a * 1).grad_fn.next_functions[0][0]
+    b_node = (b * 1).grad_fn.next_functions[0][0]
+    a_node.register_hook(a_ready)
+    b_node.register_hook(lambda grad_inputs, grad_outputs: order.append("b") and None)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", torch.mul, (b, 2.0))
+        dist_autograd.backward(ctx, [(a * y).sum()])
+        b_grad = dist_autograd.get_gradients(ctx)[b].tolist()
+    # Outside a pass the engine's callbacks run at the end of their backward.
+    outside: list[str] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 1
+    y.grad_fn.register_hook(
+        lambda gi, go: engine.queue_callback(lambda: outside.append("ran")) and None)
+    y.sum().backward()
+    assert a_node is not None and b_node is not None
+    return order, b_grad, outside
 
 
-def test_backward_waits_for_a_send_its_roots_do_not_use():
-    assert run_workers(_unused_send, 2, timeout=120)[0] == (False, torch.Size([3]))
+def test_a_callback_queued_in_an_early_part_runs_when_the_pass_ends(pair):
+    # torch's graph task runs its final callbacks once all of it ran: the
+    # callback queued in a's part (the first) runs after b's part (the
+    # last), sees b's gradient and writes it for the context.
+    order, b_grad, outside = pair.run(_callback_queued_in_the_first_part)
+    assert order == ["a", "b", "callback sees b.grad [2.0, 2.0, 2.0]"]
+    assert b_grad == [20.0] * 3
+    assert outside == ["ran"]
+
+
+# -- a send the roots do not use: the pass cannot end, and says so -------------------
+
+def _unused_send():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+    from ucxrpc.errors import DistAutogradError
+
+    t1, t2 = torch.rand(3, requires_grad=True), torch.rand(3, requires_grad=True)
+    with dist_autograd.context() as ctx:
+        rpc.rpc_sync("worker1", torch.add, (t1, t2))  # its result is never used
+        try:
+            dist_autograd.backward(ctx, [(t1 * t2).sum()])
+            error = None
+        except DistAutogradError as e:
+            error = str(e)
+    with dist_autograd.context() as ctx:  # every send used: the pass ends
+        y = rpc.rpc_sync("worker1", torch.mul, (t1, 2.0))
+        dist_autograd.backward(ctx, [y.sum()])
+        grad = dist_autograd.get_gradients(ctx)[t1].tolist()
+    return error, grad, rpc.rpc_sync("worker1", passes_running)
+
+
+def test_a_send_no_part_reaches_fails_the_backward_naming_it(pair):
+    # torch's FAST mode waits for every send of the context; here no part
+    # can ever reach the send of (t1, t2) (its result is unused): torch's
+    # agent waits for ever, ucxrpc's fails at once, naming what it awaited.
+    error, grad, running = pair.run(_unused_send)
+    assert error is not None and error.startswith("Error on Node 0: the backward pass of "
+                                                  "autograd context"), error
+    assert "cannot finish: it waits for the gradients of send" in error
+    assert "to worker id 1 (tensors of shapes [3], [3])" in error
+    assert grad == [2.0] * 3
+    assert running == 0
 
 
 # -- DDP around a model that calls another worker --------------------------------------

@@ -156,6 +156,43 @@ def test_the_childrens_sitecustomize_chains_and_stays_out_of_the_way(tmp_path: P
     assert "torch.distributed.rpc stays torch's" in elsewhere.stderr
 
 
+#: A sitecustomize that, like ucxrpc's (and coverage's, a site's), runs the
+#: one it hides on the path; it counts its runs.
+_CHAINING_SITECUSTOMIZE = """\
+import importlib.machinery, importlib.util, os, sys
+os.environ['OTHER_RAN'] = str(int(os.environ.get('OTHER_RAN', '0')) + 1)
+here = os.path.dirname(os.path.abspath(__file__))
+others = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+spec = importlib.machinery.PathFinder.find_spec('sitecustomize', others)
+if spec is not None:
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+"""
+
+
+def test_the_childrens_sitecustomize_lives_beside_one_that_chains_too(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text(_CHAINING_SITECUSTOMIZE)
+    prog = ("import json, os, sys\n"
+            "import torch, torch.distributed.rpc as rpc\n"
+            "print(json.dumps({'who': 'child', 'other': os.environ.get('OTHER_RAN'),\n"
+            "                  'rpc': rpc.init_rpc.__module__,\n"
+            "                  'loader': type(torch.__spec__.loader).__name__,\n"
+            "                  'patched': 'exec_module' in vars(torch.__spec__.loader)}))\n")
+    base = {k: v for k, v in os.environ.items() if k not in (ENV_VAR, "OTHER_RAN")}
+    # ucxrpc's first (as its children get it), then the other first (as a
+    # harness may put its own): each runs once, ucxrpc is installed once,
+    # and torch's loader is left as it was.
+    for order in ([site_dir(), str(other)], [str(other), site_dir()]):
+        result = _run(["-c", prog], cwd=tmp_path,
+                      env={**base, ENV_VAR: "1", "PYTHONPATH": os.pathsep.join(order)})
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "RecursionError" not in result.stderr, result.stderr[-4000:]
+        assert _reports(result)["child"] == {"who": "child", "other": "1", "rpc": "ucxrpc.api",
+                                             "loader": "SourceFileLoader", "patched": False}
+
+
 def _install_here(init_method: str | None = None) -> dict[str, object]:
     import torch.nn.parallel.distributed as ddp
 

@@ -65,6 +65,11 @@ class Recv:
     tensors: list[torch.Tensor]
 
 
+#: Ended passes a context remembers: a context sees one pass per step, a
+#: few with retain_graph; a message late by more passes than this is not.
+_ENDED_PASSES = 64
+
+
 class DistAutogradContext:
     """One context on one worker.  Thread-safe."""
 
@@ -80,6 +85,9 @@ class DistAutogradContext:
         #: This worker's part of the backward pass running now, if one is
         #: (a WorkerPass; the engine's to set, under its lock).
         self.running_pass: Any = None
+        #: The ids of the passes whose part here ended (the engine's): a
+        #: late message of one of them must not begin a part anew.
+        self.ended_passes: deque[Any] = deque(maxlen=_ENDED_PASSES)
 
     def _context_id(self) -> int:  # torch's name
         return self.id

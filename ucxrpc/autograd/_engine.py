@@ -9,7 +9,11 @@ of the context there.  A recv's gradients go back to its sender
 the message that begins a worker's part is answered when that part has
 ended, every entry run and every propagation it started answered, and
 later messages at once, as torch's.  So when the initiator's part ends, the
-whole distributed graph has run.  How the parts keep torch's gradient and
+whole distributed graph has run.  Every message carries its pass's id (the
+initiator's worker id and a count): a part that failed ends at once, and
+the pass's messages still on their way to it are answered, not taken for
+the first messages of a new pass (which would wait, until ``rpc_timeout``,
+for entries the ended part already took).  How the parts keep torch's gradient and
 hook semantics over torch's local engine, and where they cannot, is in
 ``_pass.py``.
 
@@ -20,7 +24,9 @@ initiator can name the worker where it happened however deep in the chain.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
+import itertools
 import logging
 import threading
 import traceback
@@ -72,13 +78,13 @@ def _here(agent: RpcAgent, exc: BaseException) -> Failure:
 
 # -- the pass on this worker ------------------------------------------------------
 
-def _send_grads(agent: RpcAgent, context_id: int, retain_graph: bool, recv: Recv,
-                grads: list[torch.Tensor | None]) -> _Future:
+def _send_grads(agent: RpcAgent, context_id: int, pass_id: PassId, retain_graph: bool,
+                recv: Recv, grads: list[torch.Tensor | None]) -> _Future:
     """Start sending ``recv``'s gradients to its sender: a future of its
     answer (None, or a Failure), or of the error that kept it from going."""
     try:
         return agent.call(agent.members.workers[recv.source], _propagate,
-                          (context_id, recv.send_id, grads, retain_graph), {},
+                          (context_id, pass_id, recv.send_id, grads, retain_graph), {},
                           agent.default_timeout)
     except Exception as exc:  # a broken pipe, a closed agent: fail this branch only
         fut: _Future = _Future()
@@ -86,31 +92,52 @@ def _send_grads(agent: RpcAgent, context_id: int, retain_graph: bool, recv: Recv
         return fut
 
 
+#: A pass's id: the worker that called ``backward`` and its count there.
+PassId = tuple[int, int]
+
+
+class Begun(enum.Enum):
+    """What a pass's message found on its worker (:func:`_begin`)."""
+
+    NEW = "new"          # it begins this worker's part: answered at the part's end
+    RUNNING = "running"  # the part runs: answered once its entry ran
+    ENDED = "ended"      # the part ended (a failure): answered at once
+
+
 def _begin(agent: RpcAgent, ctx: DistAutogradContext, roots: list[torch.Tensor] | None,
-           retain_graph: bool) -> tuple[WorkerPass, bool]:
-    """The pass of ``ctx`` running on this worker, begun now if none is;
-    whether it was begun now.  ``roots``: this worker calls ``backward``."""
+           retain_graph: bool, pass_id: PassId) -> tuple[WorkerPass | None, Begun]:
+    """This worker's part of pass ``pass_id`` of ``ctx``: the one running,
+    or None where it ended, or begun now.  ``roots``: this worker calls
+    ``backward``."""
     tbl = table(agent)
     with _passes_lock:
         running = ctx.running_pass
         if running is not None:
-            if roots is not None:
-                raise DistAutogradError(f"a backward pass of autograd context {ctx.id} is "
-                                        "already running on this worker")
-            return running, False
+            if roots is None and running.pass_id == pass_id:
+                return running, Begun.RUNNING
+            raise DistAutogradError(f"a backward pass of autograd context {ctx.id} is "
+                                    "already running on this worker")
+        if pass_id in ctx.ended_passes:
+            return None, Begun.ENDED
         p = WorkerPass(ctx, roots, retain_graph,
-                       functools.partial(_send_grads, agent, ctx.id, retain_graph),
-                       functools.partial(_here, agent), functools.partial(_ended, tbl, ctx))
+                       functools.partial(_send_grads, agent, ctx.id, pass_id, retain_graph),
+                       functools.partial(_here, agent), functools.partial(_ended, tbl, ctx),
+                       pass_id)
         ctx.running_pass = p
         tbl.backward_passes += 1
-    return p, True
+    return p, Begun.NEW
 
 
 def _ended(tbl: ContextTable, ctx: DistAutogradContext, p: WorkerPass) -> None:
     with _passes_lock:
         if ctx.running_pass is p:
             ctx.running_pass = None
+            ctx.ended_passes.append(p.pass_id)
             tbl.backward_passes -= 1
+
+
+#: Counts the passes this worker begins (the second half of their ids).
+_pass_counter = itertools.count()
 
 
 # Guards the running pass of every context: one begins at a time.
@@ -144,12 +171,13 @@ def _gather(agent: RpcAgent, calls: list[tuple[int, _Future]]) -> _Future:
 
 @_plain
 @async_execution
-def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None],
-               retain_graph: bool) -> _Future:
+def _propagate(context_id: int, pass_id: PassId, send_id: int,
+               grads: list[torch.Tensor | None], retain_graph: bool) -> _Future:
     """Run on the worker that made send ``send_id``: gradients for what it
     sent.  The message that begins this worker's part of the pass is
     answered when that part ends; later ones at once (their failures end
-    the pass and reach the initiator through the first), as torch's."""
+    the pass and reach the initiator through the first), as torch's; one
+    that comes after the part ended (it failed) is dropped and answered."""
     agent = api._current()
     tbl = table(agent)
     try:
@@ -161,14 +189,15 @@ def _propagate(context_id: int, send_id: int, grads: list[torch.Tensor | None],
         if len(grads) != len(sent):
             raise DistAutogradError(f"{len(grads)} gradients for send {send_id} of context "
                                     f"{context_id}, which sent {len(sent)} tensors")
-        p, first = _begin(agent, ctx, None, retain_graph)
+        p, begun = _begin(agent, ctx, None, retain_graph, (pass_id[0], pass_id[1]))
     except Exception as exc:
         out: _Future = _Future()
         out.set_result(_here(agent, exc))
         return out
-    p.run(send_id, grads)
-    if first:
-        return p.done
+    if p is not None:
+        p.run(send_id, grads)
+        if begun is Begun.NEW:
+            return p.done
     answered: _Future = _Future()
     answered.set_result(None)
     return answered
@@ -233,7 +262,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     so a later backward in it can run (with ``retain_graph``, the graph is
     still there) until its ``with`` block ends.  As torch's FAST mode, the
     pass waits for every send of the context that carried tensors requiring
-    grad: a send whose result the roots do not use keeps it waiting.
+    grad; a send of this worker's that no part can reach (its result
+    unused) fails it at once, naming the send (torch's waits for ever).
 
     Raises:
         TypeError: arguments of the wrong types (torch's "incompatible
@@ -248,7 +278,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     ctx = tbl.get(context_id)
     roots = _check_roots(ctx, roots)
     with _backward_span():
-        p, _ = _begin(agent, ctx, roots, retain_graph)
+        p, _ = _begin(agent, ctx, roots, retain_graph, (agent.info.id, next(_pass_counter)))
+        assert p is not None  # a new pass id is never an ended one
         p.run(ROOTS, [torch.ones_like(r) for r in roots])
         with agent.blocking():  # the pool may replace a thread of its own waiting here
             failure = p.serve()

@@ -33,18 +33,32 @@ come, and the pass keeps what makes the parts one pass:
   peer's part still running sends its gradients here later, which must
   find this pass and be dropped, not begin a new pass that nothing ends.
   The first message that began the pass on a worker is answered at its end
-  (:attr:`WorkerPass.done`); later ones at once, as torch's.  A send never reached (a result the
-  loss does not use) keeps the pass, and ``backward``, waiting: torch's
-  FAST mode, which assumes every send is part of the pass.
+  (:attr:`WorkerPass.done`); later ones at once, as torch's.
+* **A pass that cannot end fails.**  The pass waits for every send of its
+  context (torch's FAST mode, which assumes every send is part of it).
+  Where the worker that called ``backward`` has run its roots, nothing of
+  its part runs or waits in line, every propagation it started was
+  answered (so every part they began has ended: each waits for its own
+  before it answers) and a send of its own is still awaited, no gradient
+  can ever come for that send: a result the loss does not use.  torch's
+  agent waits for ever there; the pass fails at once naming the sends
+  (:meth:`WorkerPass._stuck`).  A worker other than the caller waiting so
+  is not told from one whose gradients are still on their way: its pass
+  waits (the caller's ``backward`` until the RPC timeout of the message
+  that began it).
+
+* **Final callbacks at the end.** A callback a part queues with
+  ``queue_callback`` (FSDP's, DDP-like reducers' in Python) runs when the
+  pass ends here, every part run, with the pass's gradients lent, before
+  the context gets them: torch's graph task runs its final callbacks once
+  all of it ran (``_torch_engine`` defers them).
 
 What torch's single task does that separate local parts cannot: a node that
 two entries reach runs once per entry, each time with its share of the
-gradient (the sum is the same; a hook on such a node sees the shares), and
-a callback queued with ``queue_callback`` runs at the end of the part that
-queued it, not of the whole pass.  The missing hook is a way to add roots
-with their gradients to a running graph task (``Engine::execute`` takes
-them all at once; ``DistEngine::executeSendFunctionAsync`` feeds the task
-in C++ only).
+gradient (the sum is the same; a hook on such a node, a leaf's included,
+sees the shares).  The missing hook is a way to add roots with their
+gradients to a running graph task (``Engine::execute`` takes them all at
+once; ``DistEngine::executeSendFunctionAsync`` feeds the task in C++ only).
 """
 
 from __future__ import annotations
@@ -56,7 +70,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -99,6 +113,28 @@ class _Entry:
     accumulators: dict[int, Any] = field(default_factory=dict)     # id(leaf) -> AccumulateGrad
 
 
+#: Nodes whose backward runs a backward of its own over leaves the graph
+#: does not show (the parameters a reentrant checkpoint recomputes with):
+#: the pass cannot lend them its gradients, which would go to ``.grad``
+#: instead of the context.  torch's distributed engine refuses them too
+#: (its check is per graph task; ours, when the pass begins, is the same
+#: whichever thread runs the part).
+_HIDING = {
+    "torch.utils.checkpoint.CheckpointFunction": (
+        "When use_reentrant=True, torch.utils.checkpoint is incompatible with a distributed "
+        "backward pass (the parameters it recomputes with are hidden from the pass, whose "
+        "gradients would go to .grad, not the context; torch's agent refuses it too): "
+        "use use_reentrant=False"),
+}
+
+
+def _function_of(node: Any) -> str | None:
+    """The full name of the autograd Function whose backward ``node`` is,
+    where it is a Python one."""
+    cls = getattr(node, "_forward_cls", None)
+    return None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _walk(outputs: Sequence[torch.Tensor]) -> _Entry:
     """The nodes and leaves requiring grad that ``outputs`` depend on."""
     entry = _Entry(list(outputs))
@@ -114,6 +150,9 @@ def _walk(outputs: Sequence[torch.Tensor]) -> _Entry:
         if node in seen:
             continue
         seen.add(node)
+        hiding = _HIDING.get(_function_of(node) or "")
+        if hiding is not None:
+            raise RuntimeError(hiding)
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
         if variable is not None:
             entry.leaves[id(variable)] = variable
@@ -211,13 +250,16 @@ class WorkerPass:
         on_end: called with the pass as it ends, before :attr:`done`
             completes (its owner forgets it there, so that a next pass of
             the context may begin as soon as anyone sees this one done).
+        pass_id: the distributed pass this is a part of (its owner's key).
     """
 
     def __init__(self, ctx: DistAutogradContext, roots: list[torch.Tensor] | None,
                  retain_graph: bool, propagate: Propagate,
                  failure: Callable[[BaseException], Any],
-                 on_end: Callable[[WorkerPass], None] | None = None) -> None:
+                 on_end: Callable[[WorkerPass], None] | None = None,
+                 pass_id: Any = None) -> None:
         self._ctx = ctx
+        self.pass_id = pass_id
         self._on_end = on_end
         # With roots, the thread that called backward owns the pass and runs
         # every entry (serve()), as torch's local engine runs a graph task's
@@ -235,11 +277,20 @@ class WorkerPass:
         self._phase = Phase.RUNNING
         self._failure: Any = None  # the first failure
         self._entries: dict[int, _Entry] = {}
-        if roots is not None:
-            self._entries[ROOTS] = _walk(roots)
-        for send_id, send in list(ctx.sends.items()):
-            if send.capture.tensors:  # a send without tensors requiring grad gets nothing back
-                self._entries[send_id] = _walk(send.capture.tensors)
+        # A graph the pass cannot run fails the pass at its first part (an
+        # error naming this worker, as any part's), not the message.
+        self._refused: RuntimeError | None = None
+        try:
+            if roots is not None:
+                self._entries[ROOTS] = _walk(roots)
+            for send_id, send in list(ctx.sends.items()):
+                if send.capture.tensors:  # a send without tensors requiring grad gets nothing back
+                    self._entries[send_id] = _walk(send.capture.tensors)
+        except RuntimeError as exc:
+            self._refused = exc
+            keys = [ROOTS] if roots is not None else []
+            keys += [k for k, send in ctx.sends.items() if send.capture.tensors]
+            self._entries = {k: _Entry([]) for k in keys}
         self._left = set(self._entries)
         leaves: dict[int, torch.Tensor] = {}
         for entry in self._entries.values():
@@ -259,6 +310,10 @@ class WorkerPass:
         self._sent: set[int] = set()                   # ids of recv leaves whose gradients went
         self._running: set[int] = set()
         self._calls = 0                                # propagations not yet answered
+        # Final callbacks the parts queued (torch runs a graph task's at its
+        # end: here, the pass's); _defer is one object, the parts' sink.
+        self._deferred: list[Callable[[], None]] = []
+        self._defer = self._deferred.append
 
     def expects(self, key: int) -> bool:
         """Whether entry ``key`` (a send id, or :data:`ROOTS`) is part of this
@@ -305,6 +360,8 @@ class WorkerPass:
                 self._running.add(key)
                 started = True
                 later = [self._entries[k] for k in self._left if k != key]
+            if self._refused is not None:
+                raise self._refused
             entry = self._entries[key]
             pairs = {id(t): (t, g) for t, g in zip(entry.outputs, grads)
                      if g is not None and t.requires_grad}
@@ -328,19 +385,32 @@ class WorkerPass:
     def _part(self, outs: list[torch.Tensor], gouts: list[torch.Tensor], entry: _Entry,
               keep: bool) -> None:
         """One local part through torch's engine, every leaf of the pass
-        holding the pass's gradient in ``.grad`` meanwhile."""
+        holding the pass's gradient in ``.grad`` meanwhile; the callbacks
+        it queues wait for the pass's end (:meth:`_run_callbacks`)."""
+        hooks = [node.register_prehook(functools.partial(self._arrived, leaf_id))
+                 for leaf_id, node in entry.accumulators.items()]
+        try:
+            with self._lending():
+                run_backward(outs, gouts, keep, self._defer)
+        finally:
+            for handle in hooks:
+                handle.remove()
+
+    @contextlib.contextmanager
+    def _lending(self) -> Iterator[None]:
+        """Every leaf of the pass holds the pass's gradient in ``.grad``
+        meanwhile; what it holds after is the pass's, and ``.grad`` goes
+        back to what the user had."""
         leaves = self._leaves
         locks = _leaf_locks.of(leaves)
         for lock in locks:
             lock.acquire()
-        hooks = [node.register_prehook(functools.partial(self._arrived, leaf_id))
-                 for leaf_id, node in entry.accumulators.items()]
         try:
             saved = [leaf.grad for leaf in leaves]
             try:
                 for leaf in leaves:
                     leaf.grad = self._grads.get(id(leaf))
-                run_backward(outs, gouts, list(entry.leaves.values()), keep)
+                yield
             finally:
                 for leaf, grad in zip(leaves, saved):
                     now = leaf.grad
@@ -349,10 +419,18 @@ class WorkerPass:
                         self._grads[id(leaf)] = now
                     leaf.grad = grad
         finally:
-            for handle in hooks:
-                handle.remove()
             for lock in reversed(locks):
                 lock.release()
+
+    def _run_callbacks(self) -> None:
+        """The callbacks the parts queued, in order, as torch's graph task
+        runs its final callbacks once all of it ran: with the pass's
+        gradients lent, so that what they write (DDP's finalize) is kept."""
+        if not self._deferred:
+            return
+        with self._lending():
+            while self._deferred:
+                self._deferred.pop(0)()
 
     def _arrived(self, leaf_id: int, grads: tuple[torch.Tensor | None, ...]) -> None:
         """A gradient reached a leaf's AccumulateGrad (before it runs): which
@@ -416,7 +494,9 @@ class WorkerPass:
         self._check()
 
     def _check(self) -> None:
-        """End the pass if nothing of it is left to wait for."""
+        """End the pass if nothing of it is left to wait for, or if what it
+        waits for can never come."""
+        stuck: list[int] = []
         with self._lock:
             if self._calls or self._running:
                 return
@@ -425,14 +505,34 @@ class WorkerPass:
             elif self._phase is Phase.RUNNING and not self._left:
                 self._phase = Phase.COMMITTING
                 failure = None
+            elif (self._phase is Phase.RUNNING and self._owner is not None
+                  and not self._queue and ROOTS not in self._left):
+                stuck = sorted(self._left)
             else:
                 return
+        if stuck:
+            self._stop(self._failure_of(self._stuck(stuck)))  # ends it: nothing in flight
+            return
         if failure is None:
             try:
+                self._run_callbacks()
                 self._commit()
             except Exception as exc:
                 failure = self._failure_of(exc)
         self._end(failure)
+
+    def _stuck(self, keys: list[int]) -> DistAutogradError:
+        """The error of a pass waiting for sends ``keys`` that no part of it
+        reaches (see the module's docstring)."""
+        sends = "; ".join(
+            f"send {k} to worker id {self._ctx.sends[k].dest} (tensors of shapes "
+            f"{', '.join(str(list(t.shape)) for t in self._ctx.sends[k].capture.tensors)})"
+            for k in keys)
+        return DistAutogradError(
+            f"the backward pass of autograd context {self._ctx.id} cannot finish: it waits "
+            f"for the gradients of {sends}, which no part of the pass reaches (a result "
+            "the loss does not use?). Every send of a context carrying tensors that "
+            "require grad must lead to the loss (torch's agent waits for ever here)")
 
     def _commit(self) -> None:
         """The pass's gradients into the context, as torch's engine

@@ -13,39 +13,122 @@ sent), so a plain shape check does, and the engine runs straight away.
 Where this torch has no ``_engine_run_backward`` (a version that renamed
 it), the public ``torch.autograd.backward`` runs instead: correct, only
 slower the first time.
+
+A callback queued with ``Variable._execution_engine.queue_callback`` runs
+when the graph task that queued it ends: for a distributed pass, that is
+when the whole pass ends on this worker (torch's one graph task per
+context), not when the local part ends.  :func:`run_backward` takes a
+``defer`` sink for them: ucxrpc's handle to torch's engine (the Python
+object is a handle, the engine one per process) queues every callback
+through a wrapper that, when the task ends, hands it to the sink of the part
+that task ran (known by its graph task id, which a marker root of the part
+records), or runs it, as torch would, when no part of ours queued it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
+from torch.autograd.variable import Variable
 
 __all__ = ["run_backward"]
 
 _engine_run_backward: Callable[..., Any] | None = getattr(
     torch.autograd.graph, "_engine_run_backward", None)
 
+Sink = Callable[[Callable[[], None]], None]
+
+# Graph task id -> the sink of the part running it (set by the part's
+# marker, dropped when the part's backward returned).
+_sinks: dict[int, Sink] = {}
+_sinks_lock = threading.Lock()
+_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+_EngineBase: Any = type(Variable._execution_engine)
+
+
+class _Engine(_EngineBase):
+    """torch's engine, its final callbacks going to a distributed pass's
+    sink where a part of one queued them (see the module's docstring)."""
+
+    def queue_callback(self, callback: Callable[[], None]) -> None:
+        task = _task_id() if _task_id is not None else -1
+
+        def run_or_defer() -> None:
+            with _sinks_lock:
+                sink = _sinks.get(task)
+            if sink is None:
+                callback()
+            else:
+                sink(callback)
+
+        super().queue_callback(run_or_defer)
+
+
+class _Marker(torch.autograd.Function):
+    """A root of a part that records the part's graph task id when it runs."""
+
+    @staticmethod
+    def forward(ctx: Any, token: torch.Tensor, sink: Sink) -> torch.Tensor:
+        ctx.sink = sink
+        return token.view_as(token)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        assert _task_id is not None
+        with _sinks_lock:
+            _sinks[_task_id()] = ctx.sink
+        return None, None
+
+
+def _install() -> bool:
+    """Put ucxrpc's handle to the engine in torch's place, once; whether the
+    final callbacks can be deferred (this torch tells a graph task's id).
+    Done as ucxrpc is imported: code that keeps the handle it found (as
+    ``engine = Variable._execution_engine``) keeps ours."""
+    if _task_id is None:
+        return False
+    if not isinstance(Variable._execution_engine, _Engine):
+        Variable._execution_engine = _Engine()
+    return True
+
+
+_install()
+
 
 def run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                 inputs: Sequence[torch.Tensor], retain_graph: bool) -> None:
-    """``torch.autograd.backward(outputs, grads, retain_graph=retain_graph,
-    inputs=inputs)``: gradients accumulate into each input's ``.grad``
-    through its AccumulateGrad node (and its hooks), as there.
+                 retain_graph: bool, defer: Sink | None = None) -> None:
+    """``torch.autograd.backward(outputs, grads, retain_graph=retain_graph)``:
+    gradients accumulate into the ``.grad`` of every leaf the outputs reach,
+    through its AccumulateGrad node (and its hooks), as there.  ``defer``:
+    where the final callbacks queued during it go instead of running at its
+    end.
 
     Raises:
         RuntimeError: a gradient whose shape is not its output's (torch's
             words), or whatever the engine raises.
     """
-    if _engine_run_backward is None:
-        torch.autograd.backward(list(outputs), list(grads), retain_graph=retain_graph,
-                                inputs=list(inputs))
-        return
-    for i, (out, grad) in enumerate(zip(outputs, grads)):
-        if out.shape != grad.shape:
-            raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of "
-                               f"{tuple(grad.shape)} and output[{i}] has a shape of "
-                               f"{tuple(out.shape)}.")
-    _engine_run_backward(tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs),
-                         allow_unreachable=True, accumulate_grad=True)
+    outputs, grads = list(outputs), list(grads)
+    if defer is not None and isinstance(Variable._execution_engine, _Engine):
+        with torch.enable_grad():
+            marker = _Marker.apply(torch.empty(0, requires_grad=True), defer)
+        outputs.append(marker)
+        grads.append(torch.empty(0))
+    try:
+        if _engine_run_backward is None:
+            torch.autograd.backward(outputs, grads, retain_graph=retain_graph)
+            return
+        for i, (out, grad) in enumerate(zip(outputs, grads)):
+            if out.shape != grad.shape:
+                raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of "
+                                   f"{tuple(grad.shape)} and output[{i}] has a shape of "
+                                   f"{tuple(out.shape)}.")
+        _engine_run_backward(tuple(outputs), tuple(grads), retain_graph, False, (),
+                             allow_unreachable=True, accumulate_grad=True)
+    finally:
+        if defer is not None:
+            with _sinks_lock:
+                for key in [k for k, v in _sinks.items() if v is defer]:
+                    del _sinks[key]

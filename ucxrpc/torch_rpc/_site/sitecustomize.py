@@ -11,6 +11,10 @@ library is imported here), and an interpreter that cannot import ucxrpc
 (another environment's Python) keeps torch's RPC, with a warning.
 
 Then it runs the ``sitecustomize`` it hides, if the path has another.
+Other ``sitecustomize`` files chain the same way (coverage's, a site's, a
+test harness's), so two may run each other: this one runs once per process
+whoever runs it (a marker in ``sys.modules``), and never runs the one that
+is already running it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ ENV_VAR = "UCXRPC_TORCH_RPC"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The directory holding the ucxrpc package this file belongs to.
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
+# Set in sys.modules by the first run in a process: a sitecustomize that
+# runs the one it hides runs this file again (as a module object of its
+# own, so a module global cannot tell), and this one would run it again.
+_GUARD = "_ucxrpc_sitecustomize_ran"
+_MISSING = object()
 
 
 class InstallAfterTorch(importlib.abc.MetaPathFinder):
@@ -48,12 +57,18 @@ class InstallAfterTorch(importlib.abc.MetaPathFinder):
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         run_torch = loader.exec_module
+        previous = vars(loader).get("exec_module", _MISSING)
 
         def exec_module(module: ModuleType) -> None:
             try:
                 run_torch(module)
             finally:
-                del loader.exec_module  # the loader's own method again
+                # The loader as found, unless someone patched it after us.
+                if vars(loader).get("exec_module") is exec_module:
+                    if previous is _MISSING:
+                        del loader.exec_module
+                    else:
+                        loader.exec_module = previous
             install_ucxrpc()
 
         loader.exec_module = exec_module
@@ -85,11 +100,21 @@ def run_hidden_sitecustomize() -> None:
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
     if spec is None or spec.loader is None:
         return
+    running = sys.modules.get("sitecustomize")
+    if running is not None and _origin(running) == spec.origin:
+        return  # Python ran that one first and it ran this one: done already
     module = importlib.util.module_from_spec(spec)
     sys.modules["sitecustomize"] = module  # 'import sitecustomize' now finds that one
     spec.loader.exec_module(module)
 
 
-if os.environ.get(ENV_VAR, "") not in ("", "0"):
-    sys.meta_path.insert(0, InstallAfterTorch())
-run_hidden_sitecustomize()
+def _origin(module: ModuleType) -> str | None:
+    spec = getattr(module, "__spec__", None)
+    return getattr(spec, "origin", None) or getattr(module, "__file__", None)
+
+
+if _GUARD not in sys.modules:
+    sys.modules[_GUARD] = ModuleType(_GUARD)
+    if os.environ.get(ENV_VAR, "") not in ("", "0"):
+        sys.meta_path.insert(0, InstallAfterTorch())
+    run_hidden_sitecustomize()
