@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from ucxrpc.serialization import envelope as wire
+from ucxrpc.serialization import envelope
 from ucxrpc.agent import core
 from ucxrpc.transport.loop.progress import Why
 from ucxrpc.agent.core import RpcAgent
@@ -37,8 +37,8 @@ def _agent() -> SimpleNamespace:
                            _requested_at=-core.CALLED_WITHIN_S, accepted=accepted)
 
 
-def _message(agent: SimpleNamespace, kind: wire.MsgKind, msg_id: int) -> None:
-    RpcAgent._on_message(agent, 1, memoryview(wire.encode(kind, msg_id, b"")), [])
+def _message(agent: SimpleNamespace, kind: envelope.MsgKind, msg_id: int) -> None:
+    RpcAgent._on_message(agent, 1, memoryview(envelope.encode(kind, msg_id, b"")), [])
 
 
 def test_a_reply_after_a_request_leaves_the_peer_expected():
@@ -48,9 +48,9 @@ def test_a_reply_after_a_request_leaves_the_peer_expected():
     # its loop slept in epoll once per exchange (benchmarks/runs/W.md).
     agent = _agent()
     assert RpcAgent._spin_while(agent) is Why.NOTHING_DUE  # nobody called yet
-    _message(agent, wire.MsgKind.REQUEST, 7)
+    _message(agent, envelope.MsgKind.REQUEST, 7)
     assert len(agent.accepted) == 1
-    _message(agent, wire.MsgKind.RESPONSE, 8)
+    _message(agent, envelope.MsgKind.RESPONSE, 8)
     assert RpcAgent._spin_while(agent) is Why.AWAITED
     agent._pool.busy = True  # a pool thread runs code: it needs the GIL
     assert RpcAgent._spin_while(agent) is Why.COMPUTING

@@ -77,7 +77,7 @@ def test_a_burst_is_served_by_the_running_thread_not_one_thread_per_request(monk
     # thread, which takes every task in turn: queued work waits for a
     # running thread rather than waking another (a GIL-bound callee gains
     # nothing from a second thread, only hand-offs).
-    monkeypatch.setattr(_pool, "STALL_S", 60.0)
+    monkeypatch.setattr(_pool, "WATCH_WINDOW_S", 60.0)
     monkeypatch.setattr(_pool, "STALL_MAX_S", 60.0)
     pool = WorkerPool(8)
     ran = []
@@ -120,7 +120,7 @@ def test_watchdog_takes_a_busy_process_for_starved_not_stuck():
     # that idled has its running threads blocked.  Past STALL_MAX_S the
     # work gets a thread whatever the process did (a user function may hold
     # the GIL computing, and torch would run the next request beside it).
-    w = _pool.STALL_S
+    w = _pool.WATCH_WINDOW_S
     assert not _pool.stalled(w, 0.9 * w, 2 * w)
     assert _pool.stalled(w, 0.1 * w, 2 * w)
     assert _pool.stalled(w, w, _pool.STALL_MAX_S)
@@ -205,8 +205,8 @@ def test_watchdog_takes_a_process_waiting_for_a_core_for_starved_not_stuck(monke
     try:
         pool.submit(release.wait, 10)
         pool.submit(lambda: ran.append(threading.get_ident()))
-        # Many windows pass (STALL_S is 2 ms): none confirms a stall.
-        time.sleep(50 * _pool.STALL_S)
+        # Many windows pass (WATCH_WINDOW_S is 2 ms): none confirms a stall.
+        time.sleep(50 * _pool.WATCH_WINDOW_S)
         assert not ran and pool.stalls == 0 and len(pool._threads) == 1
         release.set()
         done = threading.Event()

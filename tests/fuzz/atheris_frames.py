@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 with atheris.instrument_imports(include=["ucxrpc", "tests.fuzz"]):
     from tests.fuzz.frames import (CLEAR_ERRORS, Spec, as_array, build, decode_checked,
                                    random_mutation, touches_mac)
-    from ucxrpc.serialization import envelope as wire
+    from ucxrpc.serialization import envelope
     from ucxrpc.errors import FrameError
     from ucxrpc.transport.wire import auth
     from ucxrpc.transport.wire.frame import MIN_CHUNK_KIB, Kind, Limits
@@ -86,10 +86,10 @@ def _handshake(fdp: atheris.FuzzedDataProvider) -> None:
 def _header(fdp: atheris.FuzzedDataProvider) -> None:
     payload = fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64))
     try:
-        hdr, body = wire.decode(memoryview(payload))
+        hdr, body = envelope.decode(memoryview(payload))
     except FrameError:
         return
-    assert isinstance(hdr.kind, wire.MsgKind) and bytes(body) == payload[wire.HEAD_SIZE:]
+    assert isinstance(hdr.kind, envelope.MsgKind) and bytes(body) == payload[envelope.HEAD_SIZE:]
 
 
 def one_input(data: bytes) -> None:

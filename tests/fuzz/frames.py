@@ -111,13 +111,13 @@ def check_frame(frame: Frame, raw: np.ndarray, limits: Limits) -> None:
         assert -(1 << 15) <= d.device < (1 << 15)
         assert 0 <= d.nbytes < (1 << 64) and 0 <= d.arg < (1 << 32)
         if d.flags == 0:
-            if d.inline_offset == NOT_INLINE:
+            if d.where == NOT_INLINE:
                 assert not d.inline
                 oob += d.nbytes
             else:
                 assert d.inline
-                assert head_len <= d.inline_offset, (i, d, head_len)
-                assert d.inline_offset + d.nbytes <= n - MAC_LEN, (i, d, n)
+                assert head_len <= d.where, (i, d, head_len)
+                assert d.where + d.nbytes <= n - MAC_LEN, (i, d, n)
             continue
         assert not d.inline, (i, d)
         assert bool(d.flags & PACK) == (i >= first_pack), (i, d, first_pack)
@@ -131,7 +131,7 @@ def check_frame(frame: Frame, raw: np.ndarray, limits: Limits) -> None:
             assert first_pack <= d.arg < nbuf, (i, d)
             pack = descs[d.arg]
             assert pack.flags & PACK
-            assert d.inline_offset + d.nbytes <= pack.nbytes, (i, d, pack)
+            assert d.where + d.nbytes <= pack.nbytes, (i, d, pack)
             assert d.device == pack.device, (i, d, pack)
     assert frame.total == n + oob, (frame.total, n, oob)
     assert frame.total >= n

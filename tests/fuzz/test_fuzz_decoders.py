@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from tests.fuzz.frames import (CLEAR_ERRORS, DESC_FIELDS, PREFIX_FIELDS, VALID_FLAGS, Spec,
                                as_array, build, decode_checked, desc_pos, extremes, put_int,
                                touches_mac)
-from ucxrpc.serialization import envelope as wire
+from ucxrpc.serialization import envelope
 from ucxrpc.serialization.tensors import _rebuild_tensor, _rebuild_vector
 from ucxrpc.errors import AuthenticationError, FrameError, SerializationError
 from ucxrpc.serialization.pickler import Serializer
@@ -154,7 +154,7 @@ def test_encoded_frames_round_trip(spec, key):
     assert [(d.nbytes, d.device) for d in frame.buffers[:nplain]] == spec.plain
     for d, (n, device) in zip(frame.buffers, spec.plain):
         if d.inline:  # the bytes made it, in place
-            assert raw[d.inline_offset:d.inline_offset + n].tobytes() == bytes(i & 0xFF for i in range(n))
+            assert raw[d.where:d.where + n].tobytes() == bytes(i & 0xFF for i in range(n))
     staged = frame.buffers[nplain:nplain + len(spec.staged)]
     assert [(d.nbytes, d.device, d.arg) for d in staged] == spec.staged
 
@@ -315,21 +315,21 @@ def test_a_replayed_proof_fails_against_a_fresh_nonce(x, y, nx, ny, ny2):
 @example(payload=bytes([1, 1]) + b"\0" * 14)
 def test_wire_decode_on_random_payloads(payload):
     try:
-        hdr, body = wire.decode(memoryview(payload))
+        hdr, body = envelope.decode(memoryview(payload))
     except FrameError:
         return
-    assert isinstance(hdr.kind, wire.MsgKind)
-    assert bytes(body) == payload[wire.HEAD_SIZE:]
-    assert wire.encode(hdr.kind, hdr.msg_id, body, hdr.flags) == (payload[:4] + b"\0" * 4
+    assert isinstance(hdr.kind, envelope.MsgKind)
+    assert bytes(body) == payload[envelope.HEAD_SIZE:]
+    assert envelope.encode(hdr.kind, hdr.msg_id, body, hdr.flags) == (payload[:4] + b"\0" * 4
                                                                   + payload[8:])
 
 
 @fuzz(200)
 @given(value=st.integers(0, 2**46 - 1))
 def test_parse_hint_of_any_tag_hint(value):
-    kind, msg_id = wire.parse_hint(value)
+    kind, msg_id = envelope.parse_hint(value)
     assert 0 <= kind < 8 and msg_id >= 0
-    assert wire.hint(kind, msg_id) == value
+    assert envelope.hint(kind, msg_id) == value
 
 
 # ---------------------------------------------------------------- serializer

@@ -145,7 +145,7 @@ def _capture_sends() -> list[tuple[int, bytes]]:
 def _replayable(sent: list[tuple[int, bytes]]) -> dict[str, tuple[int, str]]:
     """Worker0's HELLO and PROOF to worker1 and its first REQUEST frame."""
     from tests.fuzz.frames import FRAME, HANDSHAKE, HINT_MASK, KIND_SHIFT, as_array
-    from ucxrpc.serialization import envelope as wire
+    from ucxrpc.serialization import envelope
     from ucxrpc.transport.wire.frame import Limits, decode
 
     out: dict[str, tuple[int, str]] = {}
@@ -155,7 +155,7 @@ def _replayable(sent: list[tuple[int, bytes]]) -> dict[str, tuple[int, str]]:
             name = decode(as_array(data), None, Limits()).kind.name.lower()
             if name in ("hello", "proof"):
                 out.setdefault(name, (tag, data.hex()))
-        elif kind == FRAME and wire.parse_hint(tag & HINT_MASK)[0] == wire.MsgKind.REQUEST:
+        elif kind == FRAME and envelope.parse_hint(tag & HINT_MASK)[0] == envelope.MsgKind.REQUEST:
             out.setdefault("request", (tag, data.hex()))
     assert set(out) == {"hello", "proof", "request"}, f"captured only {sorted(out)}"
     return out
@@ -342,15 +342,15 @@ def forged_hints_rogue(port: int, seed: int) -> None:
     """Frames over worker1's max_frame_bytes, claiming worker0, whose tags
     carry hints naming calls in flight (message ids are small counters)."""
     from tests.fuzz.frames import FRAME, Shot, tag_of
-    from ucxrpc.serialization import envelope as wire
+    from ucxrpc.serialization import envelope
 
     store = _store(port)
     address = bytes.fromhex(store.get("worker1-address").decode())
     store.wait(["call-out-0", "call-out-1"])
     data = os.urandom(W1_FRAME_LIMIT + 1)
-    shots = [Shot(tag_of(FRAME, 0, wire.hint(kind, msg_id)), data, "counted")
+    shots = [Shot(tag_of(FRAME, 0, envelope.hint(kind, msg_id)), data, "counted")
              for msg_id in range(1, 17)
-             for kind in (wire.MsgKind.RESPONSE, wire.MsgKind.REQUEST)]
+             for kind in (envelope.MsgKind.RESPONSE, envelope.MsgKind.REQUEST)]
     tr, ep = _rogue_transport(address)
     try:
         store.set("rogue-sent", str(len(shots)))  # counted from here on by worker1

@@ -188,7 +188,7 @@ def test_unauthenticated_and_malformed_frames_are_refused_and_agent_keeps_servin
 def _bad_messages(rank, world_size, init_method):
     import ucxrpc as rpc
     from ucxrpc import api
-    from ucxrpc.serialization import envelope as wire
+    from ucxrpc.serialization import envelope
 
     from tests.faults._common import go, wait_for_go
 
@@ -212,7 +212,7 @@ def _bad_messages(rank, world_size, init_method):
         agent = api._agent
         fut = torch.futures.Future()
         agent.calls.add(10**9, fut, 1)
-        agent.transport.send(1, wire.encode(wire.MsgKind.REQUEST, 10**9, b"\x80\x05garbage"), [])
+        agent.transport.send(1, envelope.encode(envelope.MsgKind.REQUEST, 10**9, b"\x80\x05garbage"), [])
         with pytest.raises(RuntimeError, match="cannot decode a request"):
             fut.wait()
         # nothing was lost: the pipe still carries calls and data

@@ -23,7 +23,7 @@ import torch
 
 from .. import _torch_futures, devices, timeouts
 from . import rendezvous
-from ..serialization import envelope as wire
+from ..serialization import envelope
 from .pool import WorkerPool
 from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
@@ -318,7 +318,7 @@ class RpcAgent:
         self.calls.add(msg_id, fut, to.id, waited)
         try:
             remote = to.id != self.info.id
-            self.send_message(to.id, wire.MsgKind.REQUEST, msg_id, pickled.payload,
+            self.send_message(to.id, envelope.MsgKind.REQUEST, msg_id, pickled.payload,
                               pickled.buffers,
                               self.members.cuda_targets(to.id, pickled) if remote else None)
             if remote and not waited:
@@ -350,15 +350,15 @@ class RpcAgent:
             return Why.AWAITED
         return Why.NOTHING_DUE
 
-    def send_message(self, peer: int, kind: wire.MsgKind, msg_id: int, body: bytes | memoryview,
+    def send_message(self, peer: int, kind: envelope.MsgKind, msg_id: int, body: bytes | memoryview,
                      buffers: list[Buffer], targets: list[int] | None = None) -> None:
         """Send one message (a request, or the server's answer) to ``peer``,
         this worker included; ``targets`` as :meth:`Members.cuda_targets` gives them."""
-        payload = wire.encode(kind, msg_id, body)
+        payload = envelope.encode(kind, msg_id, body)
         if peer == self.info.id:
             self._loopback(payload, buffers)
         else:
-            self.transport.send(peer, payload, buffers, wire.hint(kind, msg_id), targets)
+            self.transport.send(peer, payload, buffers, envelope.hint(kind, msg_id), targets)
 
     def _loopback(self, payload: bytes, buffers: list[Buffer]) -> None:
         # A call to oneself gets copies, as a remote callee would.  The
@@ -403,11 +403,11 @@ class RpcAgent:
     # ------------------------------------------------------------ receiving
 
     def _on_message(self, peer: int, payload: memoryview, buffers: list[torch.Tensor]) -> None:
-        hdr, body = wire.decode(payload)
-        if hdr.kind is wire.MsgKind.REQUEST:
+        hdr, body = envelope.decode(payload)
+        if hdr.kind is envelope.MsgKind.REQUEST:
             self._requested_at = time.monotonic()
             self._server.accept(peer, hdr.msg_id, body, buffers)
-        elif hdr.kind is wire.MsgKind.RESPONSE:
+        elif hdr.kind is envelope.MsgKind.RESPONSE:
             call = self.calls.pop(hdr.msg_id)
             if call is None:
                 return  # timed out or failed already
@@ -418,7 +418,7 @@ class RpcAgent:
                     f"cannot decode the response from {self.members.name_of(peer)}: {exc}"))
                 return
             self.calls.complete(call, value)
-        elif hdr.kind is wire.MsgKind.ERROR:
+        elif hdr.kind is envelope.MsgKind.ERROR:
             call = self.calls.pop(hdr.msg_id)
             if call is not None:
                 self.counters["remote_errors"] += 1
@@ -426,13 +426,13 @@ class RpcAgent:
 
     def _on_frame_error(self, peer: int, hint: int, exc: BaseException) -> None:
         """A message from ``peer`` broke one of our limits: answer or fail it."""
-        kind, msg_id = wire.parse_hint(hint)
+        kind, msg_id = envelope.parse_hint(hint)
         logger.warning("%s: message %s from %s rejected: %s", self.info.name, msg_id,
                        self.members.name_of(peer), exc)
-        if kind == wire.MsgKind.REQUEST:
+        if kind == envelope.MsgKind.REQUEST:
             self._server.refuse(peer, msg_id, FrameError(
                 f"message rejected by {self.info.name}: {exc}"))
-        elif kind in (wire.MsgKind.RESPONSE, wire.MsgKind.ERROR):
+        elif kind in (envelope.MsgKind.RESPONSE, envelope.MsgKind.ERROR):
             self.calls.fail(msg_id, FrameError(f"the reply from {self.members.name_of(peer)} was "
                                                f"rejected by {self.info.name}: {exc}"))
 

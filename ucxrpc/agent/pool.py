@@ -10,7 +10,7 @@ with the GIL, a second thread running Python code adds no throughput, only
 hand-offs.  A watchdog (as Go's sysmon retakes a processor from a blocked
 system call, or .NET's pool injects threads when none completes work)
 starts one more thread when queued work has seen no task taken for a
-:data:`STALL_S` window in which the process idled: the running threads are
+:data:`WATCH_WINDOW_S` window in which the process idled: the running threads are
 then blocked in user code (a sleep, a lock, I/O), and the next request must
 not wait for them, as torch's pool would not make it.
 
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 #: windows, in which the process ran less than IDLE_SHARE of a core (the
 #: second one counting time it waited for a core as running), gets another
 #: thread.  It costs one watchdog wake-up per window while work is queued.
-STALL_S = 0.002
+WATCH_WINDOW_S = 0.002
 IDLE_SHARE = 0.5
 #: ... and queued work waits no longer than this whatever the process did
 #: (a user function may hold the GIL computing: torch's pool would run the
@@ -189,7 +189,7 @@ class WorkerPool:
 
     def _watch_loop(self) -> None:
         """Get a thread for queued work that no running thread came for
-        within a window of STALL_S while the process idled (its running
+        within a window of WATCH_WINDOW_S while the process idled (its running
         threads are blocked in user code), or within STALL_MAX_S whatever
         it did.  A busy process with work queued is starved, not stuck:
         its threads wait for the GIL or a core, and one more thread would
@@ -212,7 +212,7 @@ class WorkerPool:
                     # over more than it: a pause of this thread in between
                     # (the reads release the lock) counts as busy, not idle.
                     begin, cpu = time.monotonic(), time.process_time()
-                    self._watch.wait(STALL_S)
+                    self._watch.wait(WATCH_WINDOW_S)
                     if not self._tasks or self._taken_at >= start:
                         confirming = False
                         continue  # work moves

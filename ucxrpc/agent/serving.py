@@ -19,7 +19,7 @@ import torch
 
 from .. import _torch_futures, devices
 from ..errors import FrameError, RpcError, SerializationError
-from ..serialization import envelope as wire
+from ..serialization import envelope
 from ..serialization.pickler import Serializer
 from .info import WorkerInfo
 from .members import Members
@@ -41,7 +41,7 @@ class Served(Protocol):
 
     def dumps_for(self, dest: int, obj: Any) -> Any: ...
 
-    def send_message(self, peer: int, kind: wire.MsgKind, msg_id: int,
+    def send_message(self, peer: int, kind: envelope.MsgKind, msg_id: int,
                      body: bytes | memoryview, buffers: list[Any],
                      targets: list[int] | None = None) -> None: ...
 
@@ -160,7 +160,7 @@ class Server:
                 self._reply_error(peer, msg_id, exc)
                 return
         try:
-            agent.send_message(peer, wire.MsgKind.RESPONSE, msg_id, pickled.payload,
+            agent.send_message(peer, envelope.MsgKind.RESPONSE, msg_id, pickled.payload,
                                pickled.buffers, targets)
         except FrameError as exc:
             self._reply_error(peer, msg_id, exc)
@@ -173,7 +173,7 @@ class Server:
     def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
         agent = self._agent
         try:
-            agent.send_message(peer, wire.MsgKind.ERROR, msg_id,
+            agent.send_message(peer, envelope.MsgKind.ERROR, msg_id,
                                describe_exception(exc, agent.info), [])
         except RpcError as err:
             logger.warning("%s: error reply to %s lost: %s", agent.info.name,

@@ -366,7 +366,12 @@ class Transport:
 
     def close(self) -> None:
         """Stop progress and close every endpoint; idempotent.  Peers
-        watching this process's lifeline are told it shut down."""
+        watching this process's lifeline are told it shut down.
+
+        Blocks, up to about 6 s: up to 1 s while peers still read this
+        process's buffers by address (their word lets them go), up to 5 s
+        for the loop's turn to end (:meth:`ProgressThread.stop`), then 50 ms
+        for the endpoints' close requests to go out."""
         if self._closing:
             return
         self._closing = True

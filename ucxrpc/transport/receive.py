@@ -56,7 +56,7 @@ Allocator = Callable[[int, int], torch.Tensor]
 
 def _inline(frame: np.ndarray, d: BufferDesc) -> torch.Tensor:
     """A buffer that travelled inside its frame, as a view of the frame."""
-    return torch.from_numpy(frame[d.inline_offset:d.inline_offset + d.nbytes])
+    return torch.from_numpy(frame[d.where:d.where + d.nbytes])
 
 
 class Receiver:
@@ -250,7 +250,7 @@ class Receiver:
                 self._by_address.on_frame(pipe, frame)
             elif frame.kind is Kind.GRANT:
                 self._grants.on_frame(pipe, frame)
-            return  # PING and PONG: once liveness checks, now unused
+            return
         if self._too_big(pipe, frame, hint):
             self._drain(pipe, frame)
             return
@@ -268,7 +268,7 @@ class Receiver:
             elif d.flags == REMOTE or d.flags == WRITTEN:
                 if d.flags == REMOTE:
                     bufs.append(self._read(msg, i, d))
-                    phase = d.inline_offset % PAGE  # the sender's address
+                    phase = d.where % PAGE  # the sender's address
                     read = True
                 else:
                     bufs.append(self._written(msg, i, d))
@@ -332,8 +332,8 @@ class Receiver:
             if not pipe.cma.reads:
                 raise FrameError(f"{pipe.name} sent buffer {i} by address, but this worker "
                                  "never offered to read it by address")
-            target = self._alloc_read(d.nbytes, d.inline_offset % PAGE)
-            cma.read(pipe.cma.pid, target.data_ptr(), d.inline_offset, d.nbytes)
+            target = self._alloc_read(d.nbytes, d.where % PAGE)
+            cma.read(pipe.cma.pid, target.data_ptr(), d.where, d.nbytes)
         except OSError as exc:
             msg.error = BrokenError(f"reading buffer {i} ({d.nbytes} bytes) out of "
                                     f"{pipe.name}'s memory failed: {exc.strerror or exc}")

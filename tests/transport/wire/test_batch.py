@@ -39,7 +39,7 @@ def test_messages_come_back_whole_in_order_and_aligned():
         assert (m.kind, m.seq, bytes(m.payload)) == (Kind.MESSAGE, 1000 + i, b"p" * i)
         if i:
             d = m.buffers[0]
-            t = torch.from_numpy(raw[d.inline_offset:d.inline_offset + d.nbytes]).view(torch.float64)
+            t = torch.from_numpy(raw[d.where:d.where + d.nbytes]).view(torch.float64)
             assert torch.equal(t, torch.arange(i, dtype=torch.float64))
 
 

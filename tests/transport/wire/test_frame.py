@@ -30,10 +30,10 @@ def test_frame_round_trip_inlines_small_buffers_only():
     f = decode(frame, KEY, limits)
     assert (f.kind, f.seq, bytes(f.payload)) == (Kind.MESSAGE, 7, b"payload")
     assert [d.nbytes for d in f.buffers] == [10, 2000, 0]
-    assert f.buffers[1].inline_offset == NOT_INLINE
+    assert f.buffers[1].where == NOT_INLINE
     d0 = f.buffers[0]
-    assert d0.inline_offset % 64 == 0
-    assert bytes(frame[d0.inline_offset:d0.inline_offset + 10]) == bytes(range(10))
+    assert d0.where % 64 == 0
+    assert bytes(frame[d0.where:d0.where + 10]) == bytes(range(10))
     assert f.total == frame.nbytes + 2000
 
 
@@ -94,9 +94,9 @@ def _set(a: np.ndarray, i: int, v: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("count", [1, 20])  # the per-struct and the numpy coders
-def test_inline_offsets_outside_the_frame_are_refused(count):
+def test_wheres_outside_the_frame_are_refused(count):
     frame, _ = encode(Kind.MESSAGE, 3, b"p", _bufs(*([8] * count)), b"", Limits())
-    off = PREFIX.size + DESC.size * (count - 1) + 8  # the last descriptor's inline_offset field
+    off = PREFIX.size + DESC.size * (count - 1) + 8  # the last descriptor's where field
     bad = frame.copy()
     bad[off:off + 8] = np.frombuffer((10**6).to_bytes(8, "little"), np.uint8)
     with pytest.raises(FrameError, match=f"buffer {count - 1} claims inline bytes"):
@@ -173,7 +173,7 @@ def test_staged_and_packed_descriptors_round_trip(extra):
     f = decode(frame, KEY, Limits())
     assert f.nbuf == f.delivered == pack
     assert f.buffers[0].flags == STAGED and f.buffers[0].arg == 4096 and not f.buffers[0].inline
-    assert [(d.flags, d.arg, d.inline_offset) for d in f.buffers[1:3]] == \
+    assert [(d.flags, d.arg, d.where) for d in f.buffers[1:3]] == \
         [(PACKED, pack, 0), (PACKED, pack, 128)]
     assert all(d.inline for d in f.buffers[3:pack])
     assert f.total == frame.nbytes + (5 << 20) + 192
@@ -209,7 +209,7 @@ def test_remote_descriptors_round_trip_and_host_memory_only():
                              [(0, 0, 0), (REMOTE, 0, 0x7F00_1234_5678)])
     assert separate == [0]  # a REMOTE buffer sends nothing
     got = decode(frame, b"k" * 16, limits)
-    assert got.buffers[1].flags == REMOTE and got.buffers[1].inline_offset == 0x7F00_1234_5678
+    assert got.buffers[1].flags == REMOTE and got.buffers[1].where == 0x7F00_1234_5678
     assert got.total == frame.nbytes + 10 + (1 << 22)
     bad, _ = encode(Kind.MESSAGE, 1, b"p", [(1 << 22, None, 0)], b"k" * 16, limits,
                     [(REMOTE, 0, 4096)])

@@ -292,7 +292,7 @@ def finish(buffers: list[Any], descs: Sequence[BufferDesc], delivered: int,
         side = (torch.cuda.stream(_side_stream(pack.device.index or 0, "in")) if pack.is_cuda
                 else contextlib.nullcontext())
         with side:
-            _kernels.cut(pack, [descs[i].inline_offset for i in members], outs)
+            _kernels.cut(pack, [descs[i].where for i in members], outs)
         for i, t in zip(members, outs):
             buffers[i] = t
     for d in devices:  # the message is handed up complete, on any stream

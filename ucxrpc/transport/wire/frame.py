@@ -9,7 +9,7 @@ Layout (little endian)::
 
     prefix   magic "UX" | version u8 | kind u8 | nbuf u16 | state u16
              | payload_len u32 | seq u64 | ack u64            (28 bytes)
-    nbuf x   nbytes u64 | offset u64 | device i16 (-1 = cpu) | flags u8
+    nbuf x   nbytes u64 | where u64 | device i16 (-1 = cpu) | flags u8
              | pad u8 | arg u32                               (24 bytes each)
     payload  payload_len bytes, opaque to the transport
     inline   small buffers copied in, each 64-byte aligned
@@ -17,17 +17,17 @@ Layout (little endian)::
              and the frame's total length
 
 A descriptor's ``flags`` say how a buffer travels (0: one tag message
-straight into its final memory, or inline when ``offset`` is not NOT_INLINE):
+straight into its final memory, or inline when ``where`` is not NOT_INLINE):
 
 * STAGED: as host chunks of ``arg`` KiB, one tag message each, in order on
   the buffer's tag, because one side's UCX cannot touch device memory; the
   receiver copies each chunk to the device as it lands.
 * PACK: the buffer is a pack of many small device buffers, listed after
   every ordinary descriptor and not delivered itself.
-* PACKED: the buffer lives in the pack ``arg`` at ``offset``; the receiver
+* PACKED: the buffer lives in the pack ``arg`` at ``where``; the receiver
   cuts it out (one kernel launch per pack) when the pack arrives.
 * REMOTE: a host buffer the receiver reads out of the sender's memory at
-  address ``offset`` (:mod:`..hostmem.cma`); nothing is sent for it.  Only a pipe
+  address ``where`` (:mod:`..hostmem.cma`); nothing is sent for it.  Only a pipe
   whose receiver sent CMA_OK carries them.
 * WRITTEN: a host buffer its sender already wrote into the receiver's
   memory, into the grant ``arg`` (:mod:`..grants`); nothing is sent for it.
@@ -86,11 +86,9 @@ class Kind(enum.IntEnum):
     HELLO = 1
     CHALLENGE = 2
     PROOF = 3
-    # Liveness frames of earlier versions, authenticated like MESSAGE; a
-    # peer's death is now the kernel's word (lifeline.py), and these are
-    # received and ignored.
-    PING = 4
-    PONG = 5
+    # 4 and 5 were liveness frames (PING, PONG) of earlier frame versions: a
+    # peer's death is the kernel's word now (lifeline.py); a frame of either
+    # kind is refused as any unknown kind.
     # Several small messages in one frame (batch.py): queued to a pipe
     # while its previous frame was still in flight.
     BATCH = 6
@@ -130,14 +128,17 @@ class BufferDesc(NamedTuple):
     """One buffer of a message (a tuple: frames may carry thousands)."""
 
     nbytes: int
-    inline_offset: int  # PACKED: the offset in its pack
+    # Where the bytes are, as the flags say: the offset in this frame
+    # (inline), NOT_INLINE (a separate message), the offset in its pack
+    # (PACKED), or the sender's address (REMOTE: read by address).
+    where: int
     device: int  # -1 for host memory, else the CUDA device index
     flags: int = 0
     arg: int = 0  # STAGED: chunk size in KiB; PACKED: the pack's index
 
     @property
     def inline(self) -> bool:
-        return self.inline_offset != NOT_INLINE and not self.flags
+        return self.where != NOT_INLINE and not self.flags
 
 
 # The descriptor table read in one numpy call instead of a struct per buffer.
@@ -207,9 +208,9 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     host buffer (device -1) no larger than ``limits.inline_threshold`` is
     copied inline while the inline total stays under ``limits.inline_total``
     and the frame within both sides' ``max_frame_bytes``.
-    ``ways``, when given, holds (flags, arg, offset) per buffer; a buffer
+    ``ways``, when given, holds (flags, arg, where) per buffer; a buffer
     with flags set is never inlined, and PACKED, REMOTE and WRITTEN ones are
-    not sent at all (a REMOTE one's address rides in its offset).
+    not sent at all (a REMOTE one's address rides in its ``where``).
     ``seal=False`` leaves the MAC zero: a message inside a batch, whose
     frame's MAC covers it whole.  ``ack`` and ``busy`` (the state's BUSY):
     see the module's docstring.
@@ -384,9 +385,9 @@ def _with_ways(frame: Frame) -> Frame:
             if not first_pack <= d.arg < len(descs):
                 raise FrameError(f"buffer {i} claims to sit in buffer {d.arg}, which is not a pack")
             pack = descs[d.arg]
-            if d.inline_offset + d.nbytes > pack.nbytes or d.device != pack.device:
-                raise FrameError(f"buffer {i} claims bytes [{d.inline_offset}, "
-                                 f"{d.inline_offset + d.nbytes}) on device {d.device} of a "
+            if d.where + d.nbytes > pack.nbytes or d.device != pack.device:
+                raise FrameError(f"buffer {i} claims bytes [{d.where}, "
+                                 f"{d.where + d.nbytes}) on device {d.device} of a "
                                  f"{pack.nbytes}-byte pack on device {pack.device}")
     return Frame(frame.kind, frame.seq, frame.payload, descs, frame.raw, total, first_pack,
                  frame.ack, frame.busy)
