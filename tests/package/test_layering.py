@@ -36,6 +36,7 @@ RANKS: dict[str, int] = {
     "ucxrpc._torch_profiler": 0,  # torch's legacy profiler's private hooks, for RPC profiling
     "ucxrpc._torch_futures": 0,  # torch.futures.wait_all / collect_all that fail fast
     "ucxrpc._launch": 0,  # starts/stops rank processes for tests, bench, examples: stdlib only
+    "ucxrpc._states": 0,  # the base of the state and reason enums (identity hash)
     # The transport, bottom up (docs/architecture.md, "Layers").
     "ucxrpc.transport.wire": 1,  # frames, tags, auth, batches, gathers: pure codecs
     "ucxrpc.transport.loop": 1,  # who turns the progress loop, and whether it may poll

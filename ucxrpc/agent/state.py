@@ -11,12 +11,12 @@ flowing while a worker waits at the barrier), as in torch.
 
 from __future__ import annotations
 
-import enum
+from .._states import StateEnum
 
 __all__ = ["AgentState"]
 
 
-class AgentState(enum.Enum):
+class AgentState(StateEnum):
     NEW = "new"
     JOINING = "joining"
     SERVING = "serving"

@@ -24,7 +24,6 @@ initiator can name the worker where it happened however deep in the chain.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import itertools
 import logging
@@ -35,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .._states import StateEnum
 from .. import _torch_futures, api
 from ..agent import RpcAgent
 from ..errors import DistAutogradError, RpcError
@@ -96,7 +96,7 @@ def _send_grads(agent: RpcAgent, context_id: int, pass_id: PassId, retain_graph:
 PassId = tuple[int, int]
 
 
-class Begun(enum.Enum):
+class Begun(StateEnum):
     """What a pass's message found on its worker (:func:`_begin`)."""
 
     NEW = "new"          # it begins this worker's part: answered at the part's end

@@ -64,7 +64,6 @@ once; ``DistEngine::executeSendFunctionAsync`` feeds the task in C++ only).
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import threading
 import weakref
@@ -74,6 +73,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .._states import StateEnum
 from .. import _torch_futures
 from ..errors import DistAutogradError
 from ._context import DistAutogradContext, Recv
@@ -91,7 +91,7 @@ ROOTS = -1
 Propagate = Callable[[Recv, list[torch.Tensor | None]], _Future]
 
 
-class Phase(enum.Enum):
+class Phase(StateEnum):
     """Where a pass is.  RUNNING -> COMMITTING -> ENDED, or RUNNING ->
     STOPPING (a part failed; waiting for its propagations in flight) ->
     ENDED; then FINISHED once :attr:`WorkerPass.done` completed."""

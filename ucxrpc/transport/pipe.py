@@ -37,7 +37,6 @@ epoch, requests in flight) carries over (engine.py, handshake.py).
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .._states import StateEnum
 from .hostmem import cma
 from .wire.frame import Frame, Kind
 from .wire.gather import Buffer
@@ -56,7 +56,7 @@ __all__ = ["Auth", "BadMove", "ByAddressState", "CudaPath", "Inbound", "Incoming
            "OutState", "Peer", "Piece", "Pipe", "Shared", "cuda_path"]
 
 
-class CudaPath(enum.Enum):
+class CudaPath(StateEnum):
     """How a pipe moves CUDA tensors, as ``pipe_info`` reports it."""
 
     #: UCX copies device to device itself: a ``cuda_ipc`` lane (CUDA IPC,
@@ -109,7 +109,7 @@ class Peer:
     tcp_segment: int | None = None
 
 
-class OutState(enum.Enum):
+class OutState(StateEnum):
     NEW = "new"
     HELLO_SENT = "hello-sent"
     OPEN = "open"

@@ -24,18 +24,18 @@ device memory instead: :func:`way` decides, for the transport and for
 
 from __future__ import annotations
 
-import enum
 import threading
 from typing import Any
 
 import torch
 
+from ..._states import StateEnum
 from . import context as cudactx
 
 __all__ = ["Way", "free", "take", "usable", "way"]
 
 
-class Way(enum.Enum):
+class Way(StateEnum):
     """How a worker hands its device memory to UCX where UCX loaded cuda_ipc."""
 
     AS_IS = "as-is"      # CUDA IPC shares it

@@ -17,13 +17,13 @@ to the main worker, through that same queue.  If it has not arrived after
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
+from ..._states import StateEnum
 from ..ucx.ucp import FULL_MASK
 from ..ucx.binding import Endpoint, Request, Worker
 
@@ -77,7 +77,7 @@ class Canary:
         self._worker.close()
 
 
-class CheckState(enum.Enum):
+class CheckState(StateEnum):
     IDLE = "idle"            # no check running (none needed, or the last one passed)
     WAITING = "waiting"      # a canary is on its way; its arrival proves the queue moves
     STUCK = "stuck"          # it did not arrive: final, no local peer can reach us

@@ -43,7 +43,6 @@ noticed only through UCX's own errors, and a warning says so.
 
 from __future__ import annotations
 
-import enum
 import errno
 import fcntl
 import json
@@ -58,6 +57,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
+from ..._states import StateEnum
 from ..ucx.environment import keepalive_schedule
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ def probe(address: str, timeout: float) -> str | None:
     return "its process is gone: " + "; ".join(gone) if gone else None
 
 
-class LineState(enum.Enum):
+class LineState(StateEnum):
     """Where the lifeline to one peer stands (moves: :data:`_MOVES`)."""
 
     CONNECTING = "connecting"  # first connection attempts out, no identity proved yet
@@ -256,7 +256,7 @@ VERIFY_MAX_S = 8.0
 VERIFY_CALM_S = 30.0
 
 
-class Purpose(enum.Enum):
+class Purpose(StateEnum):
     """Why a round of connection attempts runs: what its end means."""
 
     CONNECT = "connect"  # the first: no answer at all -> NONE

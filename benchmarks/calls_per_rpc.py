@@ -1,0 +1,57 @@
+"""Python function calls per call, on the caller and the callee: an A/B that
+noise cannot move (this VM's latency figures move 10-20% from one invocation
+to the next; a count of calls does not).
+
+    python benchmarks/calls_per_rpc.py PORT N noop|dict OUT.json
+
+Two processes; after 300 warm-up calls, ``sys.setprofile`` (and
+``threading.setprofile``) count every Python and C function called on every
+thread of both, over N calls of ``rpc_sync(noop)`` or of an echo of 100
+4 KiB tensors in a dict.  OUT.json holds the counts per side and N.  To
+compare two trees, run it from each (``PYTHONPATH=<tree>``) and divide by N
+(Run AK did so against 0c6b5a9).  The loop's own functions (polling, yields)
+vary with timing; the rest is the work per message.
+"""
+import collections, json, os, sys, threading, time
+import torch
+import torch.multiprocessing as mp
+
+def noop():
+    return None
+
+def echo(x):
+    return x
+
+COUNTS = collections.Counter()
+
+def prof(frame, event, arg):
+    if event == "call":
+        c = frame.f_code
+        COUNTS[(c.co_filename.split("/ucxrpc/")[-1] if "/ucxrpc/" in c.co_filename else c.co_filename.rsplit("/", 1)[-1], c.co_name)] += 1
+    elif event == "c_call":
+        COUNTS[("C", getattr(arg, "__qualname__", str(arg)))] += 1
+
+def start():
+    COUNTS.clear()
+    threading.setprofile(prof); sys.setprofile(prof)
+
+def stop():
+    sys.setprofile(None); threading.setprofile(None)
+    return {f"{k[0]}:{k[1]}": v for k, v in COUNTS.items()}
+
+def run(rank, port, n, what, out):
+    import ucxrpc as rpc
+    os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = str(port)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+    if rank == 0:
+        d = {f"t{i}": torch.randn(1024) for i in range(100)}
+        call = (lambda: rpc.rpc_sync("w1", noop)) if what == "noop" else (lambda: rpc.rpc_sync("w1", echo, (d,)))
+        for _ in range(300): call()
+        rpc.rpc_sync("w1", start); start()
+        for _ in range(n): call()
+        mine = stop(); theirs = rpc.rpc_sync("w1", stop)
+        json.dump({"caller": mine, "callee": theirs, "n": n}, open(out, "w"))
+    rpc.shutdown()
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]), nprocs=2)
