@@ -29,7 +29,7 @@ from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
 from ..serialization.pickler import Serializer
 from ..transport import SPIN_S, Limits, Peer, Transport
-from ..transport.loop.progress import Why
+from ..transport.loop.strategy import Why
 from ..transport.wire.gather import Buffer, Gather
 from .calls import CallFuture, CallTable, SyncReply
 from .hooks import Hooks
@@ -37,7 +37,7 @@ from .info import WorkerInfo
 from .members import Members
 from .remote_errors import rebuild_exception
 from .serving import Server
-from .state import AgentState
+from .state import MOVES, AgentState
 
 #: A peer that sent us a request this recently is likely to send the next
 #: one soon, even if a reply came in since (a worker that both serves and
@@ -152,11 +152,22 @@ class RpcAgent:
                                   cma=self.transport.cma_offer,
                                   tcp_segment=self.transport.tcp_segment)
 
+    def _move(self, to: AgentState) -> None:
+        """The one place the agent's state changes, as :data:`MOVES` allows.
+
+        Raises:
+            RuntimeError: a move the table does not hold (a bug, named).
+        """
+        if to not in MOVES[self.state]:
+            raise RuntimeError(f"{self.info.name}: the agent cannot go from "
+                               f"{self.state.value} to {to.value}")
+        self.state = to
+
     def start(self) -> None:
         self.transport.start()
         self.calls.start()
         if self.state is AgentState.NEW:
-            self.state = AgentState.JOINING
+            self._move(AgentState.JOINING)
 
     def join(self, timeout: float | None) -> None:
         """Publish our address, learn everyone's, then start serving;
@@ -175,7 +186,7 @@ class RpcAgent:
     def joined(self) -> None:
         """The join is complete (every worker of a static job met at the
         init barrier; a dynamic group's members were told)."""
-        self.state = AgentState.SERVING
+        self._move(AgentState.SERVING)
 
     @property
     def dynamic(self) -> bool:
@@ -209,7 +220,7 @@ class RpcAgent:
             return
         try:
             if graceful:
-                self.state = AgentState.DRAINING
+                self._move(AgentState.DRAINING)
                 for hook in list(self.hooks.before_shutdown):
                     try:
                         hook(timeout)
@@ -270,7 +281,7 @@ class RpcAgent:
         _wait_until(lambda: not (self.calls or self._server.unanswered), timeout)
 
     def _teardown(self) -> None:
-        self.state = AgentState.CLOSED
+        self._move(AgentState.CLOSED)
         self._pool.close()
         self.transport.close()
         self._drop_store()
@@ -328,6 +339,10 @@ class RpcAgent:
             raise
         if timeout is not None:
             self.calls.arm(msg_id, timeout)
+        if logger.isEnabledFor(logging.DEBUG):  # the per-message trace (docs/style.md)
+            logger.debug("%s: call %d to %s: %s (%d buffers, timeout %s)", self.info.name,
+                         msg_id, to.name, getattr(func, "__qualname__", func),
+                         len(pickled.buffers), timeout)
         if finish is None:
             return fut
         assert isinstance(fut, torch.futures.Future)  # as made above for a wrapper
@@ -404,6 +419,10 @@ class RpcAgent:
 
     def _on_message(self, peer: int, payload: memoryview, buffers: list[torch.Tensor]) -> None:
         hdr, body = envelope.decode(payload)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: %s %d from %s (%d bytes, %d buffers)", self.info.name,
+                         hdr.kind.name.lower(), hdr.msg_id, self.members.name_of(peer),
+                         len(payload), len(buffers))
         if hdr.kind is envelope.MsgKind.REQUEST:
             self._requested_at = time.monotonic()
             self._server.accept(peer, hdr.msg_id, body, buffers)

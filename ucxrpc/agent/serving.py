@@ -105,6 +105,10 @@ class Server:
             self._reply_error(peer, msg_id, undecodable_request(exc, agent.info.name,
                                                                 agent.members.name_of(peer)))
             return
+        if logger.isEnabledFor(logging.DEBUG):  # the per-message trace (docs/style.md)
+            logger.debug("%s: serving call %d from %s: %s (%d buffers)", agent.info.name,
+                         msg_id, agent.members.name_of(peer),
+                         getattr(func, "__qualname__", func), len(buffers))
         streams = (devices.callee_streams(agent.devices, buffers) if agent.devices
                    else devices.NO_STREAMS)
         with streams:  # the reply's CUDA tensors are settled on these streams too
@@ -168,10 +172,17 @@ class Server:
         except RpcError as exc:
             logger.warning("%s: reply to %s lost: %s", agent.info.name,
                            agent.members.name_of(peer), exc)
+        else:
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s: replied to call %d from %s (%d buffers)", agent.info.name,
+                             msg_id, agent.members.name_of(peer), len(pickled.buffers))
         self._answered()
 
     def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
         agent = self._agent
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: answering call %d from %s with %s: %s", agent.info.name, msg_id,
+                         agent.members.name_of(peer), type(exc).__name__, exc)
         try:
             agent.send_message(peer, envelope.MsgKind.ERROR, msg_id,
                                describe_exception(exc, agent.info), [])

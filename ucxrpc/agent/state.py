@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .._states import StateEnum
 
-__all__ = ["AgentState"]
+__all__ = ["MOVES", "AgentState"]
 
 
 class AgentState(StateEnum):
@@ -22,3 +22,15 @@ class AgentState(StateEnum):
     SERVING = "serving"
     DRAINING = "draining"
     CLOSED = "closed"
+
+
+#: The moves an agent makes (:meth:`RpcAgent._move` checks each): the one
+#: table of its life.  CLOSED ends it from anywhere (a shutdown that is not
+#: graceful, a failed join).
+MOVES: dict[AgentState, frozenset[AgentState]] = {
+    AgentState.NEW: frozenset({AgentState.JOINING, AgentState.CLOSED}),
+    AgentState.JOINING: frozenset({AgentState.SERVING, AgentState.CLOSED}),
+    AgentState.SERVING: frozenset({AgentState.DRAINING, AgentState.CLOSED}),
+    AgentState.DRAINING: frozenset({AgentState.CLOSED}),
+    AgentState.CLOSED: frozenset(),
+}

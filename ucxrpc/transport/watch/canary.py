@@ -84,6 +84,16 @@ class CheckState(StateEnum):
     UNAVAILABLE = "unavailable"  # the canary's own endpoint failed: no check can run
 
 
+#: The check's moves (:meth:`QueueCheck._move` checks each).  STUCK and
+#: UNAVAILABLE are final: no check runs after them.
+_MOVES: dict[CheckState, frozenset[CheckState]] = {
+    CheckState.IDLE: frozenset({CheckState.WAITING, CheckState.UNAVAILABLE}),
+    CheckState.WAITING: frozenset({CheckState.IDLE, CheckState.STUCK, CheckState.UNAVAILABLE}),
+    CheckState.STUCK: frozenset(),
+    CheckState.UNAVAILABLE: frozenset(),
+}
+
+
 class QueueCheck:
     """The check for one worker, run from its progress loop.
 
@@ -112,12 +122,18 @@ class QueueCheck:
         self.stuck: str | None = None  # why no local peer can reach us, once so
         self.checks = 0
 
+    def _move(self, to: CheckState) -> None:
+        """The one place the check's state changes, as :data:`_MOVES` allows."""
+        if to not in _MOVES[self.state]:
+            raise RuntimeError(f"queue check: no move from {self.state.value} to {to.value}")
+        self.state = to
+
     def start(self, cause: str) -> None:
         """Send a canary because ``cause`` failed; no-op unless IDLE."""
         if self.state is not CheckState.IDLE:
             return
         if self._canary is not None and self._canary.failed is not None:
-            self.state = CheckState.UNAVAILABLE
+            self._move(CheckState.UNAVAILABLE)
             return
         try:
             if self._canary is None:
@@ -126,7 +142,7 @@ class QueueCheck:
         except Exception:  # a check that cannot run must not hurt the pipes
             logger.exception("cannot check the shared-memory receive queue")
             return
-        self.state = CheckState.WAITING
+        self._move(CheckState.WAITING)
         self._since = time.monotonic()
         self._cause = cause
         self.checks += 1
@@ -147,14 +163,14 @@ class QueueCheck:
         probe = self._worker.probe(self._tag, FULL_MASK)
         if probe is not None:
             self._rx.append(self._worker.recv_probed(np.empty(1, dtype=np.uint8), probe))
-            self.state = CheckState.IDLE
+            self._move(CheckState.IDLE)
             logger.debug("shared-memory receive queue still moves after %s failed", self._cause)
         elif self._canary.failed is not None:
             logger.warning("cannot check the shared-memory receive queue: %s",
                            self._canary.failed)
-            self.state = CheckState.UNAVAILABLE
+            self._move(CheckState.UNAVAILABLE)
         elif time.monotonic() - self._since > WAIT_S:
-            self.state = CheckState.STUCK
+            self._move(CheckState.STUCK)
             self.stuck = (
                 f"this worker's UCX shared-memory receive queue is stuck since {self._cause} "
                 "failed (a process killed while copying a message into it leaves a slot UCX "
