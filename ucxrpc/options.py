@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .devices import DeviceMap, check_devices, merge_device_map, to_device_map
-from .transport.loop.progress import Mode, mode_of
+from .transport.loop.strategy import Mode, mode_of
 
 DEFAULT_RPC_TIMEOUT = 60.0
 DEFAULT_INIT_METHOD = "env://"

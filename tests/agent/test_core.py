@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from ucxrpc.serialization import envelope
 from ucxrpc.agent import core
-from ucxrpc.transport.loop.progress import Why
+from ucxrpc.transport.loop.strategy import Why
 from ucxrpc.agent.core import RpcAgent
 
 
