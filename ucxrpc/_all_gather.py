@@ -7,24 +7,41 @@ workers (:class:`_Gatherings`, one per agent), since every worker of a set
 makes the same calls in the same order (torch's rule); :class:`_Gathering`
 is one call as this worker sees it.
 
-:mod:`ucxrpc.api` imports :func:`_all_gather` back, where torch has it and
+:mod:`ucxrpc.api` imports :func:`_all_gather`, where torch has it and
 libraries call it (PyG), and builds ``_wait_all_workers`` and ``_barrier``
-on it.  This module reaches the API (the current agent, ``rpc_sync``,
-``rpc_async``) through the module and at call time only, so either module
-may be imported first.
+on it.  This module needs three of the API's functions (the current agent,
+``rpc_sync``, ``rpc_async``): the API hands them over as it is imported
+(:func:`bind`), so that neither module imports the other back.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from . import api, timeouts
+from . import timeouts
 from .errors import RpcError, RpcTimeoutError
 from .functions import _plain
 
 if TYPE_CHECKING:
     from .agent import RpcAgent
+
+
+class _Api:
+    """What this module calls of :mod:`ucxrpc.api` (handed over by :func:`bind`)."""
+
+    current: Callable[[], RpcAgent]
+    rpc_sync: Callable[..., Any]
+    rpc_async: Callable[..., Any]
+
+
+api = _Api()
+
+
+def bind(current: Callable[[], RpcAgent], rpc_sync: Callable[..., Any],
+         rpc_async: Callable[..., Any]) -> None:
+    """Called once by :mod:`ucxrpc.api` as it is imported."""
+    api.current, api.rpc_sync, api.rpc_async = current, rpc_sync, rpc_async
 
 
 class _Gathering:
@@ -80,7 +97,7 @@ def _gatherings(agent: RpcAgent) -> _Gatherings:
 @_plain
 def _gather_at_leader(seq: str, name: str, obj: Any, names: frozenset[str]) -> None:
     """On the leader: ``name``'s object for all-gather ``seq``."""
-    states = _gatherings(api._current())
+    states = _gatherings(api.current())
     g = states.get(seq, names)
     with states.lock:
         if g.ended:
@@ -98,7 +115,7 @@ def _gather_at_leader(seq: str, name: str, obj: Any, names: frozenset[str]) -> N
 def _answer_follower(seq: str, objects: dict[str, Any]) -> None:
     """On a follower: every worker's object, from the leader.  One come
     after this worker gave up (its own error said so) is dropped."""
-    states = _gatherings(api._current())
+    states = _gatherings(api.current())
     g = states.get(seq, frozenset(objects))
     with states.lock:
         if not g.ended:
@@ -123,7 +140,7 @@ def _all_gather(obj: Any, worker_names: Any = None,
             some followers the result (naming them).
         ValueError: this worker is not one of ``worker_names``.
     """
-    agent = api._current()
+    agent = api.current()
     me = agent.info.name
     names = frozenset(worker_names) if worker_names is not None else frozenset(
         wi.name for wi in list(agent.members.workers.values()))

@@ -10,11 +10,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 import torch
 
-from .agent import membership as _membership, rendezvous
-from . import _torch_futures, profiling, timeouts
-# _all_gather.py imports this module back, and reads its names only when
-# called: either may be imported first.
+from . import _all_gather as _gather_protocol, _torch_futures, profiling, timeouts
 from ._all_gather import _all_gather, _gatherings
+from .agent import membership as _membership, rendezvous
 from ._torch_profiler import profiler_enabled
 from .agent import RpcAgent, WorkerInfo, check_name
 from .agent.calls import CallFuture
@@ -268,7 +266,8 @@ def is_available() -> bool:
 # ``rpc._is_current_rpc_agent_set()``, ``rpc._get_current_rpc_agent()
 # .get_worker_infos()``, ``rpc._set_rpc_timeout``, ``rpc.api._all_gather``
 # (ucxrpc/_all_gather.py holds its protocol; it is imported here, where
-# torch has it).
+# torch has it, and given the three functions of ours it calls, at the end
+# of this module).
 
 #: The tests look into an agent's all-gathers as ``api._gatherings``
 #: (tests/rpc/test_all_gather.py): imported for them, and named here so the
@@ -316,3 +315,6 @@ def _barrier(worker_names: Any) -> None:
         _all_gather(None, set(worker_names))
     except RuntimeError as exc:
         logger.error("barrier of %s failed: %s", sorted(worker_names), exc)
+
+
+_gather_protocol.bind(_current, rpc_sync, rpc_async)

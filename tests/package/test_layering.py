@@ -53,7 +53,7 @@ RANKS: dict[str, int] = {
     "ucxrpc.tensorpipe": 6,  # TensorPipeRpcBackendOptions: TensorPipe's option names as UcxRpcBackendOptions
     "ucxrpc.agent": 7,  # the agent, its thread pool, rendezvous and membership
     "ucxrpc.api": 8,
-    "ucxrpc._all_gather": 8,  # torch's rpc.api._all_gather, on api's calls; api imports it back
+    "ucxrpc._all_gather": 8,  # torch's rpc.api._all_gather; api imports it and binds its calls
     "ucxrpc.functions": 8,
     "ucxrpc.profiling": 8,  # RPC under torch's profiler: the caller's spans, the callee's events
     "ucxrpc.rref": 9,

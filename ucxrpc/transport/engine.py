@@ -40,7 +40,7 @@ from .cuda import bounce, context as cudactx, staging
 from .watch import canary
 from .watch.lifeline import probe as lifeline_probe
 from .hostmem import cma
-from .loop import progress
+from .loop import progress, strategy
 from .by_address import ByAddress
 from .wire.frame import Kind, Limits, check_limits
 from .wire.gather import Buffer
@@ -111,12 +111,12 @@ class Transport:
         on_restored: ``(peer_id)`` once a pipe broken as unreachable is
             re-established (a handshake of its next generation completed).
         progress_mode: the progress thread's strategy
-            (:class:`.loop.progress.Mode` or its name).
+            (:class:`.loop.strategy.Mode` or its name).
         spin_s: how long the progress thread may poll after the last event
             before it sleeps in epoll.
         spin_while: polling holds the GIL between UCX calls, which starves
             a thread running Python code: idle polling stops as soon as this
-            returns anything but :attr:`.loop.progress.Why.AWAITED` (the reason
+            returns anything but :attr:`.loop.strategy.Why.AWAITED` (the reason
             why; call :meth:`wake` when it may poll again).
         host_timeout: seconds a peer's host may leave TCP keepalive on its
             lifeline unanswered (a vanished host, a partition) before its
@@ -138,9 +138,9 @@ class Transport:
                  on_restored: Callable[[int], None] = lambda peer_id: None,
                  limits: Limits = Limits(), transports: Sequence[str] | None = None,
                  allocator: Allocator | None = None,
-                 progress_mode: progress.Mode | str = progress.Mode.ADAPTIVE,
+                 progress_mode: strategy.Mode | str = strategy.Mode.ADAPTIVE,
                  spin_s: float = SPIN_S,
-                 spin_while: Callable[[], progress.Why] | None = None,
+                 spin_while: Callable[[], strategy.Why] | None = None,
                  host_timeout: float = 10.0,
                  cuda_devices: Sequence[torch.device | str | int] = (),
                  worker: Callable[..., Worker] = Worker,
@@ -232,7 +232,7 @@ class Transport:
             in_flight=lambda: bool(self._watch or self._rx.frames),
             awaited=functools.partial(self._awaited, spin_while),
             spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
-            arm=self._worker.arm, fd=self._worker.fd, strategy=progress.strategy(progress_mode),
+            arm=self._worker.arm, fd=self._worker.fd, strategy=strategy.strategy(progress_mode),
             on_stall=self._liveness.excuse_stall, on_start=self._progress_started)
 
     # ------------------------------------------------------------------ API
@@ -434,8 +434,8 @@ class Transport:
 
     # ---------------------------------------------------------- the loop's
 
-    def _awaited(self, spin_while: Callable[[], progress.Why] | None) -> progress.Why:
-        """Whether polling for a message pays (:attr:`.loop.progress.Why.AWAITED`),
+    def _awaited(self, spin_while: Callable[[], strategy.Why] | None) -> strategy.Why:
+        """Whether polling for a message pays (:attr:`.loop.strategy.Why.AWAITED`),
         or why not: not while a peer copies what we sent it by address in
         two halves, on two threads (a polling thread here would take a core
         that copy runs on: 16 MiB one-way on a quiet host, p50 2.0-4.0 ms
@@ -445,8 +445,8 @@ class Transport:
         halves (grants.py), for the same reason.  Then the agent's word
         (``spin_while``)."""
         if self._sender.holding_split or self._grants.split_write_due():
-            return progress.Why.PEER_COPYING
-        return progress.Why.AWAITED if spin_while is None else spin_while()
+            return strategy.Why.PEER_COPYING
+        return strategy.Why.AWAITED if spin_while is None else spin_while()
 
     def _contended(self) -> bool:
         """Whether the loop may not poll now (a contended core, or the

@@ -1,4 +1,4 @@
-"""The progress thread and its strategies (ucxrpc/transport/loop/progress.py).
+"""The progress thread (ucxrpc/transport/loop/progress.py) and its strategies (strategy.py).
 
 * The strategies' rules: blocking never polls, polling always may, adaptive
   stops polling when a yield comes back late and backs off for longer while
@@ -25,7 +25,9 @@ import pytest
 
 from tests.workers import run_workers
 from ucxrpc.transport.loop import progress
-from ucxrpc.transport.loop.progress import Adaptive, Blocking, Mode, Polling, ProgressThread
+from ucxrpc.transport.loop import strategy as strategies
+from ucxrpc.transport.loop.progress import ProgressThread
+from ucxrpc.transport.loop.strategy import Adaptive, Blocking, Mode, Polling
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,9 +77,9 @@ def test_adaptive_forgives_a_lone_late_yield():
 
 def test_strategy_by_name_and_a_clear_error_for_an_unknown_one():
     for mode in Mode:
-        assert progress.strategy(mode.value).mode is mode
+        assert strategies.strategy(mode.value).mode is mode
     with pytest.raises(ValueError, match=r"unknown progress mode 'spin'.*'adaptive'"):
-        progress.strategy("spin")
+        strategies.strategy("spin")
 
 
 def test_backend_option_is_checked():
@@ -96,7 +98,7 @@ class _Loop:
     an event from the network; ``expect``/``pending`` are what the
     transport would say."""
 
-    def __init__(self, strategy: progress.Strategy, awaited=None, spin_s: float = 0.0) -> None:
+    def __init__(self, strategy: strategies.Strategy, awaited=None, spin_s: float = 0.0) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.expect = False
         self.pending = False
@@ -143,7 +145,7 @@ class _Loop:
 
 @pytest.fixture(params=MODES)
 def loop(request):
-    lp = _Loop(progress.strategy(request.param))
+    lp = _Loop(strategies.strategy(request.param))
     lp.loop.start()
     yield lp
     lp.close()
@@ -178,7 +180,7 @@ def test_a_sleep_that_times_out_is_no_event_to_poll_after(mode):
     # here is 15 sleeps and five times the window watched below: a loop that
     # counted its sleeps as events would poll through that window.
     spin_s = 15 * progress.SLEEP_S
-    lp = _Loop(progress.strategy(mode), awaited=lambda: progress.Why.AWAITED, spin_s=spin_s)
+    lp = _Loop(strategies.strategy(mode), awaited=lambda: strategies.Why.AWAITED, spin_s=spin_s)
     started = time.monotonic()
     lp.loop.start()
     try:
@@ -273,7 +275,7 @@ def test_adaptive_sees_a_thread_holding_the_gil_as_contention():
 
 # ------------------------------------------------ a waiting thread drives
 
-def _started(strategy: progress.Strategy, expect: bool) -> _Loop:
+def _started(strategy: strategies.Strategy, expect: bool) -> _Loop:
     lp = _Loop(strategy)
     lp.expect = expect  # True: data "in flight", so a driver keeps polling
     lp.loop.start()
@@ -486,13 +488,14 @@ def test_close_with_a_large_transfer_in_flight(mode):
 @pytest.mark.parametrize(
     ("strategy", "in_flight", "awaited", "idle_s", "expected"),
     [
-        (progress.Polling(), True, progress.Why.NOTHING_DUE, 10.0, progress.Why.IN_FLIGHT),
-        (progress.Polling(), False, progress.Why.AWAITED, 0.0, progress.Why.AWAITED),
-        (progress.Polling(), False, progress.Why.AWAITED, 10.0, progress.Why.QUIET),
-        (progress.Polling(), False, progress.Why.COMPUTING, 0.0, progress.Why.COMPUTING),
-        (progress.Polling(), False, progress.Why.PEER_COPYING, 0.0, progress.Why.PEER_COPYING),
-        (progress.Blocking(), True, progress.Why.AWAITED, 0.0, progress.Why.BLOCKING),
-        (progress.Blocking(), False, progress.Why.NOTHING_DUE, 0.0, progress.Why.NOTHING_DUE),
+        (strategies.Polling(), True, strategies.Why.NOTHING_DUE, 10.0, strategies.Why.IN_FLIGHT),
+        (strategies.Polling(), False, strategies.Why.AWAITED, 0.0, strategies.Why.AWAITED),
+        (strategies.Polling(), False, strategies.Why.AWAITED, 10.0, strategies.Why.QUIET),
+        (strategies.Polling(), False, strategies.Why.COMPUTING, 0.0, strategies.Why.COMPUTING),
+        (strategies.Polling(), False, strategies.Why.PEER_COPYING, 0.0,
+         strategies.Why.PEER_COPYING),
+        (strategies.Blocking(), True, strategies.Why.AWAITED, 0.0, strategies.Why.BLOCKING),
+        (strategies.Blocking(), False, strategies.Why.NOTHING_DUE, 0.0, strategies.Why.NOTHING_DUE),
     ],
 )
 def test_whether_a_turn_polls_is_decided_in_one_place_with_its_reason(
@@ -502,25 +505,25 @@ def test_whether_a_turn_polls_is_decided_in_one_place_with_its_reason(
     try:
         assert lp.loop.decide(time.monotonic(), idle_s) is expected
         assert lp.loop.info()["poll_decision"] == expected.value
-        assert (expected in progress.POLLS) == (expected in (progress.Why.IN_FLIGHT,
-                                                              progress.Why.AWAITED))
+        assert (expected in strategies.POLLS) == (expected in (strategies.Why.IN_FLIGHT,
+                                                              strategies.Why.AWAITED))
     finally:
         lp.close()
 
 
 def test_a_contended_core_refuses_what_is_expected() -> None:
-    adaptive = progress.Adaptive(late=1)
+    adaptive = strategies.Adaptive(late=1)
     now = time.monotonic()
     adaptive.yielded(now, 1.0)  # one yield that came back a second late: blocked a while
-    lp = _Loop(adaptive, awaited=lambda: progress.Why.AWAITED, spin_s=1.0)
+    lp = _Loop(adaptive, awaited=lambda: strategies.Why.AWAITED, spin_s=1.0)
     try:
-        assert lp.loop.decide(now, 0.0) is progress.Why.CONTENDED
+        assert lp.loop.decide(now, 0.0) is strategies.Why.CONTENDED
     finally:
         lp.close()
 
 
 def test_the_loop_changes_hands_only_as_the_table_allows() -> None:
-    lp = _Loop(progress.Polling())
+    lp = _Loop(strategies.Polling())
     loop, owner = lp.loop, progress.Owner
     try:
         assert loop.owner is owner.THREAD

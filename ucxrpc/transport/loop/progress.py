@@ -49,12 +49,9 @@ from typing import Any, Callable
 
 from ..._states import StateEnum
 from .interrupts import SigintGuard
-from .strategy import POLLS, Adaptive, Blocking, Mode, Polling, Strategy, Why, strategy
+from .strategy import POLLS, Strategy, Why
 
-__all__ = ["Owner", "ProgressThread", "guard", "unguard",
-           # strategy.py's, for the code that reaches them as ``progress.X``
-           # (transport/engine.py, tests/transport/loop/test_progress.py).
-           "POLLS", "Adaptive", "Blocking", "Mode", "Polling", "Strategy", "Why", "strategy"]
+__all__ = ["Owner", "ProgressThread", "guard", "unguard"]
 
 logger = logging.getLogger(__name__)
 
