@@ -366,7 +366,7 @@ def test_a_receive_never_lands_in_memory_freed_with_work_pending():
     # ordered before whatever comes next on it.  UCX writes on streams of its
     # own, so a reply allocated on the caller's stream could land in x while
     # `x * 2` still reads it; receives are allocated on a stream of the
-    # transport's own (transport/engine.py, _RECEIVE_ALLOCS).
+    # transport's own (transport/cuda/side.py, _RECEIVE_ALLOCS).
     assert run_workers(_freed_with_work_pending, 2, timeout=150)[0] == [(6.0, 6.0, 5.0)] * 3
 
 

@@ -34,9 +34,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import _cuda
 from ..errors import AuthenticationError, BrokenError, ClosedError, ConnectError, UnreachableError
-from .cuda import bounce, context as cudactx, staging
+from .cuda import bounce, staging
+from .cuda.side import CudaSide, alloc as cuda_alloc
 from .watch import canary
 from .watch.lifeline import probe as lifeline_probe
 from .hostmem import cma
@@ -56,24 +56,6 @@ from .ucx.binding import Endpoint, Request, Worker, device_path
 from .ucx.environment import effective_tls, tcp_segment
 
 logger = logging.getLogger(__name__)
-
-# Per CUDA device index: an empty uint8 tensor to allocate receives from
-# (new_empty: torch.empty with a device string parsed it each time, 19 µs of
-# a 16 MiB call's frame handling on an H200), and the stream they are
-# allocated on.  torch's allocator hands a block freed on a stream to the
-# next allocation on that stream at once, trusting that whoever writes it
-# queues on that stream after the work that still reads it; UCX writes on
-# streams of its own.  Allocated on the thread's current stream (the
-# default one, which user code mostly runs on), a receive could land in a
-# tensor the user just freed while kernels queued before the free still
-# read it.  On a stream that only allocates, no queued work ever reads a
-# block it hands out: a received tensor's uses on other streams are
-# recorded on them (a served call's pool streams, a CUDA-aware future's
-# waiter), so its block comes back only after those.  The stream is one of
-# ucxrpc's own (cuda/context.py, private_stream), not one of torch's pooled
-# streams, which torch hands out round-robin to user code too: a user
-# kernel on it reading a received tensor would break that premise.
-_RECEIVE_ALLOCS: dict[int, tuple[torch.Tensor, tuple[int, int, int], Any]] = {}
 
 #: How long the progress loop polls after its last event, by default
 #: (``spin_s``), while a message is expected.
@@ -160,14 +142,14 @@ class Transport:
         self.on_unknown_peer: Callable[[int], Peer | None] | None = None
         self._data_spins = 8
         self._transports = transports
-        self._cuda_device = cudactx.wanted_device(cuda_devices, transports)
+        self._cuda = CudaSide(cuda_devices, transports)
         #: Whose CUDA context UCX sees, or why none (for pipe_info and tests).
-        self.cuda_context = self._make_cuda_current()
+        self.cuda_context = self._cuda.make_current()
         # Any process with a usable GPU may send CUDA memory: its own device
         # maps' tensors, and replies along a caller's map reversed.
         self._endpoint_class = endpoint
         self._worker = worker(transports, host_timeout,
-                              device_memory=self._cuda_device is not None,
+                              device_memory=self._cuda.device is not None,
                               device_path=device_path())
         self.address = self._worker.address
         #: UCX's TCP fragment size here (published: a peer's must be the same).
@@ -180,7 +162,8 @@ class Transport:
         # Whether this side's UCX takes device memory; a pipe is GPU-direct
         # when both sides' do, and stages device buffers otherwise.
         takes_device = self._worker.cuda_memory and not self._host_as_device
-        memory_way = self._memory_way() if takes_device else bounce.Way.AS_IS
+        memory_way = (self._cuda.memory_way(self._worker.loaded) if takes_device
+                      else bounce.Way.AS_IS)
         self._bounce = memory_way is bounce.Way.BOUNCED
         self.cuda_direct = takes_device and memory_way is not bounce.Way.STAGED
         #: The containers the parts below share (:class:`.pipe.Shared` says
@@ -544,22 +527,12 @@ class Transport:
         polling stops paying (:meth:`.loop.progress.ProgressThread.drive`):
         messages are then handled, and callbacks run, on the caller's
         thread.  Where UCX may move CUDA memory, a thread with no CUDA
-        context has one current while it drives, and none again after
-        (UCX's CUDA transports work through the calling thread's:
-        :class:`.cuda.context.Borrowed`); where it cannot, the progress
+        context has one current while it drives
+        (:meth:`.cuda.side.CudaSide.drive`); where it cannot, the progress
         thread keeps the work (False)."""
-        if self._cuda_device is None:
+        if self._cuda.device is None:  # the host's path: no call more per wait
             return self._loop.drive(done)
-        borrowed = cudactx.Borrowed(self._cuda_device)
-        try:
-            borrowed.__enter__()
-        except (OSError, RuntimeError) as exc:
-            logger.debug("not driving UCX on this thread: %s", exc)
-            return False
-        try:
-            return self._loop.drive(done)
-        finally:
-            borrowed.__exit__()
+        return self._cuda.drive(self._loop.drive, done)
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         self._tasks.append(fn)
@@ -568,38 +541,7 @@ class Transport:
     def _progress_started(self) -> None:
         # What counts is the progress thread's context: it arms the worker
         # and moves most data.
-        self.cuda_context = self._make_cuda_current()
-
-    def _make_cuda_current(self) -> str:
-        """Make the CUDA context current on this thread if there is one to
-        make; what happened, in words.  A failure is logged, not raised:
-        host memory still moves, and a CUDA transfer fails with UCX's own
-        error."""
-        if self._cuda_device is None:
-            return "none (no GPU usable, or no CUDA transport)"
-        try:
-            cudactx.make_current(self._cuda_device)
-        except (OSError, RuntimeError) as exc:
-            logger.warning("UCX may fail to move CUDA memory: %s", exc)
-            return f"failed: {exc}"
-        return f"cuda:{self._cuda_device}"
-
-    def _memory_way(self) -> bounce.Way:
-        """How this worker's device memory goes to UCX (bounce.way), where
-        UCX loaded cuda_ipc: torch's allocator may make memory CUDA IPC
-        cannot share, and UCX would pick cuda_ipc for a peer on this host
-        and fall back inside each transfer.  Bouncing or staging, then, is
-        for every pipe: a worker publishes one word, not one per peer."""
-        if self._cuda_device is None or "cuda_ipc" not in self._worker.loaded:
-            return bounce.Way.AS_IS
-        try:
-            memory_way, why = bounce.way(self._cuda_device)
-        except (OSError, RuntimeError) as exc:
-            logger.warning("could not ask CUDA whether memory is shareable: %s", exc)
-            return bounce.Way.AS_IS
-        if memory_way is not bounce.Way.AS_IS:
-            logger.warning("%s (to and from this worker)", why)
-        return memory_way
+        self.cuda_context = self._cuda.make_current()
 
     # ------------------------------------------------------------- failure
 
@@ -795,23 +737,10 @@ class Transport:
         err.__cause__ = pipe.error
         return err
 
-    @staticmethod
-    def _default_alloc_cuda(nbytes: int, device: int) -> torch.Tensor:
-        """Device memory for a receive, from torch's allocator on a stream of
-        its own (:data:`_RECEIVE_ALLOCS`)."""
-        entry = _RECEIVE_ALLOCS.get(device)
-        if entry is None:
-            stream = torch.cuda.ExternalStream(cudactx.private_stream(device),
-                                               device=torch.device("cuda", device))
-            proto = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device))
-            entry = _RECEIVE_ALLOCS[device] = (proto, _cuda.key_of(stream), stream)
-        with _cuda.StreamScope([entry[1]]):
-            return entry[0].new_empty(nbytes)
-
     def _default_alloc(self, nbytes: int, device: int) -> torch.Tensor:
         if device < 0:
             return self.pool.alloc(nbytes)
-        return self._default_alloc_cuda(nbytes, device)
+        return cuda_alloc(nbytes, device)
 
     def stats(self) -> dict[str, Any]:
         return {"refused_frames": self._rx.refused, "frame_errors": self._rx.frame_errors,

@@ -6,6 +6,10 @@
   allocator makes none (expandable segments, ``cudaMallocAsync``).
 * :mod:`.staging`: device buffers staged through pinned host memory where
   a side has no CUDA transport, and many small ones packed into one.
+* :mod:`.side`: the transport's CUDA side (:class:`.side.CudaSide`): the
+  device UCX works through, its context on the threads that drive, how
+  device memory goes to UCX, and where received device buffers are
+  allocated.
 
 The kernels that pack and cut are ``ucxrpc._kernels`` (CuPy, CPU fallback).
 """
