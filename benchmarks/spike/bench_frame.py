@@ -13,7 +13,7 @@ payload = os.urandom(60)  # a no-op call's pickled envelope is ~60 bytes
 limits = F.Limits()
 
 def py():
-    arr, _ = F.encode(F.Kind.MESSAGE, 7, payload, [], key, limits, ack=3)
+    arr, _ = F.encode(F.FrameKind.MESSAGE, 7, payload, [], key, limits, ack=3)
     f = F.decode(arr, key, limits)
     return f.payload
 
@@ -30,7 +30,7 @@ assert bytes(py()) == bytes(c()) == bytes(cy()) == payload
 b = frame_c.encode(0, 7, payload, key, 3, False, True)
 import numpy as np
 assert bytes(F.decode(np.frombuffer(b, dtype=np.uint8), key, limits).payload) == payload
-arr, _ = F.encode(F.Kind.MESSAGE, 7, payload, [], key, limits, ack=3)
+arr, _ = F.encode(F.FrameKind.MESSAGE, 7, payload, [], key, limits, ack=3)
 assert bytes(frame_c.decode(arr.tobytes(), key)[2]) == payload
 
 def mac():

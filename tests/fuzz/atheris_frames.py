@@ -32,11 +32,11 @@ with atheris.instrument_imports(include=["ucxrpc", "tests.fuzz"]):
     from ucxrpc.serialization import envelope
     from ucxrpc.errors import FrameError
     from ucxrpc.transport.wire import auth
-    from ucxrpc.transport.wire.frame import MIN_CHUNK_KIB, Kind, Limits
+    from ucxrpc.transport.wire.frame import MIN_CHUNK_KIB, FrameKind, Limits
 
 KEY = b"k" * 32
 LIMITS = Limits()
-_KINDS = [int(k) for k in Kind]
+_KINDS = [int(k) for k in FrameKind]
 
 
 def _spec(fdp: atheris.FuzzedDataProvider) -> Spec:

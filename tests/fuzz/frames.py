@@ -20,7 +20,7 @@ import numpy as np
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.transport.wire import auth
 from ucxrpc.transport.wire.frame import (DESC, MAC_LEN, MIN_CHUNK_KIB, NOT_INLINE, PACK, PACKED,
-                                         PREFIX, REMOTE, STAGED, Frame, Kind, Limits, decode,
+                                         PREFIX, REMOTE, STAGED, Frame, FrameKind, Limits, decode,
                                          encode)
 
 #: The only exceptions bad input may raise from a decoder or a handshake check.
@@ -96,7 +96,7 @@ def check_frame(frame: Frame, raw: np.ndarray, limits: Limits) -> None:
     """
     n = raw.nbytes
     assert frame.raw is raw
-    assert isinstance(frame.kind, Kind)
+    assert isinstance(frame.kind, FrameKind)
     descs = frame.buffers
     nbuf = len(descs)
     assert nbuf <= limits.max_buffers
@@ -203,7 +203,7 @@ def build(spec: Spec, key: bytes, limits: Limits = Limits()) -> np.ndarray:
         buffers.append((nbytes, None, device))
         ways.append(way)
     flagged = any(w[0] for w in ways)
-    frame, _ = encode(Kind(spec.kind), spec.seq, spec.payload, buffers, key, limits,
+    frame, _ = encode(FrameKind(spec.kind), spec.seq, spec.payload, buffers, key, limits,
                       ways if flagged else None)
     return frame
 
@@ -235,13 +235,13 @@ def classify(tag: int, data: bytes, real_id: int, limits: Limits) -> str:
         frame = decode(as_array(data), None, limits)
     except FrameError:
         return "counted"
-    if frame.kind is Kind.HELLO:
+    if frame.kind is FrameKind.HELLO:
         try:
             claimed, _, _ = auth.parse_hello(frame.payload)
         except FrameError:
             return "counted"
         return "hello" if claimed == real_id else "counted"
-    if frame.kind in (Kind.CHALLENGE, Kind.PROOF):
+    if frame.kind in (FrameKind.CHALLENGE, FrameKind.PROOF):
         return "counted"
     return "ignored"
 
@@ -254,8 +254,8 @@ def _random_spec(rng: random.Random) -> Spec:
     packs = [(rng.choice([-1, 0]), rng.random() < 0.5,
               [rng.randrange(1, 200) for _ in range(rng.randrange(1, 9))])
              for _ in range(rng.choice([0, 0, 1, 2]))]
-    return Spec(rng.choice(list(Kind)), rng.randrange(1 << 64), rng.randbytes(rng.randrange(64)),
-                plain, staged, packs)
+    return Spec(rng.choice(list(FrameKind)), rng.randrange(1 << 64),
+                rng.randbytes(rng.randrange(64)), plain, staged, packs)
 
 
 def random_mutation(raw: np.ndarray, rng: random.Random) -> np.ndarray:
@@ -288,7 +288,7 @@ def random_mutation(raw: np.ndarray, rng: random.Random) -> np.ndarray:
     return put_int(raw, pos, width, value, signed)
 
 
-def handshake_frame(kind: Kind, payload: bytes) -> bytes:
+def handshake_frame(kind: FrameKind, payload: bytes) -> bytes:
     frame, _ = encode(kind, 0, payload, [], b"", Limits())
     return frame.tobytes()
 
@@ -318,15 +318,15 @@ def rogue_corpus(seed: int, count: int, real_id: int, limits: Limits) -> list[Sh
             payload = auth.hello(claimed, rng.randbytes(auth.NONCE_LEN))
             cut = rng.choice([len(payload), len(payload), 0, 4, len(payload) - 1,
                               len(payload) + 1])
-            data = handshake_frame(Kind.HELLO, (payload + b"\0")[:cut])
+            data = handshake_frame(FrameKind.HELLO, (payload + b"\0")[:cut])
             kind = HANDSHAKE if rng.random() < 0.8 else kind
         elif what == 5:  # a PROOF out of nowhere, right size or not
-            data = handshake_frame(Kind.PROOF, rng.randbytes(rng.choice([32, 32, 0, 31, 33])))
+            data = handshake_frame(FrameKind.PROOF, rng.randbytes(rng.choice([32, 32, 0, 31, 33])))
             kind = HANDSHAKE if rng.random() < 0.8 else kind
         elif what == 6:  # a CHALLENGE nobody asked for
-            data = handshake_frame(Kind.CHALLENGE, rng.randbytes(rng.choice([100, 99, 0])))
+            data = handshake_frame(FrameKind.CHALLENGE, rng.randbytes(rng.choice([100, 99, 0])))
         elif what == 7:  # well formed, wrong MAC
-            data = build(_random_spec(rng)._replace(kind=Kind.MESSAGE), b"guess").tobytes()
+            data = build(_random_spec(rng)._replace(kind=FrameKind.MESSAGE), b"guess").tobytes()
             kind = FRAME
         elif what == 8:  # truncated anywhere, the prefix included
             frame = build(_random_spec(rng), b"")

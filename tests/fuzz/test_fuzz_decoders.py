@@ -31,7 +31,7 @@ from ucxrpc.serialization.tensors import _rebuild_tensor, _rebuild_vector
 from ucxrpc.errors import AuthenticationError, FrameError, SerializationError
 from ucxrpc.serialization.pickler import Serializer
 from ucxrpc.transport.wire import auth
-from ucxrpc.transport.wire.frame import (MAC_LEN, MAGIC, MIN_CHUNK_KIB, PREFIX, VERSION, Kind,
+from ucxrpc.transport.wire.frame import (MAC_LEN, MAGIC, MIN_CHUNK_KIB, PREFIX, VERSION, FrameKind,
                                          Limits, decode, encode, peek_seq)
 
 
@@ -53,7 +53,7 @@ def fuzz(n: int) -> settings:
 
 specs = st.builds(
     Spec,
-    kind=st.sampled_from([int(k) for k in Kind]),
+    kind=st.sampled_from([int(k) for k in FrameKind]),
     seq=st.integers(0, 2**64 - 1),
     payload=st.binary(max_size=96),
     plain=st.lists(st.tuples(st.integers(0, 300), st.sampled_from([-1, -1, 0, 3])), max_size=12),
@@ -201,8 +201,8 @@ def test_more_buffers_than_max_buffers(limit, extra):
     limits = Limits(max_buffers=limit)
     bufs = [(1, None, 0)] * (limit + extra)
     with pytest.raises(FrameError, match=f"{limit + extra} buffers; the limit is {limit}$"):
-        encode(Kind.MESSAGE, 1, b"", bufs, KEY, limits)
-    raw, _ = encode(Kind.MESSAGE, 1, b"", bufs, KEY, Limits())
+        encode(FrameKind.MESSAGE, 1, b"", bufs, KEY, limits)
+    raw, _ = encode(FrameKind.MESSAGE, 1, b"", bufs, KEY, Limits())
     with pytest.raises(FrameError, match=f"declares {limit + extra} buffers; the limit is {limit}$"):
         decode(raw, KEY, limits)
 
@@ -211,7 +211,7 @@ def test_more_buffers_than_max_buffers(limit, extra):
 @given(limit=st.integers(36, 4096), over=st.integers(1, 5000))
 def test_frames_over_max_frame_bytes(limit, over):
     with pytest.raises(FrameError, match=f"exceeds max_frame_bytes={limit}$"):
-        encode(Kind.MESSAGE, 1, b"x" * (limit + over), [], KEY, Limits(max_frame_bytes=limit))
+        encode(FrameKind.MESSAGE, 1, b"x" * (limit + over), [], KEY, Limits(max_frame_bytes=limit))
 
 
 @fuzz(100)
@@ -220,17 +220,17 @@ def test_frames_over_max_frame_bytes(limit, over):
 def test_messages_over_max_message_bytes(sizes, limit):
     """The sender refuses; the receiver gets the exact total, never wrapped."""
     bufs = [(n, None, 0) for n in sizes]
-    raw, _ = encode(Kind.MESSAGE, 1, b"", bufs, KEY, Limits(max_message_bytes=2**80))
+    raw, _ = encode(FrameKind.MESSAGE, 1, b"", bufs, KEY, Limits(max_message_bytes=2**80))
     total = raw.nbytes + sum(sizes)
     assert decode(raw, KEY, LIMITS).total == total
     if total > limit:
         with pytest.raises(FrameError, match=f"exceeds max_message_bytes={limit}$"):
-            encode(Kind.MESSAGE, 1, b"", bufs, KEY, Limits(max_message_bytes=limit))
+            encode(FrameKind.MESSAGE, 1, b"", bufs, KEY, Limits(max_message_bytes=limit))
 
 
 def test_lying_sizes_sum_past_two_to_the_64():
     """Twelve 2**64-1 byte buffers (the numpy decoder) must not wrap to a small total."""
-    raw, _ = encode(Kind.MESSAGE, 1, b"", [(1, None, 0)] * 12, b"", LIMITS)
+    raw, _ = encode(FrameKind.MESSAGE, 1, b"", [(1, None, 0)] * 12, b"", LIMITS)
     for i in range(12):
         pos, width, signed = desc_pos(i, "nbytes")
         raw = put_int(raw, pos, width, 2**64 - 1, signed)
@@ -434,7 +434,7 @@ def test_loads_with_too_few_or_too_many_buffers(values, extra):
 
 def test_mac_covers_the_length():
     """A frame's MAC binds its total length: trailing bytes are refused."""
-    raw, _ = encode(Kind.MESSAGE, 1, b"p", [], KEY, LIMITS)
+    raw, _ = encode(FrameKind.MESSAGE, 1, b"p", [], KEY, LIMITS)
     longer = np.concatenate([raw[:-MAC_LEN], as_array(b"\0" * 64), raw[-MAC_LEN:]])
     with pytest.raises(FrameError, match="MAC mismatch"):
         decode(longer, KEY, LIMITS)

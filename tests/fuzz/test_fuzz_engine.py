@@ -30,7 +30,7 @@ from tests.transport.fakenet import Net, Pair, fake_net, pair  # noqa: F401  (fi
 from ucxrpc.errors import FrameError
 from ucxrpc.transport.pipe import OutState
 from ucxrpc.transport.wire import auth
-from ucxrpc.transport.wire.frame import Kind, Limits
+from ucxrpc.transport.wire.frame import FrameKind, Limits
 from ucxrpc.transport.ucx.binding import Probe
 
 SCALE = float(os.environ.get("UCXRPC_FUZZ_SCALE", "1"))
@@ -68,12 +68,12 @@ def shots(draw: Any) -> Shot:
     if what == 0:
         data = draw(st.binary(max_size=300))
     elif what == 1:
-        data = handshake_frame(Kind.HELLO, draw(st.one_of(
+        data = handshake_frame(FrameKind.HELLO, draw(st.one_of(
             st.builds(auth.hello, st.sampled_from([0, 1, 2, 2**32 - 1]),
                       st.binary(min_size=32, max_size=32)),
             st.binary(max_size=40))))
     elif what == 2:
-        data = handshake_frame(draw(st.sampled_from([Kind.PROOF, Kind.CHALLENGE])),
+        data = handshake_frame(draw(st.sampled_from([FrameKind.PROOF, FrameKind.CHALLENGE])),
                                draw(st.binary(max_size=110)))
     else:  # from the seeded corpus: mutated frames of every shape
         seed = draw(st.integers(0, 2**32))
@@ -140,8 +140,9 @@ def test_the_seeded_corpus_against_an_open_pipe(pair: Pair) -> None:
     pair.still_serving()
 
 
-@pytest.mark.parametrize("kind", [Kind.MESSAGE, Kind.BATCH, Kind.CMA_OK], ids=lambda k: k.name)
-def test_non_handshake_frames_on_the_handshake_tag_are_counted(pair: Pair, kind: Kind) -> None:
+@pytest.mark.parametrize("kind", [FrameKind.MESSAGE, FrameKind.BATCH, FrameKind.CMA_OK],
+                         ids=lambda k: k.name)
+def test_non_handshake_frames_on_the_handshake_tag_are_counted(pair: Pair, kind: FrameKind) -> None:
     pair.open()
     before = pair.w1.counted()
     pair.w1.tr._rx.on_frame(tag_of(HANDSHAKE, 0), as_array(handshake_frame(kind, b"x")))
@@ -152,17 +153,17 @@ def test_non_handshake_frames_on_the_handshake_tag_are_counted(pair: Pair, kind:
 
 def _forged_hello(claimed: int = 0) -> Shot:
     return Shot(tag_of(HANDSHAKE, claimed), handshake_frame(
-        Kind.HELLO, auth.hello(claimed, auth.new_nonce())), "hello")
+        FrameKind.HELLO, auth.hello(claimed, auth.new_nonce())), "hello")
 
 
 def _forged_proof() -> Shot:
-    return Shot(tag_of(HANDSHAKE, 0), handshake_frame(Kind.PROOF, os.urandom(32)), "counted")
+    return Shot(tag_of(HANDSHAKE, 0), handshake_frame(FrameKind.PROOF, os.urandom(32)), "counted")
 
 
 def _forged_challenge() -> Shot:
     payload = os.urandom(4 + 2 * auth.NONCE_LEN + 32)
     payload = (1).to_bytes(4, "little") + payload[4:]  # claims to answer as worker 1
-    return Shot(tag_of(HANDSHAKE, 1), handshake_frame(Kind.CHALLENGE, payload), "counted")
+    return Shot(tag_of(HANDSHAKE, 1), handshake_frame(FrameKind.CHALLENGE, payload), "counted")
 
 
 def _handshake_with_rogue(pair: Pair, at: int, shot: Shot, to_w0: bool) -> None:

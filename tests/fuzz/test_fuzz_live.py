@@ -190,14 +190,14 @@ def rogue(port: int, seed: int) -> None:
     from tests.fuzz.frames import (HANDSHAKE, Shot, classify, handshake_frame, oversize_shots,
                                    rogue_corpus, tag_of)
     from ucxrpc.transport.wire import auth
-    from ucxrpc.transport.wire.frame import Kind, Limits
+    from ucxrpc.transport.wire.frame import FrameKind, Limits
 
     store = _store(port)
     address = bytes.fromhex(store.get("worker1-address").decode())
     replay = json.loads(store.get("replay"))
     limits = Limits(max_frame_bytes=W1_FRAME_LIMIT)
-    hello0 = handshake_frame(Kind.HELLO, auth.hello(0, auth.new_nonce()))
-    proof = handshake_frame(Kind.PROOF, os.urandom(32))
+    hello0 = handshake_frame(FrameKind.HELLO, auth.hello(0, auth.new_nonce()))
+    proof = handshake_frame(FrameKind.PROOF, os.urandom(32))
     shots = rogue_corpus(seed, SHOTS, 0, limits) + oversize_shots(0, limits, 8, seed) + [
         Shot(tag_of(HANDSHAKE, 0), hello0, "hello"),   # claims to be worker0
         Shot(tag_of(HANDSHAKE, 0), proof, "counted"),  # a PROOF for it, without the secret

@@ -112,7 +112,7 @@ def _rogue(address_hex, claimed_id, store_port):
 
     from ucxrpc.transport import Peer, Transport
     from ucxrpc.transport.wire.tags import FRAME, HANDSHAKE, ID_SHIFT, KIND_SHIFT
-    from ucxrpc.transport.wire.frame import Kind, encode, Limits
+    from ucxrpc.transport.wire.frame import FrameKind, encode, Limits
 
     tr = Transport(my_id=claimed_id, secret=b"not-the-secret", on_message=lambda *a: None,
                    on_frame_error=lambda *a: None, on_broken=lambda *a: None)
@@ -123,7 +123,7 @@ def _rogue(address_hex, claimed_id, store_port):
         np.frombuffer(os.urandom(200), dtype=np.uint8).copy(),        # random bytes
         np.frombuffer(b"UX\x01\x00" + b"\x00" * 8, dtype=np.uint8).copy(),  # truncated
     ]
-    frame, _ = encode(Kind.MESSAGE, 1, b"\x80\x05N.", [], b"wrong-key", Limits())
+    frame, _ = encode(FrameKind.MESSAGE, 1, b"\x80\x05N.", [], b"wrong-key", Limits())
     garbage.append(frame)  # well formed but unauthenticated
     reqs = []
     for g in garbage:

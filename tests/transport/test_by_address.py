@@ -14,7 +14,7 @@ import torch
 from ucxrpc.errors import BrokenError, FrameError
 from ucxrpc.transport import by_address
 from ucxrpc.transport.by_address import ByAddress
-from ucxrpc.transport.wire.frame import Frame, Kind, Limits
+from ucxrpc.transport.wire.frame import Frame, FrameKind, Limits
 from ucxrpc.transport.pipe import Pipe
 from ucxrpc.transport.send import Sender
 
@@ -28,7 +28,7 @@ def _pipe() -> Pipe:
     return Pipe(1, "worker1", b"")
 
 
-def _frame(kind: Kind, payload: bytes = b"") -> Frame:
+def _frame(kind: FrameKind, payload: bytes = b"") -> Frame:
     return Frame(kind, 1, memoryview(payload), (), np.zeros(0, dtype=np.uint8))
 
 
@@ -71,13 +71,13 @@ def test_an_acknowledgement_of_frames_never_sent_is_refused_naming_the_peer():
 def test_cma_frames_carry_no_payload_and_ok_counts_only_where_we_offered():
     pipe = _pipe()
     ByAddress(sender=_sender(), send=_Sent(), endpoint=lambda p: None,
-              offered=False).on_frame(pipe, _frame(Kind.CMA_OK))
+              offered=False).on_frame(pipe, _frame(FrameKind.CMA_OK))
     assert not pipe.cma.read_by_peer  # we published no offer: nobody may read us
     ours = ByAddress(sender=_sender(), send=_Sent(), endpoint=lambda p: None, offered=True)
     with pytest.raises(FrameError, match="CMA_OK frame from worker1 has a 3-byte payload"):
-        ours.on_frame(pipe, _frame(Kind.CMA_OK, b"abc"))
+        ours.on_frame(pipe, _frame(FrameKind.CMA_OK, b"abc"))
     assert not pipe.cma.read_by_peer
-    ours.on_frame(pipe, _frame(Kind.CMA_OK))
+    ours.on_frame(pipe, _frame(FrameKind.CMA_OK))
     assert pipe.cma.read_by_peer
 
 
@@ -93,7 +93,7 @@ def test_a_word_no_frame_carried_goes_alone_after_the_delay(monkeypatch):
     monkeypatch.setattr(by_address, "ACK_DELAY_S", 0.0)
     time.sleep(0.001)
     ours.send_due()
-    assert sent == [("worker2", Kind.CMA_DONE)] and ours.sent_alone == 1
+    assert sent == [("worker2", FrameKind.CMA_DONE)] and ours.sent_alone == 1
     assert not ours.due
     # Said already (the frame's ack, as send.py stamps it): nothing more.
     alone.cma.ack_sent = 3

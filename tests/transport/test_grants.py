@@ -18,7 +18,8 @@ from tests.workers import run_workers
 from ucxrpc.errors import BrokenError, FrameError
 from ucxrpc.transport import grants
 from ucxrpc.transport.hostmem import cma
-from ucxrpc.transport.wire.frame import WRITTEN, BufferDesc, Frame, Kind, Limits, decode, encode
+from ucxrpc.transport.wire.frame import (WRITTEN, BufferDesc, Frame, FrameKind, Limits, decode,
+                                         encode)
 from ucxrpc.transport.grants import Grants
 from ucxrpc.transport.pipe import Pipe
 
@@ -51,7 +52,7 @@ def _entries(payload: bytes) -> list[tuple[int, int, int]]:
 
 
 def _grant_frame(payload: bytes) -> Frame:
-    return Frame(Kind.GRANT, 1, memoryview(payload), (), np.zeros(0, dtype=np.uint8))
+    return Frame(FrameKind.GRANT, 1, memoryview(payload), (), np.zeros(0, dtype=np.uint8))
 
 
 def _written(gid: int, nbytes: int) -> BufferDesc:
@@ -68,7 +69,7 @@ def test_a_peer_is_lent_one_grant_per_class_from_huge_pages_to_the_largest():
     ours, pipe = Grants(alloc=_alloc, send=sent), _pipe()
     ours.lend(pipe, [(3 * MIB, 64), (4 * MIB, 0), (MIB, 0), (grants.MAX_BYTES + 1, 0)])
     # 3 and 4 MiB share a class; 1 MiB is below huge pages, MAX_BYTES + 1 above the largest.
-    assert [(name, kind) for name, kind, _ in sent] == [("worker1", Kind.GRANT)]
+    assert [(name, kind) for name, kind, _ in sent] == [("worker1", FrameKind.GRANT)]
     (gid, nbytes, address), = _entries(sent[0][2])
     assert nbytes == 4 * MIB and address == pipe.grants.lent[gid].data_ptr()
     assert ours.lent_bytes == 4 * MIB and ours.lent == 1
@@ -174,13 +175,13 @@ def test_a_malformed_grant_frame_is_refused_naming_what_is_wrong(payload, match)
 
 def test_written_descriptors_count_toward_the_message_and_name_host_memory_only():
     limits = Limits()
-    frame, separate = encode(Kind.MESSAGE, 1, b"p", [(5 * MIB, None, -1)], b"k" * 32, limits,
+    frame, separate = encode(FrameKind.MESSAGE, 1, b"p", [(5 * MIB, None, -1)], b"k" * 32, limits,
                              ways=[(WRITTEN, 3, 0)])
     assert separate == []
     got = decode(frame, b"k" * 32, limits)
     assert got.buffers[0].flags == WRITTEN and got.buffers[0].arg == 3
     assert got.total >= 5 * MIB
-    bad, _ = encode(Kind.MESSAGE, 1, b"p", [(5 * MIB, None, 0)], b"k" * 32, limits,
+    bad, _ = encode(FrameKind.MESSAGE, 1, b"p", [(5 * MIB, None, 0)], b"k" * 32, limits,
                     ways=[(WRITTEN, 3, 0)])
     with pytest.raises(FrameError, match="written into host memory here, but its descriptor "
                                          "names device 0"):

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import FrameError
 from .hostmem import cma
-from .wire.frame import Frame, Kind
+from .wire.frame import Frame, FrameKind
 from .pipe import Pipe
 from .send import Sender
 
@@ -43,7 +43,7 @@ ACK_DELAY_S = 0.005
 
 #: ``(pipe, payload, buffers, kind)``: the transport's send of a frame on a
 #: pipe, open or not yet (queued behind its handshake).
-Send = Callable[[Pipe, bytes, list[torch.Tensor], Kind], None]
+Send = Callable[[Pipe, bytes, list[torch.Tensor], FrameKind], None]
 
 
 class ByAddress:
@@ -96,7 +96,7 @@ class ByAddress:
             return
         pipe.cma.reads = True
         try:
-            self._send(pipe, b"", [], Kind.CMA_OK)
+            self._send(pipe, b"", [], FrameKind.CMA_OK)
         except Exception as exc:  # the pipe broke meanwhile
             logger.debug("CMA_OK to %s not sent: %s", pipe.name, exc)
 
@@ -107,7 +107,7 @@ class ByAddress:
         if frame.payload.nbytes:
             raise FrameError(f"a {frame.kind.name} frame from {pipe.name} has a "
                              f"{frame.payload.nbytes}-byte payload; it carries none")
-        if frame.kind is Kind.CMA_OK and self._offered:
+        if frame.kind is FrameKind.CMA_OK and self._offered:
             with pipe.lock:
                 pipe.cma.read_by_peer = True
 
@@ -135,7 +135,7 @@ class ByAddress:
         if pipe.cma.ack_sent >= pipe.cma.read_through:
             return
         try:
-            self._send(pipe, b"", [], Kind.CMA_DONE)
+            self._send(pipe, b"", [], FrameKind.CMA_DONE)
         except Exception as exc:  # the pipe broke: the peer lets them go anyway
             logger.debug("CMA_DONE to %s not sent: %s", pipe.name, exc)
             return

@@ -42,7 +42,7 @@ from .watch.lifeline import probe as lifeline_probe
 from .hostmem import cma
 from .loop import progress, strategy
 from .by_address import ByAddress
-from .wire.frame import Kind, Limits, check_limits
+from .wire.frame import FrameKind, Limits, check_limits
 from .wire.gather import Buffer
 from .grants import Grants
 from .handshake import Handshake
@@ -300,12 +300,13 @@ class Transport:
             raise BrokenError(f"no pipe to worker id {peer_id}")
         outer = progress.guard()  # Ctrl-C waits for the send to end
         try:
-            self._send_or_queue(pipe, payload, buffers, Kind.MESSAGE, hint & HINT_MASK, devices)
+            self._send_or_queue(pipe, payload, buffers, FrameKind.MESSAGE, hint & HINT_MASK,
+                                devices)
         finally:
             progress.unguard(outer)
 
     def _send_or_queue(self, pipe: Pipe, payload: bytes | memoryview,
-                       buffers: Sequence[Buffer], kind: Kind, hint: int = 0,
+                       buffers: Sequence[Buffer], kind: FrameKind, hint: int = 0,
                        devices: list[int] | None = None) -> None:
         with pipe.lock:
             if pipe.out.state is OutState.OPEN:

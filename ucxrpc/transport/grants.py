@@ -49,7 +49,7 @@ import torch
 
 from ..errors import FrameError
 from .hostmem.cma import SPLIT_BYTES
-from .wire.frame import BufferDesc, Frame, Kind
+from .wire.frame import BufferDesc, Frame, FrameKind
 from .pipe import Pipe
 from .hostmem.pool import HUGE
 
@@ -79,7 +79,7 @@ _MAX_ENTRIES = 32
 _KEPT_PER_CLASS = 4
 
 #: ``(pipe, payload, buffers, kind)``: the transport's send of a frame.
-Send = Callable[[Pipe, bytes, list[torch.Tensor], Kind], None]
+Send = Callable[[Pipe, bytes, list[torch.Tensor], FrameKind], None]
 
 
 def size_class(nbytes: int) -> int:
@@ -152,7 +152,7 @@ class Grants:
         if not entries:
             return
         try:
-            self._send(pipe, b"".join(entries), [], Kind.GRANT)
+            self._send(pipe, b"".join(entries), [], FrameKind.GRANT)
         except Exception as exc:  # the pipe broke meanwhile: retire() has them
             logger.debug("GRANT to %s not sent: %s", pipe.name, exc)
             return

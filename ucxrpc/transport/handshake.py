@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection
 
 from ..errors import AuthenticationError, FrameError
 from .wire import auth
-from .wire.frame import Frame, Kind, Limits, encode
+from .wire.frame import Frame, FrameKind, Limits, encode
 from .pipe import OutState, Pipe
 from .send import Sender
 from .wire.tags import HANDSHAKE, kind_base
@@ -149,7 +149,7 @@ class Handshake:
 
     def start(self, pipe: Pipe) -> None:
         """Send our HELLO (the pipe is HELLO_SENT already)."""
-        self._send(pipe, Kind.HELLO, hello(pipe, self._my_id))
+        self._send(pipe, FrameKind.HELLO, hello(pipe, self._my_id))
 
     def take_tentative(self, peer_id: int, above: int) -> Pipe | None:
         """The pipe made to answer ``peer_id``'s HELLO of a generation above
@@ -178,22 +178,22 @@ class Handshake:
             # Our HELLO was answered by something that cannot prove the
             # secret: nothing we queued for this peer can ever go.  (A PROOF
             # that proves nothing says nothing of our direction.)
-            if frame.kind is Kind.CHALLENGE and pipe.out.state is OutState.HELLO_SENT:
+            if frame.kind is FrameKind.CHALLENGE and pipe.out.state is OutState.HELLO_SENT:
                 self._fail(pipe, exc)
             raise
 
     def _step(self, pipe: Pipe, frame: Frame) -> None:
-        if frame.kind is Kind.HELLO:
+        if frame.kind is FrameKind.HELLO:
             _, _, gen = auth.parse_hello(frame.payload)
             target = self._responder(pipe, gen)
-            self._send(target, Kind.CHALLENGE,
+            self._send(target, FrameKind.CHALLENGE,
                        challenge(target, frame.payload, self._secret, self._my_id,
                                  self._epochs(pipe.peer_id)))
-        elif frame.kind is Kind.CHALLENGE:
+        elif frame.kind is FrameKind.CHALLENGE:
             proof, key, epoch = prove(pipe, frame.payload, self._secret, self._my_id)
-            self._send(pipe, Kind.PROOF, proof)  # before the backlog
+            self._send(pipe, FrameKind.PROOF, proof)  # before the backlog
             self._open(pipe, key, epoch)
-        elif frame.kind is Kind.PROOF:
+        elif frame.kind is FrameKind.PROOF:
             self._proof(pipe, frame)
         else:
             raise FrameError(f"a {frame.kind.name} frame on the handshake tag")
@@ -243,7 +243,7 @@ class Handshake:
         logger.debug("pipe from %s authenticated", pipe.name)
         self._accepted(pipe)
 
-    def _send(self, pipe: Pipe, kind: Kind, payload: bytes) -> None:
+    def _send(self, pipe: Pipe, kind: FrameKind, payload: bytes) -> None:
         frame, _ = encode(kind, 0, payload, [], b"", self._limits)
         req = self._endpoint(pipe).tag_send(frame, self._tag)
         self._watch.append((req, pipe))

@@ -48,7 +48,7 @@ import torch
 
 from .._states import StateEnum
 from .hostmem import cma
-from .wire.frame import Frame, Kind
+from .wire.frame import Frame, FrameKind
 from .wire.gather import Buffer
 from .ucx.binding import Endpoint, Request
 
@@ -140,7 +140,7 @@ class Out:
     state: OutState = OutState.NEW
     seq: int = 0                    # the last frame's sequence number
     #: Messages that waited for the handshake.
-    backlog: list[tuple[bytes | memoryview, Sequence[Buffer], Kind, int,
+    backlog: list[tuple[bytes | memoryview, Sequence[Buffer], FrameKind, int,
                         list[int] | None]] = field(default_factory=list)
     #: Small messages waiting for the frame in flight (batch.py), and that
     #: frame's send request until the loop saw it complete.

@@ -29,8 +29,8 @@ from ..errors import AuthenticationError, BrokenError, FrameError
 from .wire import batch
 from .hostmem import cma
 from .cuda import staging
-from .wire.frame import (PACKED, PREFIX, REMOTE, STAGED, WRITTEN, BufferDesc, Frame, Kind, Limits,
-                         decode, peek_kind, peek_seq)
+from .wire.frame import (PACKED, PREFIX, REMOTE, STAGED, WRITTEN, BufferDesc, Frame, FrameKind,
+                         Limits, decode, peek_kind, peek_seq)
 from .by_address import ByAddress
 from .grants import Grants
 from .handshake import Handshake
@@ -204,7 +204,7 @@ class Receiver:
         sender = sender_of(tag)
         kind = kind_of(tag)
         pipe = self._pipes.get(sender)
-        if kind == HANDSHAKE and peek_kind(buf) == Kind.HELLO:
+        if kind == HANDSHAKE and peek_kind(buf) == FrameKind.HELLO:
             pipe = self._adopt(sender, pipe)
         if pipe is None:
             self.refused += 1
@@ -242,13 +242,13 @@ class Receiver:
         pipe.inbound.peer_busy = frame.busy
         if frame.ack > pipe.cma.acked:
             self._by_address.on_ack(pipe, frame.ack)
-        if frame.kind is Kind.BATCH:
+        if frame.kind is FrameKind.BATCH:
             self._batch(pipe, buf, frame)
             return
-        if frame.kind is not Kind.MESSAGE:
-            if frame.kind is Kind.CMA_OK or frame.kind is Kind.CMA_DONE:
+        if frame.kind is not FrameKind.MESSAGE:
+            if frame.kind is FrameKind.CMA_OK or frame.kind is FrameKind.CMA_DONE:
                 self._by_address.on_frame(pipe, frame)
-            elif frame.kind is Kind.GRANT:
+            elif frame.kind is FrameKind.GRANT:
                 self._grants.on_frame(pipe, frame)
             return
         if self._too_big(pipe, frame, hint):
@@ -374,7 +374,7 @@ class Receiver:
             raise FrameError(f"a batch frame from {pipe.name} has buffers of its own")
         for raw in batch.unpack(buf, PREFIX.size, len(frame.payload)):
             inner = decode(raw, None, self.limits)
-            if inner.kind is not Kind.MESSAGE or not all(d.inline for d in inner.buffers):
+            if inner.kind is not FrameKind.MESSAGE or not all(d.inline for d in inner.buffers):
                 raise FrameError(f"a batch from {pipe.name} holds a message that is not "
                                  "small (only inline buffers may be batched)")
             hint = inner.seq & HINT_MASK

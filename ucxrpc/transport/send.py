@@ -31,7 +31,7 @@ from .wire import batch
 from .hostmem import cma
 from . import grants
 from .cuda import staging
-from .wire.frame import REMOTE, WRITTEN, Kind, Limits, encode
+from .wire.frame import REMOTE, WRITTEN, FrameKind, Limits, encode
 from .wire.gather import Buffer, Gather
 from .pipe import OutState, Pipe
 from .wire.tags import FRAME, data_tag, kind_base
@@ -100,14 +100,15 @@ class Sender:
         self.holding_split: set[Pipe] = set()
 
     def send(self, pipe: Pipe, payload: bytes | memoryview, buffers: Sequence[Buffer],
-             kind: Kind = Kind.MESSAGE, hint: int = 0, devices: list[int] | None = None) -> None:
+             kind: FrameKind = FrameKind.MESSAGE, hint: int = 0,
+             devices: list[int] | None = None) -> None:
         """Send a message on an open pipe (under its lock).
 
         Raises:
             FrameError: it breaks a limit, this side's or the peer's.
         """
         if pipe.out.outbox or pipe.out.last_frame is not None:  # else nothing to wait for
-            if kind is Kind.MESSAGE and self._batchable(payload, buffers):
+            if kind is FrameKind.MESSAGE and self._batchable(payload, buffers):
                 if self._queue_small(pipe, payload, buffers, hint):
                     return
             elif pipe.out.outbox:
@@ -174,8 +175,9 @@ class Sender:
             return
         assert pipe.ep is not None
         ack = pipe.cma.read_through
-        frame, _ = encode(Kind.BATCH, pipe.out.seq + 1, batch.pack(frames), [], pipe.auth.out_key,
-                          self.limits, peer_max_frame=pipe.out.peer_max_frame, ack=ack,
+        frame, _ = encode(FrameKind.BATCH, pipe.out.seq + 1, batch.pack(frames), [],
+                          pipe.auth.out_key, self.limits,
+                          peer_max_frame=pipe.out.peer_max_frame, ack=ack,
                           busy=self._contended())
         pipe.out.seq += 1
         sent = pipe.ep.tag_send(frame, self._frame_base)
@@ -209,14 +211,14 @@ class Sender:
                 "buffers_held_for_peers": sum(len(b) for pipe in list(self.holding)
                                               for b in list(pipe.cma.held.values()))}
 
-    def _by_address(self, pipe: Pipe, kind: Kind, buffers: Sequence[Buffer], busy: bool
+    def _by_address(self, pipe: Pipe, kind: FrameKind, buffers: Sequence[Buffer], busy: bool
                     ) -> tuple[Sequence[Buffer], list[tuple[int, int, int]] | None]:
         """``buffers`` and the frame's ways when some of them are to be read
         by address (host buffers of :data:`.hostmem.cma.MIN_BYTES` or more, of
         :data:`.hostmem.cma.BUSY_MIN_BYTES` where this loop (``busy``) or the peer's
         may not poll, in a message without device buffers), else None; a
         bundle read by address is joined first (the peer reads one block)."""
-        if kind is not Kind.MESSAGE or self._host_as_device:
+        if kind is not FrameKind.MESSAGE or self._host_as_device:
             return buffers, None
         # Every message to such a pipe asks: one size read per buffer when,
         # as mostly, none is large, and the strategy only when one is.
@@ -287,8 +289,8 @@ class Sender:
         (it would not go inline within the peer's limits): the outbox is
         then sent, and the caller sends the message alone."""
         # The hint rides where a frame has its sequence number.
-        inner, separate = encode(Kind.MESSAGE, hint, payload, _host_views(buffers), b"", self.limits,
-                                 peer_max_frame=pipe.out.peer_max_frame, seal=False)
+        inner, separate = encode(FrameKind.MESSAGE, hint, payload, _host_views(buffers), b"",
+                                 self.limits, peer_max_frame=pipe.out.peer_max_frame, seal=False)
         cap = min(batch.MAX_BYTES, pipe.out.peer_max_frame, self.limits.max_frame_bytes) - 256
         if separate or inner.nbytes > cap:
             self.flush(pipe)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ucxrpc.errors import FrameError
-from ucxrpc.transport.wire.frame import (BUSY, DESC, MAC_LEN, NOT_INLINE, PREFIX, Kind, Limits,
+from ucxrpc.transport.wire.frame import (BUSY, DESC, MAC_LEN, NOT_INLINE, PREFIX, FrameKind, Limits,
                                          check_limits, decode, encode, mac)
 
 KEY = b"k" * 32
@@ -25,10 +25,10 @@ def _bufs(*sizes: int, device: int = -1):
 
 def test_frame_round_trip_inlines_small_buffers_only():
     limits = Limits(inline_threshold=1024)
-    frame, separate = encode(Kind.MESSAGE, 7, b"payload", _bufs(10, 2000, 0), KEY, limits)
+    frame, separate = encode(FrameKind.MESSAGE, 7, b"payload", _bufs(10, 2000, 0), KEY, limits)
     assert separate == [1]
     f = decode(frame, KEY, limits)
-    assert (f.kind, f.seq, bytes(f.payload)) == (Kind.MESSAGE, 7, b"payload")
+    assert (f.kind, f.seq, bytes(f.payload)) == (FrameKind.MESSAGE, 7, b"payload")
     assert [d.nbytes for d in f.buffers] == [10, 2000, 0]
     assert f.buffers[1].where == NOT_INLINE
     d0 = f.buffers[0]
@@ -40,9 +40,9 @@ def test_frame_round_trip_inlines_small_buffers_only():
 def test_the_acknowledgement_rides_in_the_prefix_under_the_mac():
     """Every frame says how far its sender read the receiver's frames by
     address (frame.py's ``ack``); a frame that says nothing says 0."""
-    frame, _ = encode(Kind.MESSAGE, 9, b"reply", _bufs(10), KEY, Limits(), ack=2**64 - 1)
+    frame, _ = encode(FrameKind.MESSAGE, 9, b"reply", _bufs(10), KEY, Limits(), ack=2**64 - 1)
     assert decode(frame, KEY, Limits()).ack == 2**64 - 1
-    plain, _ = encode(Kind.CMA_DONE, 10, b"", [], KEY, Limits())
+    plain, _ = encode(FrameKind.CMA_DONE, 10, b"", [], KEY, Limits())
     assert decode(plain, KEY, Limits()).ack == 0
     forged = frame.copy()
     forged[PREFIX.size - 8] ^= 1  # the ack's lowest byte
@@ -53,14 +53,14 @@ def test_the_acknowledgement_rides_in_the_prefix_under_the_mac():
 def test_the_senders_state_rides_in_the_prefix_under_the_mac():
     """Every frame says whether its sender's loop may not poll (frame.py's
     ``state``: BUSY); bits this side does not know are refused."""
-    frame, _ = encode(Kind.MESSAGE, 3, b"x", [], KEY, Limits(), busy=True)
+    frame, _ = encode(FrameKind.MESSAGE, 3, b"x", [], KEY, Limits(), busy=True)
     assert decode(frame, KEY, Limits()).busy
-    assert not decode(encode(Kind.MESSAGE, 4, b"x", [], KEY, Limits())[0], KEY, Limits()).busy
+    assert not decode(encode(FrameKind.MESSAGE, 4, b"x", [], KEY, Limits())[0], KEY, Limits()).busy
     forged = frame.copy()
     forged[6] ^= BUSY  # the state's low byte, after magic, version, kind, nbuf
     with pytest.raises(FrameError, match="MAC mismatch"):
         decode(forged, KEY, Limits())
-    unknown, _ = encode(Kind.MESSAGE, 5, b"x", [], KEY, Limits())
+    unknown, _ = encode(FrameKind.MESSAGE, 5, b"x", [], KEY, Limits())
     unknown[6] = 0x02  # sealed anew: refused for the bit, not the MAC
     head = unknown[:PREFIX.size + len(b"x")]
     unknown[-MAC_LEN:] = np.frombuffer(mac(KEY, head.data, unknown.nbytes), dtype=np.uint8)
@@ -69,7 +69,7 @@ def test_the_senders_state_rides_in_the_prefix_under_the_mac():
 
 
 def test_device_buffers_never_inline():
-    frame, separate = encode(Kind.MESSAGE, 1, b"", [(16, None, 0)], KEY, Limits())
+    frame, separate = encode(FrameKind.MESSAGE, 1, b"", [(16, None, 0)], KEY, Limits())
     assert separate == [0]
     assert decode(frame, KEY, Limits()).buffers[0].device == 0
 
@@ -82,7 +82,7 @@ def test_device_buffers_never_inline():
     (lambda f: _set(f, 30, f[30] ^ 1), "MAC mismatch"),
 ])
 def test_malformed_frames_raise_clear_errors(mutate, message):
-    frame, _ = encode(Kind.MESSAGE, 3, b"hello", _bufs(8), KEY, Limits())
+    frame, _ = encode(FrameKind.MESSAGE, 3, b"hello", _bufs(8), KEY, Limits())
     with pytest.raises(FrameError, match=message):
         decode(mutate(frame), KEY, Limits())
 
@@ -95,7 +95,7 @@ def _set(a: np.ndarray, i: int, v: int) -> np.ndarray:
 
 @pytest.mark.parametrize("count", [1, 20])  # the per-struct and the numpy coders
 def test_wheres_outside_the_frame_are_refused(count):
-    frame, _ = encode(Kind.MESSAGE, 3, b"p", _bufs(*([8] * count)), b"", Limits())
+    frame, _ = encode(FrameKind.MESSAGE, 3, b"p", _bufs(*([8] * count)), b"", Limits())
     off = PREFIX.size + DESC.size * (count - 1) + 8  # the last descriptor's where field
     bad = frame.copy()
     bad[off:off + 8] = np.frombuffer((10**6).to_bytes(8, "little"), np.uint8)
@@ -105,7 +105,7 @@ def test_wheres_outside_the_frame_are_refused(count):
 
 
 def test_unknown_kind_and_lying_sizes_without_mac():
-    frame, _ = encode(Kind.MESSAGE, 3, b"hello", [], b"", Limits())
+    frame, _ = encode(FrameKind.MESSAGE, 3, b"hello", [], b"", Limits())
     with pytest.raises(FrameError, match="unknown frame kind 77"):
         decode(_set(frame, 3, 77), None, Limits())
     with pytest.raises(FrameError, match="truncated frame: header declares"):
@@ -114,12 +114,12 @@ def test_unknown_kind_and_lying_sizes_without_mac():
 
 def test_limits_checked_on_both_sides():
     with pytest.raises(FrameError, match="3 buffers; the limit is 2"):
-        encode(Kind.MESSAGE, 1, b"", _bufs(1, 1, 1), KEY, Limits(max_buffers=2))
+        encode(FrameKind.MESSAGE, 1, b"", _bufs(1, 1, 1), KEY, Limits(max_buffers=2))
     with pytest.raises(FrameError, match="exceeds max_message_bytes=100"):
-        encode(Kind.MESSAGE, 1, b"", [(1000, None, 0)], KEY, Limits(max_message_bytes=100))
+        encode(FrameKind.MESSAGE, 1, b"", [(1000, None, 0)], KEY, Limits(max_message_bytes=100))
     with pytest.raises(FrameError, match="exceeds max_frame_bytes=64"):
-        encode(Kind.MESSAGE, 1, b"x" * 100, [], KEY, Limits(max_frame_bytes=64))
-    frame, _ = encode(Kind.MESSAGE, 1, b"", _bufs(1, 1, 1), KEY, Limits())
+        encode(FrameKind.MESSAGE, 1, b"x" * 100, [], KEY, Limits(max_frame_bytes=64))
+    frame, _ = encode(FrameKind.MESSAGE, 1, b"", _bufs(1, 1, 1), KEY, Limits())
     with pytest.raises(FrameError, match="declares 3 buffers; the limit is 2"):
         decode(frame, KEY, Limits(max_buffers=2))
 
@@ -128,7 +128,7 @@ def test_inlining_stays_within_the_receivers_frame_limit():
     """Small buffers that would push the frame over the receiver's limit go
     separately, so only the header can make a frame too big for it."""
     limits = Limits(inline_threshold=1024)
-    frame, separate = encode(Kind.MESSAGE, 1, b"p", _bufs(*[1000] * 6), KEY, limits,
+    frame, separate = encode(FrameKind.MESSAGE, 1, b"p", _bufs(*[1000] * 6), KEY, limits,
                              peer_max_frame=2500)
     assert frame.nbytes <= 2500
     assert 0 < len(separate) < 6
@@ -168,7 +168,7 @@ def test_staged_and_packed_descriptors_round_trip(extra):
             + [(192, None, 0)])
     ways = ([(STAGED, 4096, 0), (PACKED, pack, 0), (PACKED, pack, 128)]
             + [(0, 0, 0)] * extra + [(PACK | STAGED, 64, 0)])
-    frame, separate = encode(Kind.MESSAGE, 1, b"p", bufs, KEY, Limits(), ways)
+    frame, separate = encode(FrameKind.MESSAGE, 1, b"p", bufs, KEY, Limits(), ways)
     assert separate == [0, pack]  # packed members are never sent themselves
     f = decode(frame, KEY, Limits())
     assert f.nbuf == f.delivered == pack
@@ -197,7 +197,7 @@ def test_malformed_staged_and_packed_descriptors_are_refused(ways, sizes, messag
             "buffer 1:", f"buffer {extra + 1}:").replace("in buffer 0,", f"in buffer {extra},")
     bufs = [(n, memoryview(np.zeros(n, np.uint8)) if not w[0] else None, 0 if w[0] else -1)
             for n, w in zip(sizes, ways)]
-    frame, _ = encode(Kind.MESSAGE, 1, b"p", bufs, KEY, Limits(), ways)
+    frame, _ = encode(FrameKind.MESSAGE, 1, b"p", bufs, KEY, Limits(), ways)
     with pytest.raises(FrameError, match=message):
         decode(frame, KEY, Limits())
 
@@ -205,13 +205,13 @@ def test_malformed_staged_and_packed_descriptors_are_refused(ways, sizes, messag
 def test_remote_descriptors_round_trip_and_host_memory_only():
     limits = Limits()
     views = [(10, None, -1), (1 << 22, None, -1)]
-    frame, separate = encode(Kind.MESSAGE, 1, b"p", views, b"k" * 16, limits,
+    frame, separate = encode(FrameKind.MESSAGE, 1, b"p", views, b"k" * 16, limits,
                              [(0, 0, 0), (REMOTE, 0, 0x7F00_1234_5678)])
     assert separate == [0]  # a REMOTE buffer sends nothing
     got = decode(frame, b"k" * 16, limits)
     assert got.buffers[1].flags == REMOTE and got.buffers[1].where == 0x7F00_1234_5678
     assert got.total == frame.nbytes + 10 + (1 << 22)
-    bad, _ = encode(Kind.MESSAGE, 1, b"p", [(1 << 22, None, 0)], b"k" * 16, limits,
+    bad, _ = encode(FrameKind.MESSAGE, 1, b"p", [(1 << 22, None, 0)], b"k" * 16, limits,
                     [(REMOTE, 0, 4096)])
     with pytest.raises(FrameError, match="read by address from device 0"):
         decode(bad, b"k" * 16, limits)

@@ -81,7 +81,7 @@ _FLAG_SETS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE, WRITTEN)
 MIN_CHUNK_KIB = 64  # bounds the receives one staged buffer can ask for
 
 
-class Kind(enum.IntEnum):
+class FrameKind(enum.IntEnum):
     MESSAGE = 0
     HELLO = 1
     CHALLENGE = 2
@@ -102,7 +102,7 @@ class Kind(enum.IntEnum):
     GRANT = 9
 
 
-_KINDS = {int(k): k for k in Kind}  # a dict lookup is 10x cheaper than Kind(n)
+_KINDS = {int(k): k for k in FrameKind}  # a dict lookup is 10x cheaper than FrameKind(n)
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ assert _DESC_DTYPE.itemsize == DESC.size
 
 @dataclass(frozen=True)
 class Frame:
-    kind: Kind
+    kind: FrameKind
     seq: int
     payload: memoryview
     buffers: tuple[BufferDesc, ...]
@@ -196,7 +196,7 @@ def check_limits(payload_len: int, nbuf: int, nbytes: int, limits: Limits,
                          f"max_message_bytes={limits.max_message_bytes}")
 
 
-def encode(kind: Kind, seq: int, payload: bytes | memoryview,
+def encode(kind: FrameKind, seq: int, payload: bytes | memoryview,
            buffers: Sequence[tuple[int, memoryview | None, int]], key: bytes,
            limits: Limits,
            ways: Sequence[tuple[int, int, int]] | None = None,
@@ -255,7 +255,7 @@ def encode(kind: Kind, seq: int, payload: bytes | memoryview,
     # it was queued (send.py) and again by the receiver (receive.py): the
     # limit is theirs.  Applied to the batch, a callee with a small limit
     # refused its own batch of replies, and the replies in it were lost.
-    if size + total > limits.max_message_bytes and kind is not Kind.BATCH:
+    if size + total > limits.max_message_bytes and kind is not FrameKind.BATCH:
         raise FrameError(f"message of {size + total} bytes exceeds "
                          f"max_message_bytes={limits.max_message_bytes}")
     arr = np.empty(size, dtype=np.uint8)  # ucxx's Array is unsafe with bytearray
