@@ -28,9 +28,11 @@ another order).  ``--fairscale`` runs FairScale 0.4.13's
 Prints one JSON line per cell (``{"cell": ..., "loss_err": ..., "param_err":
 ..., "equal": ...}``, or ``"error"`` and ``"refused"``: the error says a
 reentrant checkpoint cannot run in a distributed backward pass, as both
-agents say), then ``done``.  The suite runs it on
-ucxrpc (tests/autograd/test_pipelines.py); torch's agent gives the same
-cells (README.md, distributed autograd).
+agents say), then ``done``.  The suite runs its cells on ucxrpc
+(tests/autograd/test_pipelines.py: in worker processes of the suite's own,
+``torch.distributed.rpc`` swapped as the launcher swaps it, and FairScale's
+as this program, under the launcher); torch's agent gives the same cells
+(README.md, distributed autograd).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -248,6 +251,27 @@ def _fairscale_cell(cell: str, workers: int, micro: int, checkpoint: str,
     return _compare(cell, losses, params, local())
 
 
+def cells(fairscale: bool = False, only: str = "", repeat: int = 1) -> Iterator[dict]:
+    """On the driver (worker0, RPC up on all four): each cell's report."""
+    cell = _fairscale_cell if fairscale else _own_cell
+    checkpoints = FAIRSCALE_CHECKPOINTS if fairscale else CHECKPOINTS
+    matrix = itertools.product(WORKERS, MICRO_BATCHES, checkpoints, LOSSES)
+    for args in [args for args in matrix for _ in range(repeat)]:
+        if only and only not in " ".join(map(str, args)):  # e.g. '3 4 never'
+            continue
+        started = time.monotonic()
+        label = "{} workers={} micro={} checkpoint={} loss={}".format(
+            "fairscale" if fairscale else "own", *args)
+        try:
+            report = cell(label, *args)
+        except Exception as e:  # noqa: BLE001 - a cell's failure is its result
+            error = f"{type(e).__name__}: {e}"
+            report = {"cell": label, "error": error[:2000],
+                      "equal": False, "refused": "use_reentrant=True" in error}
+        report["seconds"] = round(time.monotonic() - started, 2)
+        yield report
+
+
 def run(rank: int, port: int, fairscale: bool, only: str, repeat: int) -> None:
     import torch.distributed.rpc as rpc
 
@@ -256,22 +280,7 @@ def run(rank: int, port: int, fairscale: bool, only: str, repeat: int) -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=60))
     if rank == 0:
-        cell = _fairscale_cell if fairscale else _own_cell
-        checkpoints = FAIRSCALE_CHECKPOINTS if fairscale else CHECKPOINTS
-        cells = itertools.product(WORKERS, MICRO_BATCHES, checkpoints, LOSSES)
-        for args in [args for args in cells for _ in range(repeat)]:
-            if only and only not in " ".join(map(str, args)):  # e.g. '3 4 never'
-                continue
-            started = time.monotonic()
-            label = "{} workers={} micro={} checkpoint={} loss={}".format(
-                "fairscale" if fairscale else "own", *args)
-            try:
-                report = cell(label, *args)
-            except Exception as e:  # noqa: BLE001 - a cell's failure is its result
-                error = f"{type(e).__name__}: {e}"
-                report = {"cell": label, "error": error[:2000],
-                          "equal": False, "refused": "use_reentrant=True" in error}
-            report["seconds"] = round(time.monotonic() - started, 2)
+        for report in cells(fairscale, only, repeat):
             print(json.dumps(report), flush=True)
         print("done", flush=True)
     rpc.shutdown()

@@ -4,9 +4,11 @@ tests/autograd/pipelines.py, a program that runs unchanged on either agent,
 drives the matrix (2, 3 and 4 workers; 1, 2, 4 and 8 micro-batches passed
 stage to stage as RRefs; no checkpointing, torch's reentrant and its
 non-reentrant checkpoint; the loss on the driver or on the last stage) and
-compares each step's loss and every parameter with local math.  Here it
-runs under ``python -m ucxrpc.torch_rpc``, in a session of its own, bounded
-in time and killed after (``test_as_torch._run``).  What torch's agent gives
+compares each step's loss and every parameter with local math.  Here its
+cells run in the suite's worker processes with ``torch.distributed.rpc``
+swapped for ucxrpc (as the launcher swaps it), and FairScale's as the
+program under ``python -m ucxrpc.torch_rpc``, in a session of its own,
+bounded in time and killed after (``test_as_torch._run``).  What torch's agent gives
 for the same matrix is in README.md (the same cells on both agents).
 """
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.rpc.test_as_torch import _run
+from tests.workers import run_workers
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
@@ -40,8 +43,28 @@ def _cells(*flags: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+def _matrix(rank: int, world_size: int, init_method: str) -> list[dict] | None:
+    """A worker of the matrix: ``torch.distributed.rpc`` is ucxrpc, as under
+    ``python -m ucxrpc.torch_rpc``; rank 0 drives every cell.  (Forked from
+    the suite's server, which imported torch: the program itself pays ~8 s
+    more to start four interpreters.)"""
+    import ucxrpc.torch_rpc
+
+    ucxrpc.torch_rpc.install()
+    import torch.distributed.rpc as rpc
+
+    from tests.autograd import pipelines
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=init_method,
+                                                                     rpc_timeout=60))
+    out = list(pipelines.cells()) if rank == 0 else None
+    rpc.shutdown()
+    return out
+
+
 def test_every_pipeline_of_the_matrix_trains_as_local_math_on_ucxrpc() -> None:
-    cells = _cells()
+    cells = run_workers(_matrix, 4, timeout=200)[0]
     assert len(cells) == 3 * 4 * 3 * 2
     for cell in cells:
         if "checkpoint=reentrant" in cell["cell"]:
