@@ -8,8 +8,9 @@ buffers are queued too but never delivered, so a receive posted for one
 stays in flight until the test ends it.  ``probe`` matches tags as UCX does;
 ``cancel`` completes a receive as cancelled.
 
-Used by the fuzz tests (tests/fuzz/test_fuzz_engine.py) and the engine's
-own tests (tests/transport/test_engine.py).
+Used by the fuzz tests (tests/fuzz/test_fuzz_engine.py) and the engine's,
+the sender's and the receiver's own tests (tests/transport/test_engine.py,
+tests/transport/test_send_receive.py, which lands a data buffer by hand).
 """
 
 from __future__ import annotations
