@@ -310,6 +310,7 @@ class WorkerPass:
         self._sent: set[int] = set()                   # ids of recv leaves whose gradients went
         self._running: set[int] = set()
         self._calls = 0                                # propagations not yet answered
+        self._serving = False                          # the owner thread took an entry
         # Final callbacks the parts queued (torch runs a graph task's at its
         # end: here, the pass's); _defer is one object, the parts' sink.
         self._deferred: list[Callable[[], None]] = []
@@ -344,7 +345,15 @@ class WorkerPass:
                 if self._phase is Phase.FINISHED:
                     return self._failure
                 key, grads = self._queue.popleft()
-            self._run_now(key, grads)
+                # Taken from the queue, not yet running: the pass is not idle
+                # (_check must not find it stuck between the two).
+                self._serving = True
+            try:
+                self._run_now(key, grads)
+            finally:
+                with self._lock:
+                    self._serving = False
+            self._check()
 
     def _run_now(self, key: int, grads: Sequence[torch.Tensor | None]) -> None:
         started = False
@@ -506,7 +515,7 @@ class WorkerPass:
                 self._phase = Phase.COMMITTING
                 failure = None
             elif (self._phase is Phase.RUNNING and self._owner is not None
-                  and not self._queue and ROOTS not in self._left):
+                  and not self._queue and not self._serving and ROOTS not in self._left):
                 stuck = sorted(self._left)
             else:
                 return
