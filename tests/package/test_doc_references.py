@@ -95,7 +95,7 @@ class _Index:
                 self.names.add(parts[i])
             self.names.update(vars(module))
             path = getattr(module, "__file__", None)
-            if path:
+            if path and path.endswith(".py"):  # not the native core's shared object
                 self._scan(Path(path).read_text(encoding="utf-8"))
             for obj in vars(module).values():
                 if isinstance(obj, type) and obj.__module__ == name:
@@ -107,6 +107,10 @@ class _Index:
                             getattr(klass, "__dataclass_fields__", {}))
         for attrs in self.class_attrs.values():
             self.names.update(attrs)
+        # The native core's C functions (csrc/: docs name `check_ways`).
+        for path in (REPO / "csrc").glob("*.[ch]"):
+            self.names.update(re.findall(r"^[A-Za-z_][\w \*]*?\b(\w+)\(", path.read_text(),
+                                         re.MULTILINE))
         # What the tests define (helpers the docs name: worker_group, RANKS).
         for path in (REPO / "tests").rglob("*.py"):
             if path != Path(__file__).resolve():  # its own examples of stale names
@@ -254,7 +258,7 @@ def _docstring_refs() -> list[tuple[str, str, str]]:
     out = []
     for name, module in _modules().items():
         path = getattr(module, "__file__", None)
-        if not path:
+        if not path or not path.endswith(".py"):  # the native core's docs are its own
             continue
         base = name if Path(path).name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(Path(path).read_text(encoding="utf-8"))

@@ -1,4 +1,4 @@
-"""libucp called directly (ctypes) for the per-frame calls of the hot path.
+"""libucp called directly for the per-frame calls of the hot path.
 
 Sending a 200-byte frame through ucxx's Python layer costs 4–8 µs (a tag
 object, an ``Array``, a C++ request and its Python wrapper, pybind11); the
@@ -19,21 +19,14 @@ from ``__cuda_array_interface__``.  Skipping detection and registration
 would take a memory handle mapped once (``UCP_OP_ATTR_FIELD_MEMH`` over
 ``ucp_mem_map``'d regions).  Empty buffers go through ucxx.
 
-Two rules keep it safe beside ucxx:
-
-* **The GIL.**  Every call that takes the worker's lock (send, probe,
-  receive, posting a receive, free) releases the GIL (``CDLL``): a thread
-  inside ucxx's progress holds that lock and may call back into Python (an
-  endpoint's close callback), so holding the GIL while waiting for the lock
-  could deadlock.  ``ucp_request_check_status`` only reads the request and keeps
-  the GIL (``PyDLL``), saving a GIL hand-off per look.
-* **Ownership.**  A request left in flight belongs to whoever holds its
-  :class:`UcpRequest`: only that thread looks at it, and it frees it the
-  first time it sees it complete.  The request keeps its buffer alive till
-  then (UCX reads or writes it until completion).  An endpoint handle is
-  used only while its :class:`~.binding.Endpoint` is open, which the pipe's
-  lock guarantees (ucxx closes a UCP endpoint only when told to, never in
-  its error callback).
+The calls themselves are the native core's (``csrc/ucp.c``, which states
+the two rules that keep them safe beside ucxx: the GIL released around
+every call that takes the worker's lock, and a request owned, looked at
+and freed by one thread, keeping its memory alive till it completes).
+Through ctypes, as before, each call cost a foreign call and a Python
+request object (~20 Python-level calls per round trip, Run AM).  This
+module binds them to the very libucp ucxx loaded, and keeps in ctypes the
+two queries made once per worker or pipe (thread mode, lanes).
 """
 
 from __future__ import annotations
@@ -42,38 +35,17 @@ import ctypes
 import os
 from typing import Any
 
-import numpy as np
-
+from ..._core import UcpRequest as _Request
+from ..._core import (ucp_bind, ucp_cancel, ucp_probe, ucp_receive, ucp_send, ucp_send_device,
+                      ucp_send_iov, ucp_status_string, ucp_tag_recv, ucp_tag_recv_device)
 from ...errors import BrokenError
 from .failures import request_failed
 
 __all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "THREAD_MODES", "THREAD_MODE_MULTI",
-           "host_address", "library", "loaded_library"]
+           "library", "loaded_library"]
 
-_INPROGRESS = 1
-_ERR_LAST = -100  # UCS_ERR_LAST: status pointers at or above (2**64 - 100) are errors
-_ERR_FLOOR = (1 << 64) + _ERR_LAST
-_OP_ATTR_FIELD_DATATYPE = 1 << 3
-_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
-_MEMORY_TYPE_HOST = 0
-_MEMORY_TYPE_CUDA = 1  # ucs_memory_type_t: UCS_MEMORY_TYPE_CUDA
-_DATATYPE_IOV = 2  # ucp_dt_make_iov(): the buffer is an array of ucp_dt_iov_t
 #: A tag mask that matches every bit: the one message with exactly that tag.
 FULL_MASK = (1 << 64) - 1
-
-
-class _RequestParam(ctypes.Structure):
-    """``ucp_request_param_t`` (UCX 1.x; the layout is part of its ABI)."""
-
-    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("request", ctypes.c_void_p), ("cb", ctypes.c_void_p),
-                ("datatype", ctypes.c_uint64), ("user_data", ctypes.c_void_p),
-                ("reply_buffer", ctypes.c_void_p), ("memory_type", ctypes.c_int),
-                ("recv_info", ctypes.c_void_p), ("memh", ctypes.c_void_p)]
-
-
-class _TagRecvInfo(ctypes.Structure):
-    _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
 
 
 class _WorkerAttr(ctypes.Structure):
@@ -149,37 +121,9 @@ def library(name: str, keep_gil: bool = False) -> Any:
     return ctypes.PyDLL(path) if keep_gil else ctypes.CDLL(path)
 
 
-def host_address(buf: np.ndarray) -> int:
-    """The address of a writable host array's first byte (a third of the
-    cost of ``buf.ctypes.data``)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # type: ignore[arg-type]  # an ndarray is a buffer
-
-
-class UcpRequest:
-    """A send or receive UCX left in flight, looked at by its owner only."""
-
-    __slots__ = ("_ucp", "_ptr", "_status", "keep")
-
-    def __init__(self, ucp: Ucp, ptr: int, keep: Any) -> None:
-        self._ucp = ucp
-        self._ptr = ptr
-        self._status = _INPROGRESS
-        self.keep = keep
-
-    @property
-    def done(self) -> bool:
-        if self._status == _INPROGRESS:
-            status = self._ucp.check_status(self._ptr)
-            if status == _INPROGRESS:
-                return False
-            self._ucp.free(self._ptr)  # first sight of completion: the owner frees
-            self._status = status
-            self.keep = None
-        return True
-
-    def error(self) -> BrokenError | None:
-        """Why it failed (once :attr:`done`), else None."""
-        return None if self._status in (0, _INPROGRESS) else self._ucp.failure(self._status)
+#: A send or receive UCX left in flight (``csrc/ucp.c``): ``done`` (the
+#: first True frees it and lets go of its memory), ``error()``, ``keep``.
+UcpRequest = _Request
 
 
 class _Completed:
@@ -199,96 +143,59 @@ DONE = _Completed(None)
 
 
 class Ucp:
-    """The libucp calls of the frame path, bound once per process."""
+    """The libucp calls of the frame path, bound once per process.
+
+    The per-message calls are the native core's functions, held as they
+    are, so ``self._ucp.send(ep, buf, tag)`` calls C directly:
+
+    * ``send(ep, buf, tag)``: host array ``buf`` on endpoint handle ``ep``;
+    * ``send_iov(ep, iov, tag, keep)``: the host memory ``iov`` lists
+      ((address, length) pairs, uint64) as one message; ``keep`` holds that
+      memory and ``iov`` until UCX is done with them;
+    * ``send_device(ep, address, nbytes, tag, keep)``: CUDA memory;
+    * ``tag_recv(worker, buf, tag)``: post a receive of the message with
+      exactly ``tag`` into host array ``buf`` (a longer message fails the
+      request: truncated);
+    * ``tag_recv_device(worker, address, nbytes, tag, keep)``: into CUDA
+      memory;
+    * ``probe(worker, tag, mask)``: (sender tag, length, message handle) of
+      a message taken off the worker's unexpected queue, or None;
+    * ``receive(worker, buf, msg)``: probed message ``msg`` into host array
+      ``buf`` (a shorter buffer truncates it: the request fails, the data is
+      gone).
+
+    Each returns :data:`DONE`, a :class:`UcpRequest` in flight, or one that
+    failed at once.
+    """
 
     def __init__(self) -> None:
+        self.send = ucp_send
+        self.send_iov = ucp_send_iov
+        self.send_device = ucp_send_device
+        self.tag_recv = ucp_tag_recv
+        self.tag_recv_device = ucp_tag_recv_device
+        self.probe = ucp_probe
+        self.receive = ucp_receive
+        # The same copies ucxx loaded, named by path, or the wheel's.
+        ucp_bind(_path(library("libucp.so")), _path(library("libucs.so")),
+                       request_failed, DONE)
         lib = library("libucp.so")
-        keeps_gil = library("libucp.so", keep_gil=True)
-        ucs = library("libucs.so")
-        vp, u64, size = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
-        self._send = lib.ucp_tag_send_nbx
-        self._send.argtypes = [vp, vp, size, u64, vp]
-        self._send.restype = vp
-        self._probe = lib.ucp_tag_probe_nb
-        self._probe.argtypes = [vp, u64, u64, ctypes.c_int, vp]
-        self._probe.restype = vp
-        self._tag_recv = lib.ucp_tag_recv_nbx
-        self._tag_recv.argtypes = [vp, vp, size, u64, u64, vp]
-        self._tag_recv.restype = vp
-        self._recv = lib.ucp_tag_msg_recv_nbx
-        self._recv.argtypes = [vp, vp, size, vp, vp]
-        self._recv.restype = vp
-        self.check_status = keeps_gil.ucp_request_check_status
-        self.check_status.argtypes = [vp]
-        self.check_status.restype = ctypes.c_int
-        self.free = lib.ucp_request_free
-        self.free.argtypes = [vp]
-        self.free.restype = None
-        self._cancel = lib.ucp_request_cancel
-        self._cancel.argtypes = [vp, vp]
-        self._cancel.restype = None
+        vp = ctypes.c_void_p
         self._worker_query = lib.ucp_worker_query
         self._worker_query.argtypes = [vp, ctypes.POINTER(_WorkerAttr)]
         self._worker_query.restype = ctypes.c_int
         self._ep_query = lib.ucp_ep_query
         self._ep_query.argtypes = [vp, ctypes.POINTER(_EpAttr)]
         self._ep_query.restype = ctypes.c_int
-        self._status_string = ucs.ucs_status_string
-        self._status_string.argtypes = [ctypes.c_int]
-        self._status_string.restype = ctypes.c_char_p
-        # Read-only to UCX, so one for every thread: frames are host memory,
-        # which spares UCX a memory-type lookup per call.
-        self._param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE,
-                                    memory_type=_MEMORY_TYPE_HOST)
-        self._param_address = ctypes.addressof(self._param)
-        self._iov_param = _RequestParam(
-            op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE | _OP_ATTR_FIELD_DATATYPE,
-            memory_type=_MEMORY_TYPE_HOST, datatype=_DATATYPE_IOV)
-        self._iov_param_address = ctypes.addressof(self._iov_param)
-        self._cuda_param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE,
-                                         memory_type=_MEMORY_TYPE_CUDA)
-        self._cuda_param_address = ctypes.addressof(self._cuda_param)
 
     def cancel(self, worker: int, req: UcpRequest) -> None:
         """Cancel ``req`` (a receive posted on worker handle ``worker``, not
         yet seen complete by its owner, who calls this): UCX completes it
         with UCS_ERR_CANCELED, and the owner frees it when it sees that."""
-        self._cancel(worker, req._ptr)
+        ucp_cancel(worker, req)
 
     def failure(self, status: int) -> BrokenError:
-        return request_failed(self._status_string(status).decode(), status)
-
-    def _outcome(self, ptr: int | None, keep: Any) -> UcpRequest | _Completed:
-        if ptr is None:
-            return DONE
-        if ptr >= _ERR_FLOOR:
-            return _Completed(self.failure(ptr - (1 << 64)))
-        return UcpRequest(self, ptr, keep)
-
-    def send(self, ep: int, buf: np.ndarray, tag: int) -> UcpRequest | _Completed:
-        """Send host array ``buf`` on endpoint handle ``ep``."""
-        return self._outcome(self._send(ep, host_address(buf), buf.nbytes, tag,
-                                        self._param_address), buf)
-
-    def send_iov(self, ep: int, iov: np.ndarray, tag: int, keep: Any) -> UcpRequest | _Completed:
-        """Send the host memory that ``iov`` lists ((address, length) pairs,
-        uint64) as one message on endpoint handle ``ep``; ``keep`` holds
-        that memory and ``iov`` until UCX is done with them."""
-        return self._outcome(self._send(ep, host_address(iov), iov.size // 2, tag,
-                                        self._iov_param_address), keep)
-
-    def send_device(self, ep: int, address: int, nbytes: int, tag: int,
-                    keep: Any) -> UcpRequest | _Completed:
-        """Send ``nbytes`` of CUDA memory at ``address`` on endpoint handle
-        ``ep``, as CUDA memory; ``keep`` holds that memory until UCX is done."""
-        return self._outcome(self._send(ep, address, nbytes, tag, self._cuda_param_address), keep)
-
-    def tag_recv_device(self, worker: int, address: int, nbytes: int, tag: int,
-                        keep: Any) -> UcpRequest | _Completed:
-        """Post a receive of the message with exactly ``tag`` into ``nbytes``
-        of CUDA memory at ``address``; ``keep`` holds that memory."""
-        return self._outcome(self._tag_recv(worker, address, nbytes, tag, FULL_MASK,
-                                            self._cuda_param_address), keep)
+        return request_failed(ucp_status_string(status), status)
 
     def thread_mode(self, worker: int) -> int:
         """The thread mode UCX really gave worker handle ``worker``
@@ -311,24 +218,10 @@ class Ucp:
         return [(entries[i].transport_name.decode(), entries[i].device_name.decode())
                 for i in range(attr.transports.num_entries)]
 
-    def probe(self, worker: int, tag: int, mask: int) -> tuple[int, int, int] | None:
-        """(sender tag, length, message handle) of a message taken off the
-        worker's unexpected queue, or None."""
-        info = _TagRecvInfo()
-        msg = self._probe(worker, tag, mask, 1, ctypes.byref(info))
-        return None if msg is None else (info.sender_tag, info.length, msg)
 
-    def receive(self, worker: int, buf: np.ndarray, msg: int) -> UcpRequest | _Completed:
-        """Receive probed message ``msg`` into host array ``buf`` (a
-        shorter buffer truncates it: the request fails, the data is gone)."""
-        return self._outcome(self._recv(worker, host_address(buf), buf.nbytes, msg,
-                                        self._param_address), buf)
-
-    def tag_recv(self, worker: int, buf: np.ndarray, tag: int) -> UcpRequest | _Completed:
-        """Post a receive of the message with exactly ``tag`` into host
-        array ``buf`` (a longer message fails the request: truncated)."""
-        return self._outcome(self._tag_recv(worker, host_address(buf), buf.nbytes, tag,
-                                            FULL_MASK, self._param_address), buf)
+def _path(lib: Any) -> str:
+    """The file a ctypes library was loaded from (its ``_name``)."""
+    return str(lib._name)
 
 
 _ucp: Ucp | None = None

@@ -55,14 +55,14 @@ message of many small tensors, and no tensor byte is ever executed.
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ..._core import frame_bind, frame_decode, frame_encode
+from ..._core import mac as _mac
 from ...errors import FrameError
 
 MAGIC = b"UX"
@@ -77,7 +77,6 @@ NOT_INLINE = 0xFFFF_FFFF_FFFF_FFFF
 ALIGN = 64
 STAGED, PACK, PACKED, REMOTE, WRITTEN = 1, 2, 4, 8, 16
 BUSY = 1  # the prefix's state: the sender's loop may not poll
-_FLAG_SETS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE, WRITTEN)
 MIN_CHUNK_KIB = 64  # bounds the receives one staged buffer can ask for
 
 
@@ -101,8 +100,6 @@ class FrameKind(enum.IntEnum):
     # (grants.py), authenticated like MESSAGE; the payload lists it.
     GRANT = 9
 
-
-_KINDS = {int(k): k for k in FrameKind}  # a dict lookup is 10x cheaper than FrameKind(n)
 
 
 @dataclass(frozen=True)
@@ -141,14 +138,11 @@ class BufferDesc(NamedTuple):
         return self.where != NOT_INLINE and not self.flags
 
 
-# The descriptor table read in one numpy call instead of a struct per buffer.
-_DESC_DTYPE = np.dtype([("nbytes", "<u8"), ("off", "<u8"), ("device", "<i2"), ("flags", "u1"),
-                        ("pad", "V1"), ("arg", "<u4")])
-assert _DESC_DTYPE.itemsize == DESC.size
 
+class Frame(NamedTuple):
+    """A decoded frame (a tuple: the native core builds one per message
+    without calling Python)."""
 
-@dataclass(frozen=True)
-class Frame:
     kind: FrameKind
     seq: int
     payload: memoryview
@@ -162,12 +156,6 @@ class Frame:
     @property
     def nbuf(self) -> int:
         return len(self.buffers) if self.delivered < 0 else self.delivered
-
-
-def mac(key: bytes, head: bytes | memoryview, size: int) -> bytes:
-    h = hashlib.blake2b(head, key=key, digest_size=MAC_LEN)
-    h.update(size.to_bytes(8, "little"))
-    return h.digest()
 
 
 def check_limits(payload_len: int, nbuf: int, nbytes: int, limits: Limits,
@@ -196,201 +184,52 @@ def check_limits(payload_len: int, nbuf: int, nbytes: int, limits: Limits,
                          f"max_message_bytes={limits.max_message_bytes}")
 
 
-def encode(kind: FrameKind, seq: int, payload: bytes | memoryview,
-           buffers: Sequence[tuple[int, memoryview | None, int]], key: bytes,
-           limits: Limits,
-           ways: Sequence[tuple[int, int, int]] | None = None,
-           peer_max_frame: int = 1 << 62, seal: bool = True,
-           ack: int = 0, busy: bool = False) -> tuple[np.ndarray, list[int]]:
-    """Build a frame; returns it and the indices of buffers sent separately.
+# The codec is the native core's (csrc/frame.c), its only implementation;
+# it builds the types above, handed to it here.
+frame_bind(Frame, BufferDesc, tuple(FrameKind), FrameError, np.empty, np.uint8)
 
-    ``buffers`` holds (nbytes, host bytes view or None, device) triples; a
-    host buffer (device -1) no larger than ``limits.inline_threshold`` is
-    copied inline while the inline total stays under ``limits.inline_total``
-    and the frame within both sides' ``max_frame_bytes``.
-    ``ways``, when given, holds (flags, arg, where) per buffer; a buffer
-    with flags set is never inlined, and PACKED, REMOTE and WRITTEN ones are
-    not sent at all (a REMOTE one's address rides in its ``where``).
-    ``seal=False`` leaves the MAC zero: a message inside a batch, whose
-    frame's MAC covers it whole.  ``ack`` and ``busy`` (the state's BUSY):
-    see the module's docstring.
+encode: Callable[..., tuple[np.ndarray, list[int]]] = frame_encode
+"""encode(kind, seq, payload, buffers, key, limits, ways=None,
+peer_max_frame=1 << 62, seal=True, ack=0, busy=False) -> (frame, separate)
 
-    Raises:
-        FrameError: the message breaks a limit (named in the message).
-    """
-    if len(buffers) > limits.max_buffers:
-        raise FrameError(f"message has {len(buffers)} buffers; the limit is {limits.max_buffers}")
-    nbuf = len(buffers)
-    head_len = PREFIX.size + DESC.size * nbuf + len(payload)
-    cursor = start = (head_len + ALIGN - 1) & ~(ALIGN - 1)
-    offs, separate, inline = [], [], []
-    total = 0
-    frame_cap = min(limits.max_frame_bytes, peer_max_frame) - MAC_LEN
-    small, budget = limits.inline_threshold, min(start + limits.inline_total, frame_cap)
-    for i, (n, view, device) in enumerate(buffers):
-        if ways is not None and ways[i][0]:
-            if ways[i][0] == PACKED:
-                offs.append(ways[i][2])
-            elif ways[i][0] == REMOTE or ways[i][0] == WRITTEN:
-                total += n
-                offs.append(ways[i][2])
-            else:
-                total += n
-                offs.append(NOT_INLINE)
-                separate.append(i)
-            continue
-        total += n
-        end = (cursor + n + ALIGN - 1) & ~(ALIGN - 1)  # the frame ends aligned
-        if view is not None and device < 0 and n <= small and end <= budget:
-            offs.append(cursor)
-            inline.append((cursor, view))
-            cursor = end
-        else:
-            offs.append(NOT_INLINE)
-            separate.append(i)
-    size = (cursor if inline else head_len) + MAC_LEN
-    if size > limits.max_frame_bytes:
-        raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
-    # A BATCH frame is not a message but holds several, each checked when
-    # it was queued (send.py) and again by the receiver (receive.py): the
-    # limit is theirs.  Applied to the batch, a callee with a small limit
-    # refused its own batch of replies, and the replies in it were lost.
-    if size + total > limits.max_message_bytes and kind is not FrameKind.BATCH:
-        raise FrameError(f"message of {size + total} bytes exceeds "
-                         f"max_message_bytes={limits.max_message_bytes}")
-    arr = np.empty(size, dtype=np.uint8)  # ucxx's Array is unsafe with bytearray
-    out = arr.data
-    PREFIX.pack_into(out, 0, MAGIC, VERSION, kind, nbuf, BUSY if busy else 0, len(payload),
-                     seq, ack)
-    if 0 < nbuf <= 8:  # as in decode: the numpy table costs ~2-3 µs more for a few
-        for i, (b, off) in enumerate(zip(buffers, offs)):
-            flags, arg = (ways[i][0], ways[i][1]) if ways is not None else (0, 0)
-            DESC.pack_into(out, PREFIX.size + DESC.size * i, b[0], off, b[2], flags, arg)
-    elif nbuf:
-        table = arr[PREFIX.size:PREFIX.size + DESC.size * nbuf].view(_DESC_DTYPE)
-        table["nbytes"] = [b[0] for b in buffers]
-        table["off"] = offs
-        table["device"] = [b[2] for b in buffers]
-        table["pad"] = b""
-        table["flags"] = [w[0] for w in ways] if ways is not None else 0
-        table["arg"] = [w[1] for w in ways] if ways is not None else 0
-    pos = PREFIX.size + DESC.size * nbuf
-    out[pos:pos + len(payload)] = payload
-    for off, view in inline:
-        out[off:off + view.nbytes] = view
-    if seal:
-        out[size - MAC_LEN:] = mac(key, out[:head_len], size)
-    else:
-        out[size - MAC_LEN:] = bytes(MAC_LEN)
-    return arr, separate
+Build a frame (a uint8 numpy array); ``separate`` lists the indices of the
+buffers sent as their own tag messages.
 
+``buffers`` holds (nbytes, host bytes view or None, device) triples; a
+host buffer (device -1) no larger than ``limits.inline_threshold`` is
+copied inline while the inline total stays under ``limits.inline_total``
+and the frame within both sides' ``max_frame_bytes``.
+``ways``, when given, holds (flags, arg, where) per buffer; a buffer
+with flags set is never inlined, and PACKED, REMOTE and WRITTEN ones are
+not sent at all (a REMOTE one's address rides in its ``where``).
+``seal=False`` leaves the MAC zero: a message inside a batch, whose
+frame's MAC covers it whole.  ``ack`` and ``busy`` (the state's BUSY):
+see the module's docstring.  A BATCH frame is not held to
+``max_message_bytes``: the messages in it are, each.
 
-def decode(raw: np.ndarray, key: bytes | None, limits: Limits) -> Frame:
-    """Parse and check a received frame.
+Raises:
+    FrameError: the message breaks a limit (named in the message).
+"""
 
-    ``key=None`` skips the MAC (handshake frames, which carry no secret-derived
-    key yet and are parsed field by field, never unpickled).  The message's
-    total size is returned in ``Frame.total`` for the caller to check once
-    the MAC has proved whom to tell.
+decode: Callable[[np.ndarray, "bytes | None", Limits], Frame] = frame_decode
+"""decode(raw, key, limits) -> Frame
 
-    Raises:
-        FrameError: bad magic or version, truncated, inconsistent sizes, a
-            limit broken, or a MAC mismatch — the message says which.
-    """
-    data = raw.data.cast("B")
-    n = data.nbytes
-    if n < PREFIX.size + MAC_LEN:
-        raise FrameError(f"truncated frame: {n} bytes is shorter than a frame header")
-    magic, version, kind, nbuf, state, plen, seq, ack = PREFIX.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise FrameError(f"bad frame magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise FrameError(f"frame version {version} not supported (this side speaks {VERSION})")
-    kind = _KINDS.get(kind)
-    if kind is None:
-        raise FrameError(f"unknown frame kind {PREFIX.unpack_from(data, 0)[2]}")
-    if state & ~BUSY:
-        raise FrameError(f"unknown frame state bits {state:#06x}")
-    busy = state == BUSY
-    if nbuf > limits.max_buffers:
-        raise FrameError(f"frame declares {nbuf} buffers; the limit is {limits.max_buffers}")
-    head_len = PREFIX.size + DESC.size * nbuf + plen
-    if head_len + MAC_LEN > n:
-        raise FrameError(f"truncated frame: header declares {head_len + MAC_LEN} bytes, got {n}")
-    # In constant time: a byte-by-byte early exit would tell a forger, by
-    # timing, how much of a guessed MAC was right.
-    if key is not None and not hmac.compare_digest(mac(key, data[:head_len], n),
-                                                   bytes(data[n - MAC_LEN:])):
-        raise FrameError("frame authentication failed (MAC mismatch)")
-    payload = data[head_len - plen:head_len]
-    if nbuf <= 8:  # numpy's fixed cost (~8 µs) only pays off for many buffers
-        descs = []
-        total = n
-        flagged = False
-        for i in range(nbuf):
-            nbytes, off, device, flags, arg = DESC.unpack_from(data, PREFIX.size + DESC.size * i)
-            if flags:
-                flagged = True
-            elif off == NOT_INLINE:
-                total += nbytes
-            elif off < head_len or off + nbytes > n - MAC_LEN:
-                raise FrameError(f"buffer {i} claims inline bytes [{off}, {off + nbytes}) "
-                                 f"outside the {n}-byte frame")
-            descs.append(BufferDesc(nbytes, off, device, flags, arg))
-        if flagged:
-            return _with_ways(Frame(kind, seq, payload, tuple(descs), raw, total, ack=ack,
-                                    busy=busy))
-        return Frame(kind, seq, payload, tuple(descs), raw, total, ack=ack, busy=busy)
-    table = np.frombuffer(data, dtype=_DESC_DTYPE, count=nbuf, offset=PREFIX.size)
-    sizes, offs, flags = table["nbytes"], table["off"], table["flags"]
-    plain = flags == 0
-    inline = (offs != NOT_INLINE) & plain
-    # Python ints: a lying size near 2**64 must not wrap around in uint64.
-    bad = inline & ((offs < head_len) | (offs > n - MAC_LEN) | (sizes > n - MAC_LEN - offs))
-    if bad.any():
-        i = int(np.argmax(bad))
-        off, nbytes = int(offs[i]), int(sizes[i])
-        raise FrameError(f"buffer {i} claims inline bytes [{off}, {off + nbytes}) "
-                         f"outside the {n}-byte frame")
-    total = n + sum(sizes[~inline & plain].tolist())
-    table_descs = tuple(map(BufferDesc._make, zip(sizes.tolist(), offs.tolist(),
-                                                  table["device"].tolist(), flags.tolist(),
-                                                  table["arg"].tolist())))
-    frame = Frame(kind, seq, payload, table_descs, raw, total, ack=ack, busy=busy)
-    return frame if plain.all() else _with_ways(frame)
+Parse and check a received frame.  ``key=None`` skips the MAC (handshake
+frames, which carry no secret-derived key yet and are parsed field by
+field, never unpickled).  The message's total size is returned in
+``Frame.total`` for the caller to check once the MAC has proved whom to
+tell; the payload is a view of ``raw``, as are inline buffers (their
+``where``).  The MAC is compared in constant time.
 
+Raises:
+    FrameError: bad magic or version, truncated, inconsistent sizes,
+        unknown flags, a limit broken, or a MAC mismatch (the message says
+        which).
+"""
 
-def _with_ways(frame: Frame) -> Frame:
-    """Check the descriptors of staged and packed buffers; count their bytes."""
-    descs = frame.buffers
-    total = frame.total
-    first_pack = next((i for i, d in enumerate(descs) if d.flags & PACK), len(descs))
-    for i, d in enumerate(descs):
-        if d.flags not in _FLAG_SETS:
-            raise FrameError(f"buffer {i} has unknown flags {d.flags:#x}")
-        if bool(d.flags & PACK) != (i >= first_pack):
-            raise FrameError(f"buffer {i}: packs must come after every other buffer")
-        if d.flags & STAGED and d.arg < MIN_CHUNK_KIB:
-            raise FrameError(f"buffer {i} is staged in chunks of {d.arg} KiB; the minimum is "
-                             f"{MIN_CHUNK_KIB} KiB")
-        if d.flags & (STAGED | PACK) or d.flags == REMOTE or d.flags == WRITTEN:
-            total += d.nbytes
-            if d.flags == REMOTE and d.device != -1:
-                raise FrameError(f"buffer {i} is to be read by address from device "
-                                 f"{d.device}; only host memory can be")
-            if d.flags == WRITTEN and d.device != -1:
-                raise FrameError(f"buffer {i} was written into host memory here, but its "
-                                 f"descriptor names device {d.device}")
-        elif d.flags == PACKED:
-            if not first_pack <= d.arg < len(descs):
-                raise FrameError(f"buffer {i} claims to sit in buffer {d.arg}, which is not a pack")
-            pack = descs[d.arg]
-            if d.where + d.nbytes > pack.nbytes or d.device != pack.device:
-                raise FrameError(f"buffer {i} claims bytes [{d.where}, "
-                                 f"{d.where + d.nbytes}) on device {d.device} of a "
-                                 f"{pack.nbytes}-byte pack on device {pack.device}")
-    return Frame(frame.kind, frame.seq, frame.payload, descs, frame.raw, total, first_pack,
-                 frame.ack, frame.busy)
+mac: Callable[[bytes, "bytes | memoryview", int], bytes] = _mac
+"""mac(key, head, size) -> the MAC_LEN-byte keyed BLAKE2b of ``head``
+followed by ``size`` (8 bytes, little endian)."""
 
 
 def peek_kind(raw: np.ndarray) -> int | None:

@@ -1,0 +1,25 @@
+/* ucxrpc._core: the per-message work in C (docs/architecture.md, "The
+ * native core").  One file per concern; this header is what they share. */
+#ifndef UCXRPC_CORE_H
+#define UCXRPC_CORE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Keyword-aware argument parsing for METH_FASTCALL | METH_KEYWORDS
+ * functions: fills out[0..nnames) from positional arguments and keywords,
+ * leaving NULL what was not given.  Returns -1 with TypeError set on an
+ * unknown, repeated or missing (the first `required` names) argument. */
+int core_parse(const char *func, const char *const *names, Py_ssize_t nnames,
+               Py_ssize_t required, PyObject *const *args, Py_ssize_t nargs,
+               PyObject *kwnames, PyObject **out);
+
+/* frame.c */
+extern PyMethodDef core_frame_methods[];
+int core_frame_init(PyObject *module);
+
+/* ucp.c */
+extern PyMethodDef core_ucp_methods[];
+int core_ucp_init(PyObject *module);
+
+#endif

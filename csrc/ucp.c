@@ -1,0 +1,491 @@
+/* libucp called from C: the per-message UCX calls (send, probe, receive,
+ * post a receive, cancel) and the requests they leave in flight.
+ *
+ * Before, these went through ctypes (a foreign call and a Python request
+ * object per message, ~20 Python-level calls a round trip: Run AM).  The
+ * rules they kept hold here, in C:
+ *
+ * - The GIL.  Every call that takes the worker's lock (send, probe,
+ *   receive, posting a receive, cancel, free) releases the GIL: a thread
+ *   inside ucxx's progress holds that lock and may call back into Python (an
+ *   endpoint's close callback), so waiting for the lock with the GIL held
+ *   could deadlock.  ucp_request_check_status only reads the request and
+ *   keeps the GIL.
+ * - Ownership.  A request left in flight belongs to whoever holds its
+ *   UcpRequest: only that thread looks at it, and it frees it the first time
+ *   it sees it complete.  The request keeps its memory (`keep`) alive till
+ *   then: UCX reads or writes it until completion.  An endpoint handle is
+ *   used only while its Endpoint is open, which the pipe's lock guarantees.
+ *
+ * The library is the copy ucxx loaded (ucp_bind is given its path), so
+ * handles ucxx made are read by the same code. */
+#include "core.h"
+
+#include <dlfcn.h>
+#include <stdint.h>
+#include <structmember.h>
+
+#include "ucp_abi.h"
+
+typedef abi_ucs_status_ptr_t (*send_nbx_t)(abi_ucp_ep_h, const void *, size_t, uint64_t,
+                                           const abi_request_param_t *);
+typedef abi_ucs_status_ptr_t (*tag_recv_nbx_t)(abi_ucp_worker_h, void *, size_t, uint64_t,
+                                               uint64_t, const abi_request_param_t *);
+typedef abi_ucp_tag_message_h (*probe_nb_t)(abi_ucp_worker_h, uint64_t, uint64_t, int,
+                                            abi_tag_recv_info_t *);
+typedef abi_ucs_status_ptr_t (*msg_recv_nbx_t)(abi_ucp_worker_h, void *, size_t,
+                                               abi_ucp_tag_message_h,
+                                               const abi_request_param_t *);
+typedef abi_ucs_status_t (*check_status_t)(void *);
+typedef void (*request_free_t)(void *);
+typedef void (*request_cancel_t)(abi_ucp_worker_h, void *);
+typedef const char *(*status_string_t)(abi_ucs_status_t);
+
+static struct {
+    send_nbx_t send;
+    tag_recv_nbx_t tag_recv;
+    probe_nb_t probe;
+    msg_recv_nbx_t msg_recv;
+    check_status_t check_status;
+    request_free_t free;
+    request_cancel_t cancel;
+    status_string_t status_string;
+} ucp;
+
+/* Read-only to UCX, so shared by every thread: host memory (which spares
+ * UCX a memory-type lookup per call), host I/O vectors, CUDA memory. */
+static const abi_request_param_t host_param = {
+    .op_attr_mask = ABI_OP_ATTR_FIELD_MEMORY_TYPE, .memory_type = ABI_MEMORY_TYPE_HOST};
+static const abi_request_param_t iov_param = {
+    .op_attr_mask = ABI_OP_ATTR_FIELD_MEMORY_TYPE | ABI_OP_ATTR_FIELD_DATATYPE,
+    .memory_type = ABI_MEMORY_TYPE_HOST, .datatype = ABI_DATATYPE_IOV};
+static const abi_request_param_t cuda_param = {
+    .op_attr_mask = ABI_OP_ATTR_FIELD_MEMORY_TYPE, .memory_type = ABI_MEMORY_TYPE_CUDA};
+
+static PyObject *failure_fn; /* failures.request_failed(detail, status) */
+static PyObject *done_obj;   /* what a request that completed at once is */
+
+/* ------------------------------------------------------------ requests */
+
+typedef struct {
+    PyObject_HEAD
+    void *ptr;          /* UCX's request; NULL once freed, or if there was none */
+    abi_ucs_status_t status;
+    PyObject *keep;     /* the memory UCX reads or writes till completion */
+} Request;
+
+static PyTypeObject RequestType;
+
+static PyObject *request_new(void *ptr, abi_ucs_status_t status, PyObject *keep) {
+    Request *r = PyObject_GC_New(Request, &RequestType);
+    if (!r) return NULL;
+    r->ptr = ptr;
+    r->status = status;
+    Py_XINCREF(keep);
+    r->keep = keep;
+    PyObject_GC_Track(r);
+    return (PyObject *)r;
+}
+
+/* A request's first sight of completion: its owner frees it. */
+static void request_settle(Request *r, abi_ucs_status_t status) {
+    void *ptr = r->ptr;
+    r->ptr = NULL;
+    r->status = status;
+    Py_BEGIN_ALLOW_THREADS
+    ucp.free(ptr);
+    Py_END_ALLOW_THREADS
+    Py_CLEAR(r->keep);
+}
+
+static PyObject *request_done(Request *r, void *closure) {
+    if (r->status == ABI_UCS_INPROGRESS) {
+        abi_ucs_status_t s = ucp.check_status(r->ptr);
+        if (s == ABI_UCS_INPROGRESS) Py_RETURN_FALSE;
+        request_settle(r, s);
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *failure_of(abi_ucs_status_t status) {
+    const char *text = ucp.status_string ? ucp.status_string(status) : "unknown";
+    return PyObject_CallFunction(failure_fn, "si", text, (int)status);
+}
+
+/* error() -> BrokenError | None: why it failed, once done. */
+static PyObject *request_error(Request *r, PyObject *unused) {
+    if (r->status == ABI_UCS_OK || r->status == ABI_UCS_INPROGRESS) Py_RETURN_NONE;
+    return failure_of(r->status);
+}
+
+static int request_traverse(Request *r, visitproc visit, void *arg) {
+    Py_VISIT(r->keep);
+    return 0;
+}
+
+static int request_clear(Request *r) {
+    /* A request still in flight keeps its memory: UCX may write into it.
+     * Only one that ended (or never was) lets go of it here. */
+    if (!r->ptr) Py_CLEAR(r->keep);
+    return 0;
+}
+
+static void request_dealloc(Request *r) {
+    PyObject_GC_UnTrack(r);
+    if (r->ptr && r->keep) {
+        /* Dropped while UCX may still use its memory (a worker parked with
+         * requests posted): leak the memory rather than let UCX write into
+         * freed bytes; the request itself stays UCX's. */
+        r->keep = NULL;
+    }
+    Py_XDECREF(r->keep);
+    PyObject_GC_Del(r);
+}
+
+static PyObject *request_repr(Request *r) {
+    return PyUnicode_FromFormat("<UcpRequest %s status %d>", r->ptr ? "in flight" : "ended",
+                                (int)r->status);
+}
+
+static PyGetSetDef request_getset[] = {
+    {"done", (getter)request_done, NULL,
+     "Whether UCX completed it (the first True frees it and lets go of its memory).", NULL},
+    {NULL}};
+
+static PyMemberDef request_members[] = {
+    {"keep", T_OBJECT, offsetof(Request, keep), 0, "the memory held for UCX till completion"},
+    {NULL}};
+
+static PyMethodDef request_methods[] = {
+    {"error", (PyCFunction)request_error, METH_NOARGS,
+     "error() -> BrokenError | None: why it failed (once done), else None."},
+    {NULL}};
+
+static PyTypeObject RequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ucxrpc._core.UcpRequest",
+    .tp_basicsize = sizeof(Request),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A send or receive UCX left in flight, looked at by its owner only.",
+    .tp_traverse = (traverseproc)request_traverse,
+    .tp_clear = (inquiry)request_clear,
+    .tp_dealloc = (destructor)request_dealloc,
+    .tp_repr = (reprfunc)request_repr,
+    .tp_getset = request_getset,
+    .tp_members = request_members,
+    .tp_methods = request_methods,
+};
+
+/* What a call's status pointer becomes: the shared done object, a request
+ * that failed at once, or one in flight holding `keep`. */
+static PyObject *outcome(abi_ucs_status_ptr_t p, PyObject *keep) {
+    if (p == NULL) {
+        Py_INCREF(done_obj);
+        return done_obj;
+    }
+    if (abi_ptr_is_err(p)) return request_new(NULL, abi_ptr_status(p), NULL);
+    PyObject *r = request_new(p, ABI_UCS_INPROGRESS, keep);
+    if (!r) {
+        /* UCX goes on with it; the memory must outlive it. */
+        Py_XINCREF(keep);
+    }
+    return r;
+}
+
+/* ------------------------------------------------------------ arguments */
+
+static int ready(void) {
+    if (!ucp.send) {
+        PyErr_SetString(PyExc_RuntimeError, "ucxrpc._core.ucp_bind() was not called");
+        return 0;
+    }
+    return 1;
+}
+
+static int as_ptr(PyObject *o, void **out) {
+    *out = PyLong_AsVoidPtr(o);
+    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int as_u64(PyObject *o, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* A host buffer's address and length; the object itself keeps it alive. */
+static int host_span(PyObject *buf, int writable, void **addr, size_t *len) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(buf, &b, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
+    *addr = b.buf;
+    *len = (size_t)b.len;
+    PyBuffer_Release(&b);
+    return 0;
+}
+
+#define NARGS(name, n)                                                        \
+    if (nargs != (n)) {                                                       \
+        PyErr_Format(PyExc_TypeError, name "() takes %d arguments", (int)(n)); \
+        return NULL;                                                          \
+    }
+
+/* ------------------------------------------------------------ calls */
+
+/* ucp_send(ep, buf, tag): send host array `buf`. */
+static PyObject *py_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_send", 3);
+    void *ep, *addr;
+    size_t len;
+    uint64_t tag;
+    if (!ready() || as_ptr(args[0], &ep) < 0 || host_span(args[1], 0, &addr, &len) < 0 ||
+        as_u64(args[2], &tag) < 0)
+        return NULL;
+    abi_ucs_status_ptr_t p;
+    Py_BEGIN_ALLOW_THREADS
+    p = ucp.send(ep, addr, len, tag, &host_param);
+    Py_END_ALLOW_THREADS
+    return outcome(p, args[1]);
+}
+
+/* ucp_send_iov(ep, iov, tag, keep): send the host memory `iov` lists
+ * ((address, length) pairs, uint64) as one message; `keep` holds that
+ * memory and `iov` until UCX is done with them. */
+static PyObject *py_send_iov(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_send_iov", 4);
+    void *ep, *addr;
+    size_t len;
+    uint64_t tag;
+    if (!ready() || as_ptr(args[0], &ep) < 0 || host_span(args[1], 0, &addr, &len) < 0 ||
+        as_u64(args[2], &tag) < 0)
+        return NULL;
+    abi_ucs_status_ptr_t p;
+    Py_BEGIN_ALLOW_THREADS
+    p = ucp.send(ep, addr, len / sizeof(abi_dt_iov_t), tag, &iov_param);
+    Py_END_ALLOW_THREADS
+    return outcome(p, args[3]);
+}
+
+/* ucp_send_device(ep, address, nbytes, tag, keep): CUDA memory. */
+static PyObject *py_send_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_send_device", 5);
+    void *ep, *addr;
+    uint64_t n, tag;
+    if (!ready() || as_ptr(args[0], &ep) < 0 || as_ptr(args[1], &addr) < 0 ||
+        as_u64(args[2], &n) < 0 || as_u64(args[3], &tag) < 0)
+        return NULL;
+    abi_ucs_status_ptr_t p;
+    Py_BEGIN_ALLOW_THREADS
+    p = ucp.send(ep, addr, (size_t)n, tag, &cuda_param);
+    Py_END_ALLOW_THREADS
+    return outcome(p, args[4]);
+}
+
+#define FULL_MASK UINT64_MAX
+
+/* ucp_tag_recv(worker, buf, tag): post a receive of the message with
+ * exactly `tag` into writable host array `buf` (a longer message fails the
+ * request: truncated). */
+static PyObject *py_tag_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_tag_recv", 3);
+    void *worker, *addr;
+    size_t len;
+    uint64_t tag;
+    if (!ready() || as_ptr(args[0], &worker) < 0 || host_span(args[1], 1, &addr, &len) < 0 ||
+        as_u64(args[2], &tag) < 0)
+        return NULL;
+    abi_ucs_status_ptr_t p;
+    Py_BEGIN_ALLOW_THREADS
+    p = ucp.tag_recv(worker, addr, len, tag, FULL_MASK, &host_param);
+    Py_END_ALLOW_THREADS
+    return outcome(p, args[1]);
+}
+
+/* ucp_tag_recv_device(worker, address, nbytes, tag, keep): into CUDA memory. */
+static PyObject *py_tag_recv_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_tag_recv_device", 5);
+    void *worker, *addr;
+    uint64_t n, tag;
+    if (!ready() || as_ptr(args[0], &worker) < 0 || as_ptr(args[1], &addr) < 0 ||
+        as_u64(args[2], &n) < 0 || as_u64(args[3], &tag) < 0)
+        return NULL;
+    abi_ucs_status_ptr_t p;
+    Py_BEGIN_ALLOW_THREADS
+    p = ucp.tag_recv(worker, addr, (size_t)n, tag, FULL_MASK, &cuda_param);
+    Py_END_ALLOW_THREADS
+    return outcome(p, args[4]);
+}
+
+/* ucp_probe(worker, tag, mask) -> (sender tag, length, message handle) of a
+ * message taken off the worker's unexpected queue, or None. */
+static PyObject *py_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_probe", 3);
+    void *worker;
+    uint64_t tag, mask;
+    if (!ready() || as_ptr(args[0], &worker) < 0 || as_u64(args[1], &tag) < 0 ||
+        as_u64(args[2], &mask) < 0)
+        return NULL;
+    abi_tag_recv_info_t info;
+    abi_ucp_tag_message_h msg;
+    Py_BEGIN_ALLOW_THREADS
+    msg = ucp.probe(worker, tag, mask, 1, &info);
+    Py_END_ALLOW_THREADS
+    if (!msg) Py_RETURN_NONE;
+    return Py_BuildValue("(KnN)", (unsigned long long)info.sender_tag, (Py_ssize_t)info.length,
+                         PyLong_FromVoidPtr(msg));
+}
+
+/* ucp_receive(worker, buf, msg): receive probed message `msg` into
+ * writable host array `buf` (a shorter buffer truncates it: the request
+ * fails, the data is gone). */
+static PyObject *py_receive(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_receive", 3);
+    void *worker, *addr, *msg;
+    size_t len;
+    if (!ready() || as_ptr(args[0], &worker) < 0 || host_span(args[1], 1, &addr, &len) < 0 ||
+        as_ptr(args[2], &msg) < 0)
+        return NULL;
+    abi_ucs_status_ptr_t p;
+    Py_BEGIN_ALLOW_THREADS
+    p = ucp.msg_recv(worker, addr, len, msg, &host_param);
+    Py_END_ALLOW_THREADS
+    return outcome(p, args[1]);
+}
+
+/* ucp_cancel(worker, req): cancel a receive still in flight, by its owner;
+ * UCX completes it with UCS_ERR_CANCELED, and the owner frees it when it
+ * sees that.  Returns 1 if it was in flight, else 0. */
+static PyObject *py_cancel(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_cancel", 2);
+    void *worker;
+    if (!ready() || as_ptr(args[0], &worker) < 0) return NULL;
+    if (Py_TYPE(args[1]) != &RequestType) return PyLong_FromLong(0);
+    Request *r = (Request *)args[1];
+    if (!r->ptr || r->status != ABI_UCS_INPROGRESS) return PyLong_FromLong(0);
+    void *ptr = r->ptr;
+    Py_BEGIN_ALLOW_THREADS
+    ucp.cancel(worker, ptr);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(1);
+}
+
+/* ucp_status_string(status) -> UCX's words for a status. */
+static PyObject *py_status_string(PyObject *self, PyObject *arg) {
+    long s = PyLong_AsLong(arg);
+    if (s == -1 && PyErr_Occurred()) return NULL;
+    if (!ready()) return NULL;
+    return PyUnicode_FromString(ucp.status_string((abi_ucs_status_t)s));
+}
+
+static void *symbol(void *lib, const char *name, const char *path) {
+    void *p = dlsym(lib, name);
+    if (!p) PyErr_Format(PyExc_ImportError, "%s has no %s: not a UCX 1.x libucp", path, name);
+    return p;
+}
+
+/* ucp_bind(libucp path, libucs path, request_failed, done): open the UCX
+ * copy ucxx loaded and take the calls; once per process (a second call with
+ * the same libraries changes nothing). */
+static PyObject *py_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_bind", 4);
+    const char *ucp_path = PyUnicode_AsUTF8(args[0]);
+    const char *ucs_path = ucp_path ? PyUnicode_AsUTF8(args[1]) : NULL;
+    if (!ucs_path) return NULL;
+    if (!PyCallable_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "request_failed must be callable");
+        return NULL;
+    }
+    /* Never closed: UCX stays loaded for the life of the process anyway. */
+    void *lib = dlopen(ucp_path, RTLD_NOW | RTLD_GLOBAL);
+    if (!lib) {
+        PyErr_Format(PyExc_ImportError, "cannot load libucp: %s", dlerror());
+        return NULL;
+    }
+    void *lib_ucs = dlopen(ucs_path, RTLD_NOW | RTLD_GLOBAL);
+    if (!lib_ucs) {
+        PyErr_Format(PyExc_ImportError, "cannot load libucs: %s", dlerror());
+        return NULL;
+    }
+    void *f[8];
+    static const char *const names[7] = {"ucp_tag_send_nbx", "ucp_tag_recv_nbx", "ucp_tag_probe_nb",
+                                         "ucp_tag_msg_recv_nbx", "ucp_request_check_status",
+                                         "ucp_request_free", "ucp_request_cancel"};
+    for (int i = 0; i < 7; i++)
+        if (!(f[i] = symbol(lib, names[i], ucp_path))) return NULL;
+    if (!(f[7] = symbol(lib_ucs, "ucs_status_string", ucs_path))) return NULL;
+    ucp.send = (send_nbx_t)f[0];
+    ucp.tag_recv = (tag_recv_nbx_t)f[1];
+    ucp.probe = (probe_nb_t)f[2];
+    ucp.msg_recv = (msg_recv_nbx_t)f[3];
+    ucp.check_status = (check_status_t)f[4];
+    ucp.free = (request_free_t)f[5];
+    ucp.cancel = (request_cancel_t)f[6];
+    ucp.status_string = (status_string_t)f[7];
+    Py_INCREF(args[2]);
+    Py_XSETREF(failure_fn, args[2]);
+    Py_INCREF(args[3]);
+    Py_XSETREF(done_obj, args[3]);
+    Py_RETURN_NONE;
+}
+
+/* ucp_abi() -> {name: value}: the offsets, sizes and constants ucp_abi.h
+ * declares, for the test that holds them against UCX's headers. */
+static PyObject *py_abi(PyObject *self, PyObject *unused) {
+    return Py_BuildValue(
+        "{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "sizeof(ucp_request_param_t)", (Py_ssize_t)sizeof(abi_request_param_t),
+        "op_attr_mask", (Py_ssize_t)offsetof(abi_request_param_t, op_attr_mask),
+        "flags", (Py_ssize_t)offsetof(abi_request_param_t, flags),
+        "request", (Py_ssize_t)offsetof(abi_request_param_t, request),
+        "cb", (Py_ssize_t)offsetof(abi_request_param_t, cb),
+        "datatype", (Py_ssize_t)offsetof(abi_request_param_t, datatype),
+        "user_data", (Py_ssize_t)offsetof(abi_request_param_t, user_data),
+        "reply_buffer", (Py_ssize_t)offsetof(abi_request_param_t, reply_buffer),
+        "memory_type", (Py_ssize_t)offsetof(abi_request_param_t, memory_type),
+        "recv_info", (Py_ssize_t)offsetof(abi_request_param_t, recv_info),
+        "memh", (Py_ssize_t)offsetof(abi_request_param_t, memh),
+        "sizeof(ucp_tag_recv_info_t)", (Py_ssize_t)sizeof(abi_tag_recv_info_t),
+        "sender_tag", (Py_ssize_t)offsetof(abi_tag_recv_info_t, sender_tag),
+        "length", (Py_ssize_t)offsetof(abi_tag_recv_info_t, length),
+        "sizeof(ucp_dt_iov_t)", (Py_ssize_t)sizeof(abi_dt_iov_t),
+        "UCP_OP_ATTR_FIELD_DATATYPE", (int)ABI_OP_ATTR_FIELD_DATATYPE,
+        "UCP_OP_ATTR_FIELD_MEMORY_TYPE", (int)ABI_OP_ATTR_FIELD_MEMORY_TYPE,
+        "UCS_MEMORY_TYPE_HOST", ABI_MEMORY_TYPE_HOST,
+        "UCS_MEMORY_TYPE_CUDA", ABI_MEMORY_TYPE_CUDA,
+        "UCP_DATATYPE_IOV", ABI_DATATYPE_IOV,
+        "UCS_ERR_LAST", ABI_UCS_ERR_LAST);
+}
+
+PyMethodDef core_ucp_methods[] = {
+    {"ucp_bind", (PyCFunction)(void (*)(void))py_bind, METH_FASTCALL,
+     "ucp_bind(libucp_path, libucs_path, request_failed, done)"},
+    {"ucp_send", (PyCFunction)(void (*)(void))py_send, METH_FASTCALL,
+     "ucp_send(ep, buf, tag) -> request: send host array buf."},
+    {"ucp_send_iov", (PyCFunction)(void (*)(void))py_send_iov, METH_FASTCALL,
+     "ucp_send_iov(ep, iov, tag, keep) -> request: the memory iov lists, as one message."},
+    {"ucp_send_device", (PyCFunction)(void (*)(void))py_send_device, METH_FASTCALL,
+     "ucp_send_device(ep, address, nbytes, tag, keep) -> request: CUDA memory."},
+    {"ucp_tag_recv", (PyCFunction)(void (*)(void))py_tag_recv, METH_FASTCALL,
+     "ucp_tag_recv(worker, buf, tag) -> request: post a receive into host array buf."},
+    {"ucp_tag_recv_device", (PyCFunction)(void (*)(void))py_tag_recv_device, METH_FASTCALL,
+     "ucp_tag_recv_device(worker, address, nbytes, tag, keep) -> request: into CUDA memory."},
+    {"ucp_probe", (PyCFunction)(void (*)(void))py_probe, METH_FASTCALL,
+     "ucp_probe(worker, tag, mask) -> (sender_tag, length, message) or None."},
+    {"ucp_receive", (PyCFunction)(void (*)(void))py_receive, METH_FASTCALL,
+     "ucp_receive(worker, buf, message) -> request: receive a probed message."},
+    {"ucp_cancel", (PyCFunction)(void (*)(void))py_cancel, METH_FASTCALL,
+     "ucp_cancel(worker, request) -> 1 if it was in flight, else 0."},
+    {"ucp_status_string", (PyCFunction)py_status_string, METH_O,
+     "ucp_status_string(status) -> UCX's words for it."},
+    {"ucp_abi", (PyCFunction)py_abi, METH_NOARGS,
+     "ucp_abi() -> the offsets, sizes and constants the core assumes of libucp."},
+    {NULL, NULL, 0, NULL}};
+
+int core_ucp_init(PyObject *module) {
+    if (PyType_Ready(&RequestType) < 0) return -1;
+    Py_INCREF(&RequestType);
+    if (PyModule_AddObject(module, "UcpRequest", (PyObject *)&RequestType) < 0) {
+        Py_DECREF(&RequestType);
+        return -1;
+    }
+    return 0;
+}
