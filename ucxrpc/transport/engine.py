@@ -49,7 +49,7 @@ from .handshake import Handshake
 from .liveness import Liveness
 from .pipe import OutState, Peer, Pipe, Shared, cuda_path
 from .hostmem.pool import HostPool
-from .receive import Allocator, OnFrameError, OnMessage, Receiver
+from .receive import FRAMES, Allocator, OnFrameError, OnMessage, Receiver
 from .send import Sender
 from .wire.tags import HINT_MASK, MAX_WORKER_ID
 from .ucx.binding import Endpoint, Request, Worker, device_path
@@ -216,7 +216,8 @@ class Transport:
             awaited=functools.partial(self._awaited, spin_while),
             spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
             arm=self._worker.arm, fd=self._worker.fd, strategy=strategy.strategy(progress_mode),
-            on_stall=self._liveness.excuse_stall, on_start=self._progress_started)
+            on_stall=self._liveness.excuse_stall, on_start=self._progress_started,
+            spin=self._worker.spinner(*FRAMES), quiet=self._quiet)
 
     # ------------------------------------------------------------------ API
 
@@ -431,6 +432,14 @@ class Transport:
         if self._sender.holding_split or self._grants.split_write_due():
             return strategy.Why.PEER_COPYING
         return strategy.Why.AWAITED if spin_while is None else spin_while()
+
+    def _quiet(self) -> bool:
+        """Whether a turn would only look for a frame: nothing sent or
+        received is in flight, no task or frame waits, no check or
+        by-address acknowledgement is due.  The loop then spins natively
+        (:meth:`.loop.progress.ProgressThread._spun`) instead of turning."""
+        return not (self._watch or self._inflight or self._tasks or self._rx.frames
+                    or self._liveness.checking or self._by_address.due)
 
     def _contended(self) -> bool:
         """Whether the loop may not poll now (a contended core, or the

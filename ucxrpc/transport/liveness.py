@@ -157,6 +157,12 @@ class Liveness:
         """Why our receive queue is stuck, or None."""
         return self._queue.stuck
 
+    @property
+    def checking(self) -> bool:
+        """Whether a check of our queue waits for its canary (the loop's
+        turns then look for it)."""
+        return self._queue.state is canary.CheckState.WAITING
+
     def poll(self) -> bool:
         """Look for the canary while a check waits for it (on the loop);
         whether one does (the loop keeps turning until it comes)."""

@@ -44,6 +44,10 @@ __all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
 
 logger = logging.getLogger(__name__)
 
+#: (tag, mask) of every frame: handshake frames and messages (kinds 0 and
+#: 1, the tag's top bit clear); data and the canary go to posted receives.
+FRAMES = (0, 1 << 63)
+
 MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
 #: Why a frame being received is dropped: its pipe ended (not counted: it
 #: was nobody's fault).
@@ -127,7 +131,7 @@ class Receiver:
         """Receive what arrived and hand on the frames that completed, in
         each sender's order: whether anything happened."""
         busy = False
-        while (probe := self._worker.probe(0, 1 << 63)) is not None:
+        while (probe := self._worker.probe(*FRAMES)) is not None:
             busy = True
             # A frame we will not read goes into one byte: UCX truncates and
             # drops it, so it costs no memory here.

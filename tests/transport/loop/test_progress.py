@@ -11,6 +11,9 @@
 * A thread waiting for a message drives the loop itself (one at a time,
   never from inside a turn), the progress thread parks meanwhile and takes
   over when it leaves; Ctrl-C in a driving main thread waits for the turn.
+  Its idle turns on a quiet transport are the native spin, a chunk at a
+  time, ended by an event or a wake-up; a transport with work in flight
+  is turned in Python.
 * Every mode between two processes over real UCX pipes: small and large
   messages both ways, and a close with a large transfer still in flight.
 """
@@ -75,6 +78,24 @@ def test_adaptive_forgives_a_lone_late_yield():
     assert a.contended == 0 and a.may_poll(100.0)
 
 
+def test_a_native_spins_yields_count_as_yields_one_by_one_would():
+    """``spun`` takes the prompt yields of a native spin and its late one:
+    the prompt ones only move the window on, so a late yield now and then
+    stays forgiven, and late ones in one window still mean contention."""
+    a = Adaptive(contended_s=1e-3, late=3, window=8)
+    for i in range(50):
+        a.spun(float(i), 7, 5e-3)  # 7 prompt, 1 late: one late in every window of 8
+    assert a.contended == 0 and a.may_poll(50.0)
+    a.spun(60.0, 1, 5e-3)
+    a.spun(60.0, 0, 5e-3)
+    a.spun(60.0, 0, 5e-3)  # three late ones in one window
+    assert a.contended == 1 and not a.may_poll(60.0)
+    assert a.late_s == 1e-3
+    p = Polling()
+    p.spun(0.0, 3, 1.0)  # polling takes no notice
+    assert p.may_poll(0.0) and p.late_s == float("inf")
+
+
 def test_strategy_by_name_and_a_clear_error_for_an_unknown_one():
     for mode in Mode:
         assert strategies.strategy(mode.value).mode is mode
@@ -98,7 +119,8 @@ class _Loop:
     an event from the network; ``expect``/``pending`` are what the
     transport would say."""
 
-    def __init__(self, strategy: strategies.Strategy, awaited=None, spin_s: float = 0.0) -> None:
+    def __init__(self, strategy: strategies.Strategy, awaited=None, spin_s: float = 0.0,
+                 spin=None, quiet=None) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.expect = False
         self.pending = False
@@ -111,7 +133,8 @@ class _Loop:
             name="test-progress", progress=lambda: None, turn=self._turn,
             in_flight=lambda: self.expect, awaited=awaited, spin_s=spin_s,
             pending=lambda: self.pending, arm=lambda: True, fd=self.fd,
-            strategy=strategy, on_stall=lambda s, now: None, on_start=self._started)
+            strategy=strategy, on_stall=lambda s, now: None, on_start=self._started,
+            spin=spin, quiet=quiet)
         self.started_on: tuple[str, int] | None = None  # thread, turns before it
 
     def _started(self) -> None:
@@ -362,6 +385,99 @@ def test_wake_reaches_a_sleeping_driver_not_the_parked_thread():
         lp.loop.wake()  # as a sender does after queueing work for the loop
         t.join(10)
         assert out["reached"] is True and ran == ["waiter"]
+    finally:
+        lp.close()
+
+
+class _Spin:
+    """What the native spin does, in Python, on the loop's test descriptor:
+    returns 0 when an event waits (left for the turn), 3 when woken (the
+    wake-up consumed), 2 when its budget ran out."""
+
+    def __init__(self, lp_fd: list[int]) -> None:
+        self.fd = lp_fd
+        self.calls: list[tuple[float, float]] = []
+        self.woken = 0
+        self.quiet = True
+
+    def __call__(self, wake_fd: int, budget: float, late: float) -> tuple[int, int, float]:
+        self.calls.append((budget, late))
+        end = time.monotonic() + budget
+        quick = 0
+        while time.monotonic() < end:
+            if _readable(self.fd[0]):
+                return 0, quick, 0.0
+            try:
+                os.eventfd_read(wake_fd)
+            except BlockingIOError:
+                quick += 1
+                os.sched_yield()
+                continue
+            self.woken += 1
+            return 3, quick, 0.0
+        return 2, quick, 0.0
+
+
+def _readable(fd: int) -> bool:
+    import select
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def _spinning(awaited=True) -> tuple[_Loop, _Spin]:
+    box: list[int] = []
+    spin = _Spin(box)
+    lp = _Loop(Polling(), awaited=lambda: strategies.Why.AWAITED, spin_s=30.0, spin=spin,
+               quiet=lambda: spin.quiet)
+    box.append(lp.fd)
+    lp.loop.start()
+    return lp, spin
+
+
+def test_a_driver_awaiting_a_message_on_a_quiet_transport_spins_natively():
+    """While a message is awaited and nothing else is in flight, the
+    driver's idle turns are the transport's native spin, a chunk at a time
+    (its own checks in between), with the strategy's limit for a late
+    yield; the event it finds is taken by the driver's next turn."""
+    lp, spin = _spinning()
+    try:
+        t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
+        _wait_for(lambda: lp.loop.spins >= 3, "the driver to spin")
+        assert lp.loop.info()["spins"] == lp.loop.spins
+        assert all(0 < budget <= progress.SPIN_CHUNK_S and late == float("inf")
+                   for budget, late in spin.calls)
+        lp.fire()
+        t.join(10)
+        assert out == {"reached": True, "seen_on": "waiter"}
+    finally:
+        lp.close()
+
+
+def test_a_transport_with_work_in_flight_is_turned_in_python_not_spun():
+    lp, spin = _spinning()
+    spin.quiet = False
+    try:
+        t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
+        _wait_for(lambda: lp.loop.driven_turns >= 20, "the driver to turn")
+        assert lp.loop.spins == 0 and not spin.calls
+        lp.fire()
+        t.join(10)
+        assert out["reached"] is True
+    finally:
+        lp.close()
+
+
+def test_wake_ends_a_drivers_spin_and_its_work_runs_on_the_driver(monkeypatch):
+    # Chunks of 30 s: only the wake-up can end this spin within the test.
+    monkeypatch.setattr(progress, "SPIN_CHUNK_S", 30.0)
+    lp, spin = _spinning()
+    ran: list[str] = []
+    try:
+        t, out = _drive_on_thread(lp, lambda: bool(ran))
+        _wait_for(lambda: lp.loop._driver_spinning, "the driver to spin")
+        lp.calls.append(lambda: ran.append(threading.current_thread().name))
+        lp.loop.wake()  # as a sender does after queueing work for the loop
+        t.join(10)
+        assert out.get("reached") is True and ran == ["waiter"] and spin.woken == 1, out
     finally:
         lp.close()
 

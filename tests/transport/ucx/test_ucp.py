@@ -15,6 +15,9 @@ worker in a child process, through an endpoint to itself.
   tensors go through ucxx and arrive the same.
 * After the endpoint is closed, sending raises BrokenError instead of
   handing UCX a stale handle.
+* The native spin (the progress loop's idle turns) returns on a frame it
+  looks for (leaving it to be taken), on a wake-up, on a late yield or
+  when its budget is spent, and not on a message of another tag.
 * The installed UCX gives the worker the multi-threaded mode ucxrpc needs
   (``ucp_worker_query``; the Worker refuses to start otherwise).
 """
@@ -127,6 +130,31 @@ def _scenario(rank, world_size, init_method, name):
         for i, (label, (src, into)) in enumerate(others.items()):
             sent_kind, recv_kind, err = trip(src, into, True, TAG | (30 + i))
             out[label] = (sent_kind, recv_kind, err, bool(torch.equal(into, src.contiguous())))
+    elif name == "spin":
+        import os
+
+        spin = worker.spinner(TAG, (1 << 64) - (1 << 60))  # kind 5 only
+        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Nothing waits: the budget runs out, the CPU given up meanwhile.
+        start = time.monotonic()
+        out["idle"] = (*spin(wake, 0.05, 10.0)[:2], time.monotonic() - start)
+        # A wake-up ends it at once, and is consumed.
+        os.eventfd_write(wake, 1)
+        out["woken"] = spin(wake, 5.0, 10.0)[0]
+        out["consumed"] = spin(wake, 0.01, 10.0)[0]
+        # A yield that comes back later than late_s is reported with its length.
+        out["late"] = spin(wake, 5.0, 0.0)
+        # A frame that arrives is found and left for the loop's turn.
+        sent = ep.tag_send(np.arange(100, dtype=np.uint8), TAG | 40)
+        out["frame"] = spin(wake, 5.0, 10.0)[0]
+        probe, buf, req = take(TAG | 40)
+        out["left"] = probe.length == 100 and req.error() is None and sent.error() is None
+        # A message of another kind is not one it looks for.
+        other = ep.tag_send(np.arange(10, dtype=np.uint8), (0x6 << 60) | 1)
+        out["other"] = spin(wake, 0.05, 10.0)[0]
+        take((0x6 << 60) | 1)
+        out["other_sent"] = other.error() is None
+        os.close(wake)
     else:  # "closed"
         ep.close()
         try:
@@ -147,7 +175,7 @@ def test_a_small_frame_arrives_intact_with_its_tag():
     assert res["same"] and res["tag"] and res["length"] == 200, res
     assert res["error"] is None and res["send_error"] is None, res
     # a 200-byte eager send over the loopback completes when made
-    assert res["is_done"] and res["direct"] == "_Completed", res
+    assert res["is_done"] and res["direct"] == "UcpRequest", res
     assert res["endpoint_errors"] == [], res
 
 
@@ -171,6 +199,22 @@ def test_buffers_that_are_not_writable_host_arrays_go_through_ucxx():
         ("UcxxRequest", True, None), ("UcxxRequest", True, None)], res
 
 
+def test_the_native_spin_returns_on_a_frame_a_wake_up_a_late_yield_or_its_budget():
+    """ucp_spin (csrc/ucp.c): the loop's idle turns without Python.  Why it
+    returned is its first value: 0 a frame matching its tag waits (left for
+    the loop to take), 1 a yield came back late (with its length), 2 the
+    budget ran out (having yielded meanwhile), 3 the loop was woken (the
+    wake-up consumed)."""
+    res = _run("spin")
+    why, quick, took = res["idle"]
+    assert why == 2 and quick > 0 and took >= 0.05, res
+    assert res["woken"] == 3 and res["consumed"] == 2, res
+    why, _, late = res["late"]
+    assert why == 1 and late > 0.0, res
+    assert res["frame"] == 0 and res["left"], res
+    assert res["other"] == 2 and res["other_sent"], res
+
+
 def test_sending_after_close_raises_broken_error():
     res = _run("closed")
     assert res["raised"] == "UCX endpoint already closed", res
@@ -178,7 +222,7 @@ def test_sending_after_close_raises_broken_error():
 
 def test_host_byte_tensors_go_directly_and_other_tensors_through_ucxx():
     res = _run("tensors")
-    direct = ("UcpRequest", "_Completed")
+    direct = ("UcpRequest",)
     for post_first in (True, False):
         sent, received, err, same = res[f"posted_first={post_first}"]
         assert sent in direct and received in direct, res

@@ -21,6 +21,12 @@ soon, as a :class:`Why`: poll for up to ``spin_s`` after the last event) and
 ``pending`` (work queued for the loop: do not sleep).  UCX progress and
 epoll waits run without the GIL.
 
+A driver's idle turns, while a message is awaited and the transport has
+nothing else in flight (``quiet``), are the transport's native ``spin``
+(csrc/ucp.c): UCX progress, a look for a frame and a timed yield, repeated
+without a Python call until something happens, a chunk
+(:data:`SPIN_CHUNK_S`) at a time.
+
 Two pieces of state say everything about the loop at a glance, both in
 ``_get_debug_info()["progress"]``:
 
@@ -67,6 +73,10 @@ LINGER_S = 0.002
 #: A turn longer than this means the loop was not listening (an overloaded
 #: machine, the GIL held elsewhere, a slow callback).
 STALL_S = 0.5
+#: The longest a driver spins natively (``spin``) before its own checks run
+#: again (``done()``, a stop, Ctrl-C, what ``awaited`` says): a deadline
+#: the timeouts thread passed, say, is seen within it.
+SPIN_CHUNK_S = 250e-6
 
 #: Set on a thread while it drives the loop or sends (:func:`guard`): a
 #: callback it runs must not drive again (turns do not nest), and Ctrl-C
@@ -133,6 +143,14 @@ class ProgressThread:
             :data:`STALL_S`.
         on_start: called first on the thread, before its first turn (the
             transport makes its CUDA context current there).
+        spin: the idle turns of a driver while a message is awaited, in
+            native code: ``spin(wake_fd, budget_s, late_s)`` returns
+            ``(why, quick_yields, late_s)`` (``ucp_spin`` in csrc/ucp.c, bound
+            to the worker by the transport); None: every idle turn is a
+            Python turn.
+        quiet: whether a turn would do nothing but look for a frame (no
+            request, task or check in flight): only then may ``spin`` stand
+            in for turns.
 
     Thread-safety: :meth:`wake` may be called from any thread.
     """
@@ -142,8 +160,12 @@ class ProgressThread:
                  spin_s: float, pending: Callable[[], bool],
                  arm: Callable[[], bool], fd: int, strategy: Strategy,
                  on_stall: Callable[[float, float], None],
-                 on_start: Callable[[], object] | None = None) -> None:
+                 on_start: Callable[[], object] | None = None,
+                 spin: Callable[[int, float, float], tuple[int, int, float]] | None = None,
+                 quiet: Callable[[], bool] | None = None) -> None:
         self.strategy = strategy
+        self._spin = spin if quiet is not None else None
+        self._quiet = quiet or (lambda: False)
         self._on_start = on_start
         self._progress = progress
         self._turn = turn
@@ -155,6 +177,7 @@ class ProgressThread:
         self._on_stall = on_stall
         self._sleeping = False         # the progress thread waits in _sleep
         self._driver_sleeping = False  # a driver waits in _sleep
+        self._driver_spinning = False  # a driver spins natively (_spun)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._epoll.register(fd, select.EPOLLIN)
@@ -185,6 +208,7 @@ class ProgressThread:
         self.arm_busy = 0
         self.drives = 0
         self.driven_turns = 0
+        self.spins = 0
 
     @property
     def current(self) -> bool:
@@ -271,7 +295,7 @@ class ProgressThread:
         it does not): whoever waits in _sleep, or the progress thread parked
         with no driver (lingering after one left)."""
         try:
-            if self._sleeping or self._driver_sleeping or force:
+            if self._sleeping or self._driver_sleeping or self._driver_spinning or force:
                 os.eventfd_write(self._wake_fd, 1)
             if self._parked and (self._owner is not Owner.DRIVER or force):
                 os.eventfd_write(self._park_fd, 1)
@@ -288,7 +312,7 @@ class ProgressThread:
         return {**self.strategy.info(), "owner": self._owner.value,
                 "poll_decision": self.last_why.value, "turns": self.turns,
                 "sleeps": self.sleeps, "arm_busy": self.arm_busy, "drives": self.drives,
-                "driven_turns": self.driven_turns}
+                "driven_turns": self.driven_turns, "spins": self.spins}
 
     def drive(self, done: Callable[[], bool]) -> bool:
         """Turn the loop on the calling thread until ``done()`` holds, or
@@ -356,7 +380,10 @@ class ProgressThread:
             idle = now - last_event
             why = self.decide(now, idle)
             if why in POLLS:
-                self._yield(now)
+                if why is Why.AWAITED and self._spin is not None and self._quiet():
+                    self._spun(idle)
+                else:
+                    self._yield(now)
                 continue
             if why is not self.strategy.refusal:
                 return False  # nothing expected: the progress thread takes over
@@ -442,6 +469,26 @@ class ProgressThread:
             except BlockingIOError:
                 pass
         self._hand(Owner.THREAD, only_from=Owner.LINGER)  # a new driver keeps it
+
+    def _spun(self, idle: float) -> None:
+        """The driver's idle turns in native code, under the baton, until a
+        frame waits, a yield comes back late, someone wakes the loop, or
+        the awaited message is overdue (or :data:`SPIN_CHUNK_S` passed):
+        an idle turn in Python cost ~23 calls (Run AM), several per call
+        made or served."""
+        if not self._baton.acquire(blocking=False):
+            self._yield(time.monotonic())
+            return
+        assert self._spin is not None
+        self._driver_spinning = True
+        try:
+            self.spins += 1
+            _, quick, late = self._spin(self._wake_fd, min(self._spin_s - idle, SPIN_CHUNK_S),
+                                        self.strategy.late_s)
+        finally:
+            self._driver_spinning = False
+            self._baton.release()
+        self.strategy.spun(time.monotonic(), quick, late)
 
     def _yield(self, now: float) -> None:
         # Give the core to whoever wants it, and learn whether anyone did

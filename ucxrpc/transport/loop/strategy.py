@@ -93,8 +93,19 @@ class Strategy:
         """Whether to poll the next turn, given that a message is expected."""
         raise NotImplementedError
 
+    #: A yield longer than this is one to report (:meth:`spun`): the
+    #: native spin returns on it.  Only the adaptive strategy has one.
+    late_s = float("inf")
+
     def yielded(self, now: float, took: float) -> None:
         """The loop gave up the CPU between two polls, for ``took`` seconds."""
+
+    def spun(self, now: float, quick: int, late: float) -> None:
+        """The native spin (:meth:`.progress.ProgressThread._spun`) gave up
+        the CPU ``quick`` times promptly, then, if ``late``, once for
+        ``late`` seconds: as many :meth:`yielded` calls, in one."""
+        if late:
+            self.yielded(now, late)
 
     def info(self) -> dict[str, Any]:
         return {"mode": self.mode.value}
@@ -137,6 +148,7 @@ class Adaptive(Strategy):
         self._backoff = backoff_s
         self._need = late
         self._window = window
+        self.late_s = contended_s
         self._seen = 0  # yields in the current window
         self._late = 0  # late ones among them
         self._blocked_until = 0.0
@@ -154,6 +166,15 @@ class Adaptive(Strategy):
                 return
         if self._seen >= self._window:
             self._seen = self._late = 0
+
+    def spun(self, now: float, quick: int, late: float) -> None:
+        # The prompt yields only move the window on (as yielded() would,
+        # one by one: a window ends every _window yields, late or not).
+        self._seen += quick
+        if self._seen >= self._window:
+            self._seen = self._late = 0
+        if late:
+            self.yielded(now, late)
 
     def _block(self, now: float) -> None:
         self.contended += 1

@@ -11,6 +11,7 @@ loads (docs/ucx-notes.md, pitfall 7): the settings are :mod:`.environment`'s.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -241,6 +242,12 @@ class Worker:
 
     def progress(self) -> None:
         self.raw.progress()
+
+    def spinner(self, tag: int, mask: int) -> Callable[[int, float, float], tuple[int, int, float]]:
+        """The native spin (``ucp_spin``, csrc/ucp.c) on this worker, looking
+        for messages matching ``tag``/``mask``: ``spin(wake_fd, budget_s,
+        late_s)``, for :class:`..loop.progress.ProgressThread`."""
+        return functools.partial(self._ucp.spin, self.raw.progress, self._handle, tag, mask)
 
     def arm(self) -> bool:
         """True when armed (sleep is safe); False when events are pending."""

@@ -35,9 +35,11 @@ import ctypes
 import os
 from typing import Any
 
+from ..._core import UCP_DONE
 from ..._core import UcpRequest as _Request
 from ..._core import (ucp_bind, ucp_cancel, ucp_probe, ucp_receive, ucp_send, ucp_send_device,
-                      ucp_send_iov, ucp_status_string, ucp_tag_recv, ucp_tag_recv_device)
+                      ucp_send_iov, ucp_spin, ucp_status_string, ucp_tag_recv,
+                      ucp_tag_recv_device)
 from ...errors import BrokenError
 from .failures import request_failed
 
@@ -126,20 +128,9 @@ def library(name: str, keep_gil: bool = False) -> Any:
 UcpRequest = _Request
 
 
-class _Completed:
-    """A request that completed when it was made, with ``status``."""
-
-    __slots__ = ("_err",)
-    done = True
-
-    def __init__(self, err: BrokenError | None) -> None:
-        self._err = err
-
-    def error(self) -> BrokenError | None:
-        return self._err
-
-
-DONE = _Completed(None)
+#: What every request UCX completed when it was made is (a
+#: :class:`UcpRequest` with nothing to free: ``done``, no ``error()``).
+DONE = UCP_DONE
 
 
 class Ucp:
@@ -162,7 +153,10 @@ class Ucp:
       a message taken off the worker's unexpected queue, or None;
     * ``receive(worker, buf, msg)``: probed message ``msg`` into host array
       ``buf`` (a shorter buffer truncates it: the request fails, the data is
-      gone).
+      gone);
+    * ``spin(progress, worker, tag, mask, wake_fd, budget_s, late_s)``: a
+      driver's idle turns while a message is awaited (csrc/ucp.c says when
+      it returns).
 
     Each returns :data:`DONE`, a :class:`UcpRequest` in flight, or one that
     failed at once.
@@ -176,9 +170,10 @@ class Ucp:
         self.tag_recv_device = ucp_tag_recv_device
         self.probe = ucp_probe
         self.receive = ucp_receive
+        self.spin = ucp_spin
         # The same copies ucxx loaded, named by path, or the wheel's.
         ucp_bind(_path(library("libucp.so")), _path(library("libucs.so")),
-                       request_failed, DONE)
+                       request_failed)
         lib = library("libucp.so")
         vp = ctypes.c_void_p
         self._worker_query = lib.ucp_worker_query
