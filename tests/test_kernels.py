@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -89,34 +90,69 @@ class cuda:
 """
 
 
-def _run_isolated(code: str, stubs: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
-    """Run ``code`` in ``python -S`` with this checkout first on PYTHONPATH,
-    then stub packages (``name -> __init__.py text``), then what this process
-    imports from: no site initialisation, so no ``.pth`` file runs and no
-    editable-install finder exists; ``ucxrpc`` is the checkout's own."""
+def _start_isolated(code: str, stubs: dict[str, str], where: Path) -> subprocess.Popen[str]:
+    """Start ``code`` in ``python -S`` with this checkout first on PYTHONPATH,
+    then stub packages (``name -> __init__.py text``, written under
+    ``where``), then what this process imports from: no site initialisation,
+    so no ``.pth`` file runs and no editable-install finder exists;
+    ``ucxrpc`` is the checkout's own."""
     for name, text in stubs.items():
-        (tmp_path / "stubs" / name).mkdir(parents=True)
-        (tmp_path / "stubs" / name / "__init__.py").write_text(text)
+        (where / "stubs" / name).mkdir(parents=True)
+        (where / "stubs" / name / "__init__.py").write_text(text)
     here = [p for p in sys.path if p and os.path.isdir(p) and Path(p).resolve() != REPO]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path / "stubs"), *here])
-    return subprocess.run([sys.executable, "-S", "-c", textwrap.dedent(code)], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(where / "stubs"), *here])
+    return subprocess.Popen([sys.executable, "-S", "-c", textwrap.dedent(code)], env=env,
+                            cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def isolated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    """The isolated programs of the tests below (each above its test), all
+    started at once and waited for under one deadline (what still runs after
+    it is killed): each imports torch and ucxrpc, seconds of CPU, and one
+    after another they left a core idle.  Each test checks its own
+    program's exit."""
+    runs = {"plain_checkout": (_PLAIN_CHECKOUT, {"cupy": _RECORDING_CUPY}),
+            "broken_cupy": (_WITH_A_BROKEN_CUPY, {"cupy": _BROKEN_CUPY}),
+            "without_cupy": (_WITHOUT_CUPY, {})}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    outs: dict[str, tuple[str, str]] = {}
+    deadline = time.monotonic() + 60
+    try:
+        for name, (code, stubs) in runs.items():
+            procs[name] = _start_isolated(code, stubs, tmp_path_factory.mktemp(name))
+        for name, proc in procs.items():
+            try:
+                outs[name] = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                outs[name] = ("", "(still running after 60 s: killed)")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+    return {name: subprocess.CompletedProcess(proc.args, proc.returncode, *outs[name])
+            for name, proc in procs.items()}
+
+
+# (the test's docstring says what this checks)
+_PLAIN_CHECKOUT = """
+    import sys, cupy, ucxrpc
+    from ucxrpc import _kernels
+    assert not [f for f in sys.meta_path if "editable" in repr(f).lower()], sys.meta_path
+    assert _kernels._kernel(0) == "multi_copy"
+    (source,) = cupy.compiled
+    assert "multi_copy" in source and "__global__" in source, source[:200]
+    print("loaded", len(source), "bytes from", ucxrpc.__file__)
+"""
 
 
 @pytest.mark.processes
-def test_the_kernel_source_loads_from_a_plain_checkout(tmp_path):
+def test_the_kernel_source_loads_from_a_plain_checkout(isolated):
     """_kernel reads multi_copy.cu with ucxrpc found only on PYTHONPATH (no
     wheel, no editable install), as pytest and benchmarks/ run it."""
-    proc = _run_isolated("""
-        import sys, cupy, ucxrpc
-        from ucxrpc import _kernels
-        assert not [f for f in sys.meta_path if "editable" in repr(f).lower()], sys.meta_path
-        assert _kernels._kernel(0) == "multi_copy"
-        (source,) = cupy.compiled
-        assert "multi_copy" in source and "__global__" in source, source[:200]
-        print("loaded", len(source), "bytes from", ucxrpc.__file__)
-    """, {"cupy": _RECORDING_CUPY}, tmp_path)
+    proc = isolated["plain_checkout"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"from {REPO / 'ucxrpc' / '__init__.py'}" in proc.stdout
 
@@ -137,24 +173,34 @@ _BROKEN_CUPY = """
 raise ImportError("libcudart.so.13: cannot open shared object file (a broken CuPy)")
 """
 
+_WITH_A_BROKEN_CUPY = """
+    import logging, sys, torch
+    logging.basicConfig(format="%(levelname)s %(name)s %(message)s")
+    from ucxrpc import _kernels
+    from ucxrpc.transport.cuda import staging
+    cuda0 = torch.device("cuda", 0)
+    assert not staging._can_pack(cuda0), "a broken CuPy would fail the RPC"
+    assert not staging._can_pack(cuda0)
+    reason = _kernels.cuda_problem(0)
+    assert "does not import" in reason and "libcudart.so.13" in reason, reason
+    # the host-as-device debug path still packs, with memmove: no CuPy
+    bufs = [torch.arange(40, dtype=torch.uint8) for _ in range(staging.PACK_MIN_COUNT)]
+    out = staging.plan(bufs, None, staged=False, host_as_device=True)
+    assert out.packed == staging.PACK_MIN_COUNT, out.packed
+"""
+
+# None in sys.modules hides any CuPy this machine has from find_spec and import.
+_WITHOUT_CUPY = """
+    import sys
+    sys.modules["cupy"] = None
+    from ucxrpc import _kernels
+    print(_kernels.cuda_problem(0))
+"""
+
 
 @pytest.mark.processes
-def test_a_broken_cupy_turns_cuda_packing_off_with_one_warning(tmp_path):
-    proc = _run_isolated("""
-        import logging, sys, torch
-        logging.basicConfig(format="%(levelname)s %(name)s %(message)s")
-        from ucxrpc import _kernels
-        from ucxrpc.transport.cuda import staging
-        cuda0 = torch.device("cuda", 0)
-        assert not staging._can_pack(cuda0), "a broken CuPy would fail the RPC"
-        assert not staging._can_pack(cuda0)
-        reason = _kernels.cuda_problem(0)
-        assert "does not import" in reason and "libcudart.so.13" in reason, reason
-        # the host-as-device debug path still packs, with memmove: no CuPy
-        bufs = [torch.arange(40, dtype=torch.uint8) for _ in range(staging.PACK_MIN_COUNT)]
-        out = staging.plan(bufs, None, staged=False, host_as_device=True)
-        assert out.packed == staging.PACK_MIN_COUNT, out.packed
-    """, {"cupy": _BROKEN_CUPY}, tmp_path)
+def test_a_broken_cupy_turns_cuda_packing_off_with_one_warning(isolated):
+    proc = isolated["broken_cupy"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1, proc.stderr
@@ -163,14 +209,8 @@ def test_a_broken_cupy_turns_cuda_packing_off_with_one_warning(tmp_path):
 
 
 @pytest.mark.processes
-def test_without_cupy_the_reason_says_it_is_not_installed(tmp_path):
-    # None in sys.modules hides any CuPy this machine has from find_spec and import.
-    proc = _run_isolated("""
-        import sys
-        sys.modules["cupy"] = None
-        from ucxrpc import _kernels
-        print(_kernels.cuda_problem(0))
-    """, {}, tmp_path)
+def test_without_cupy_the_reason_says_it_is_not_installed(isolated):
+    proc = isolated["without_cupy"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("CuPy is not installed"), proc.stdout
 

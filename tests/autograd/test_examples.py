@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,21 +16,51 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LOSS = re.compile(r"^(?:(\S+) )?step\s+(\d+) loss ([0-9.]+)$")
+RUN_S = 120.0
+
+CASES = [  # script, trainers, ratio
+    ("parameter_server.py", 2, 0.5),
+    ("pipeline_parallel.py", 1, 0.25),
+    ("rnn_remote_embedding.py", 1, 0.1),
+]
 
 
-def _run(script: str) -> dict[str, list[float]]:
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> dict[str, tuple[int | None, str]]:
+    """The examples of the tests selected in this module, run at once, each
+    in a session of its own: script -> (exit status, output).  An example's
+    time is its ranks' start-up (each imports torch and ucxrpc: seconds of
+    CPU), which left a core idle when they ran one after another; their
+    training takes well under a second."""
+    selected = {item.callspec.params["script"] for item in request.session.items
+                if getattr(item, "module", None) is request.module}
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / script)], cwd=EXAMPLES, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    procs: dict[str, subprocess.Popen[str]] = {}
+    outs: dict[str, tuple[int | None, str]] = {}
+    deadline = time.monotonic() + RUN_S
     try:
-        out, _ = proc.communicate(timeout=120)
+        for script in (script for script, _, _ in CASES if script in selected):
+            procs[script] = subprocess.Popen(
+                [sys.executable, str(EXAMPLES / script)], cwd=EXAMPLES, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True)
+        for script, proc in procs.items():
+            try:
+                out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                out = f"(still running after {RUN_S} s: killed)"
+            outs[script] = (proc.returncode, out)
     finally:
-        if proc.poll() is None:  # the example and the ranks it spawned
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out
+        for proc in procs.values():
+            if proc.poll() is None:  # the example and the ranks it spawned
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return outs
+
+
+def _losses(code: int | None, out: str) -> dict[str, list[float]]:
+    assert code == 0, out
     losses: dict[str, list[float]] = {}
     for line in out.splitlines():
         m = LOSS.match(line.strip())
@@ -39,13 +70,9 @@ def _run(script: str) -> dict[str, list[float]]:
     return losses
 
 
-@pytest.mark.parametrize("script, trainers, ratio", [
-    ("parameter_server.py", 2, 0.5),
-    ("pipeline_parallel.py", 1, 0.25),
-    ("rnn_remote_embedding.py", 1, 0.1),
-])
-def test_example_learns(script, trainers, ratio):
-    losses = _run(script)
+@pytest.mark.parametrize("script, trainers, ratio", CASES)
+def test_example_learns(script, trainers, ratio, runs):
+    losses = _losses(*runs[script])
     assert len(losses) == trainers
     for name, curve in losses.items():
         assert len(curve) >= 10, name

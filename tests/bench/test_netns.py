@@ -260,11 +260,12 @@ def test_bench_hosts_netns_runs_all_three_over_tcp_on_the_veth(tmp_path):
         pytest.skip(f"simulated hosts unavailable: {exc}")
     env = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "UCX_NET_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    # The smallest run that still measures all three across the link: UCX
-    # picks the transports (no --transports): the isolation leaves it tcp.
+    # The smallest run that still measures all three across the link (a
+    # first and a last size, a few timed calls each): UCX picks the
+    # transports (no --transports): the isolation leaves it tcp.
     argv = [sys.executable, "-m", "ucxrpc", "bench", "--hosts", "netns", "--quick",
-            "--sizes", "4K,1M", "--json", "r.json", "--no-plot", "--no-progress",
-            "--timeout", "100"]
+            "--sizes", "4K,1M", "--iters", "20", "--time-per-size", "0.01", "--json", "r.json",
+            "--no-plot", "--no-progress", "--timeout", "100"]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=_RUN_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -29,17 +29,13 @@ import torch.multiprocessing
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import RpcAgentTestFixture
 
 import ucxrpc
+from tests.compat import FORKSERVER_PRELOAD, START_METHODS
 
 __all__ = ["START_METHODS", "UcxRpcAgentTestFixture", "kill_started", "set_start_method",
            "started_pids"]
 
-START_METHODS = ("forkserver", "spawn")
-
 # The method ranks are started with; set_start_method changes it.
 START_METHOD = "forkserver"
-
-# What the forkserver imports once, before it forks any rank.
-_PRELOAD = ["tests.compat.suites"]
 
 _started: list[int] = []
 
@@ -111,6 +107,6 @@ class UcxRpcAgentTestFixture(RpcAgentTestFixture):
     def _spawn_processes(self) -> None:  # MultiProcessTestCase's hook
         ctx = torch.multiprocessing.get_context(START_METHOD)
         if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(_PRELOAD)
+            ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._start_processes(ctx.Process)
         _started.extend(p.pid for p in self.processes if p.pid is not None)

@@ -194,7 +194,7 @@ def _exception_line(tb: str) -> str:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    from tests.compat.fixture import START_METHODS
+    from tests.compat import START_METHODS
 
     p = argparse.ArgumentParser(prog="python -m tests.compat.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -222,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     if args.from_json:
         return _rerender(args.from_json, args.report)
+    if args.start_method == "forkserver" and not args.list:
+        _start_forkserver()
     refs, stale = collect(args.include_excluded, args.patterns, args.keys)
     missing = sorted(set(args.keys) - {ref.key for ref in refs})
     if missing:
@@ -258,6 +260,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     passed = sum(r.outcome == "passed" for r in results)
     print(f"{passed} passed, {len(results) - passed} failed")
     return 0 if passed == len(results) else 1
+
+
+def _start_forkserver() -> None:
+    """Start the ranks' forkserver now, before this process imports anything
+    heavy: its import of the suites (seconds of CPU) then runs beside this
+    process's own import of them (``collect``) instead of holding up the
+    first test.  A fresh interpreter either way; the fixture finds it running."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from tests.compat import FORKSERVER_PRELOAD
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    forkserver.ensure_running()
 
 
 def _rerender(path: str, report_path: str) -> int:

@@ -14,6 +14,9 @@ worker, once TCP keepalive on the lifeline has gone unanswered for
 * ``rejoin`` (dynamic membership, ``world_size=None``): the link comes back,
   worker1 leaves and joins again under the same name and rank, and calls
   work both ways again.
+
+The three run at once, each between hosts of its own (``scenarios``); each
+test checks its own.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -128,36 +133,81 @@ class _Job:
                 pass
 
 
-@pytest.fixture
-def hosts():
-    """Hosts A and B joined by a veth link; skipped where they cannot be made."""
-    try:
-        pair = Hosts().__enter__()
-    except Unavailable as exc:
-        pytest.skip(str(exc))
-    try:
-        yield pair
-    finally:
-        pair.close()
-
-
-@pytest.mark.parametrize("mode", ["heal", "cut-off"])
-def test_partition(hosts, tmp_path, mode):
+def _heal_or_cut_off(hosts: Hosts, ctl: Path, mode: str) -> tuple[dict, dict]:
     a, _ = hosts.hosts
-    job = _Job(hosts, tmp_path, mode)
+    job = _Job(hosts, ctl, mode)
     try:
         job.cut()
         r0 = job.result(0)  # worker0 shuts down during the partition
         job.wait_for("detected1")
         if mode == "heal":
             hosts.set_link(a, True)
-            write(tmp_path / "up", "1")
+            write(ctl / "up", "1")
             r1 = job.result(1)
         else:
             r1 = job.result(1, timeout=CUT_OFF_SHUTDOWN_BOUND_S + 5)
         job.wait_exit()
     finally:
         job.stop()
+    return r0, r1
+
+
+def _rejoin(hosts: Hosts, ctl: Path, mode: str) -> tuple[dict, dict]:
+    a, _ = hosts.hosts
+    job = _Job(hosts, ctl, mode)
+    try:
+        job.cut()
+        job.wait_for("detected0")
+        job.wait_for("detected1")
+        hosts.set_link(a, True)
+        write(ctl / "up", "1")
+        r1 = job.result(1)
+        r0 = job.result(0)
+        job.wait_exit()
+    finally:
+        job.stop()
+    return r0, r1
+
+
+_SCENARIOS = {"heal": _heal_or_cut_off, "cut-off": _heal_or_cut_off, "rejoin": _rejoin}
+
+
+def _mode_of(item: pytest.Item) -> str:
+    """The scenario a test of this module checks."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params["mode"] if callspec is not None else "rejoin"
+
+
+@pytest.fixture(scope="module")
+def scenarios(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
+    """The scenarios of the tests selected in this module, each on hosts A
+    and B of its own, all run at once (one thread each); mode -> the future
+    of its two workers' results, which its test checks.  A scenario mostly
+    waits: for keepalive to find the partition, for a shutdown cut off from
+    the store; one after another they waited in turn.  Skipped where the
+    hosts cannot be made."""
+    selected = {_mode_of(item) for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    modes = [mode for mode in _SCENARIOS if mode in selected]
+    pairs: dict[str, Hosts] = {}
+    try:
+        try:
+            for mode in modes:
+                pairs[mode] = Hosts().__enter__()
+        except Unavailable as exc:
+            pytest.skip(str(exc))
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            yield {mode: pool.submit(_SCENARIOS[mode], pairs[mode],
+                                     tmp_path_factory.mktemp(mode), mode) for mode in modes}
+    finally:  # (the pool's exit waited for every scenario, each of which stops its workers)
+        for pair in pairs.values():
+            pair.close()
+
+
+@pytest.mark.parametrize("mode", ["heal", "cut-off"])
+def test_partition(scenarios, mode):
+    r0, r1 = scenarios[mode].result()
     print(f"\n  partition (veth down, {mode}) over {r0['pipes']}:")
     _check_partition(r0, r1)
     c.check_shutdown(r0["shutdown_s"], "worker0 (during the partition)")
@@ -169,20 +219,8 @@ def test_partition(hosts, tmp_path, mode):
         assert r1["shutdown_s"] < CUT_OFF_SHUTDOWN_BOUND_S
 
 
-def test_partition_then_rejoin(hosts, tmp_path):
-    a, _ = hosts.hosts
-    job = _Job(hosts, tmp_path, "rejoin")
-    try:
-        job.cut()
-        job.wait_for("detected0")
-        job.wait_for("detected1")
-        hosts.set_link(a, True)
-        write(tmp_path / "up", "1")
-        r1 = job.result(1)
-        r0 = job.result(0)
-        job.wait_exit()
-    finally:
-        job.stop()
+def test_partition_then_rejoin(scenarios):
+    r0, r1 = scenarios["rejoin"].result()
     print("\n  partition (veth down) of a dynamic group, then worker1 rejoins:")
     _check_partition(r0, r1)
     print(f"  worker1 left in {r1['leave_s']:.2f} s and joined again in {r1['rejoin_s']:.2f} s")

@@ -9,7 +9,13 @@ started that way (``torch.multiprocessing.spawn``, a forkserver context,
 RPC job and each says what it sees, rank 0 after calling rank 1 (and
 running a distributed backward through it); ``subprocess`` runs a Python
 child that only says what it sees.  Every process prints one JSON line.
-Children are joined with a timeout and killed if still alive.
+
+The groups run at once, each pair on a port of its own: every child but
+the forked ones starts an interpreter that imports torch (seconds of CPU
+each), and one after another they left a core idle.  The forked pair
+(``process``, the default method on Linux) is started first, before this
+process starts anything else.  Children are joined under one deadline and
+killed if still alive.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -30,9 +37,11 @@ GROUPS = ("spawn", "forkserver", "process", "subprocess")
 
 # What a child started by 'subprocess' runs: it imports torch's RPC itself.
 _SUBPROCESS_CODE = """\
-import json, os, torch.distributed.rpc as rpc, torch.distributed.autograd as a
-print(json.dumps({"who": "subprocess", "pid": os.getpid(), "rpc": rpc.init_rpc.__module__,
-                  "autograd": a.backward.__module__}), flush=True)
+import json, os, sys, torch.distributed.rpc as rpc, torch.distributed.autograd as a
+sys.stdout.write(json.dumps({"who": "subprocess", "pid": os.getpid(),
+                             "rpc": rpc.init_rpc.__module__,
+                             "autograd": a.backward.__module__}) + "\\n")
+sys.stdout.flush()
 """
 
 
@@ -44,7 +53,10 @@ def seen() -> dict[str, object]:
 
 
 def say(who: str, **more: object) -> None:
-    print(json.dumps({"who": who, **seen(), **more}), flush=True)
+    # One write of the whole line: the groups' children print at once, and
+    # print() writes the line and its end apart where stdout is unbuffered.
+    sys.stdout.write(json.dumps({"who": who, **seen(), **more}) + "\n")
+    sys.stdout.flush()
 
 
 def free_port() -> int:
@@ -78,24 +90,53 @@ def _mp_entry(rank: int, group: str, port: int) -> None:  # torch.multiprocessin
     worker(rank, group, port)
 
 
-def run_pair(group: str) -> None:
-    port = free_port()
-    if group == "spawn":
-        torch.multiprocessing.spawn(_mp_entry, args=(group, port), nprocs=2, join=True)
-        return
-    ctx = (multiprocessing.get_context("forkserver") if group == "forkserver"
-           else multiprocessing)
-    procs = [ctx.Process(target=worker, args=(rank, group, port)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(JOIN_S)
-            if p.exitcode != 0:
-                raise RuntimeError(f"{group}: {p.name} ended with {p.exitcode}")
-    finally:
-        for p in procs:
-            if p.is_alive():
+class _Pair:
+    """One group's children, started by :meth:`start`, joined by :meth:`join`."""
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+        self.procs: list = []
+        self.context = None  # torch.multiprocessing.spawn's, for "spawn"
+
+    def start(self) -> None:
+        port = free_port()
+        if self.group == "spawn":
+            self.context = torch.multiprocessing.spawn(_mp_entry, args=(self.group, port),
+                                                       nprocs=2, join=False)
+            self.procs = list(self.context.processes)
+            return
+        if self.group == "subprocess":
+            self.procs = [subprocess.Popen([sys.executable, "-c", _SUBPROCESS_CODE])]
+            return
+        ctx = (multiprocessing.get_context("forkserver") if self.group == "forkserver"
+               else multiprocessing)
+        for rank in range(2):
+            p = ctx.Process(target=worker, args=(rank, self.group, port))
+            p.start()
+            self.procs.append(p)
+
+    def join(self, deadline: float) -> None:
+        if self.context is not None:  # raises with the child's traceback if one failed
+            while not self.context.join(max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"{self.group}: still running after {JOIN_S} s")
+            return
+        for p in self.procs:
+            if isinstance(p, subprocess.Popen):
+                code = p.wait(max(0.0, deadline - time.monotonic()))
+            else:
+                p.join(max(0.0, deadline - time.monotonic()))
+                code = p.exitcode
+            if code != 0:
+                raise RuntimeError(f"{self.group}: a child ended with {code}")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if isinstance(p, subprocess.Popen):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(5)
+            elif p.is_alive():
                 p.kill()
                 p.join(5)
 
@@ -103,12 +144,17 @@ def run_pair(group: str) -> None:
 def main(groups: list[str]) -> None:
     scripted = torch.jit.script(_scripted)  # TorchScript calling rpc.is_available()
     say("main", scripted=scripted(torch.ones(1)).tolist())
-    for group in groups:
-        if group == "subprocess":
-            subprocess.run([sys.executable, "-c", _SUBPROCESS_CODE], check=True,
-                           timeout=JOIN_S)
-        else:
-            run_pair(group)
+    # The forked pair first: a fork before anything else is started here.
+    pairs = [_Pair(g) for g in sorted(groups, key=lambda g: g != "process")]
+    deadline = time.monotonic() + JOIN_S
+    try:
+        for pair in pairs:
+            pair.start()
+        for pair in pairs:
+            pair.join(deadline)
+    finally:
+        for pair in pairs:
+            pair.kill()
 
 
 def _scripted(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@
   ``sys.modules``).
 
 Every program runs in its own session, bounded in time; its whole process
-group is killed afterwards, and every process it reported must be gone.
+group is killed afterwards, and every process it reported must be gone.  A
+test's programs are independent of one another and start at once.
 """
 
 from __future__ import annotations
@@ -42,23 +43,42 @@ PROGRAM = Path(__file__).with_name("_torch_program.py")
 RUN_S = 120.0  # below the test's timeout, so that this error is the one reported
 
 
+def _start(args: list[str], *, cwd: Path = ROOT,
+           env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``python args...`` in a session of its own; :func:`_finish` ends it."""
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _finish(*procs: subprocess.Popen[str],
+            timeout: float = RUN_S) -> list[subprocess.CompletedProcess[str]]:
+    """Wait for programs started together, under one deadline; kill each one's
+    session after.  (Each program imports torch: seconds of CPU.  Run one
+    after another they leave a core idle; a test's programs are independent.)"""
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
+    try:
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                outputs.append(("", f"(still running after {timeout} s: killed)"))
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            for proc, (out, err) in zip(procs, outputs)]
+
+
 def _run(args: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
          timeout: float = RUN_S) -> subprocess.CompletedProcess[str]:
     """Run ``python args...`` in a session of its own; kill the session after."""
-    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out, err = "", f"(still running after {timeout} s: killed)"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return _finish(_start(args, cwd=cwd, env=env), timeout=timeout)[0]
 
 
 def _reports(result: subprocess.CompletedProcess[str]) -> dict[str, dict]:
@@ -111,8 +131,10 @@ def test_the_launcher_runs_a_module_or_a_file_as_python_would(tmp_path: Path) ->
         "                  'rpc': rpc.init_rpc.__module__}))\n"
         "sys.exit(3)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
-    as_file = _run(["-m", "ucxrpc.torch_rpc", str(tmp_path / "prog.py"), "a", "-b"], env=env)
-    as_module = _run(["-m", "ucxrpc.torch_rpc", "-m", "prog", "c"], env=env)
+    as_file, as_module, usage = _finish(
+        _start(["-m", "ucxrpc.torch_rpc", str(tmp_path / "prog.py"), "a", "-b"], env=env),
+        _start(["-m", "ucxrpc.torch_rpc", "-m", "prog", "c"], env=env),
+        _start(["-m", "ucxrpc.torch_rpc"]))
     for result, argv1, path0 in ((as_file, ["a", "-b"], str(tmp_path)),
                                  (as_module, ["c"], str(ROOT))):
         assert result.returncode == 3, result.stderr[-4000:]
@@ -120,7 +142,6 @@ def test_the_launcher_runs_a_module_or_a_file_as_python_would(tmp_path: Path) ->
         assert report["argv"] == [str(tmp_path / "prog.py"), *argv1]
         assert report["path0"] == path0  # the program's directory; for -m, the working one
         assert report["rpc"] == "ucxrpc.api"
-    usage = _run(["-m", "ucxrpc.torch_rpc"])
     assert usage.returncode == 2 and "usage: python -m ucxrpc.torch_rpc" in usage.stderr
 
 
@@ -134,16 +155,17 @@ def test_the_childrens_sitecustomize_chains_and_stays_out_of_the_way(tmp_path: P
                        "print(json.dumps({'who': 'rpc', 'rpc': rpc.init_rpc.__module__}))\n")
     base = {**os.environ, "PYTHONPATH": os.pathsep.join([site_dir(), str(tmp_path)])}
     base.pop(ENV_VAR, None)
-    on = _run(["-c", with_rpc], cwd=tmp_path, env={**base, ENV_VAR: "1"})
-    off = _run(["-c", with_rpc], cwd=tmp_path, env=base)
     # An interpreter that cannot import ucxrpc (here: a broken one first on
     # its path) keeps torch's RPC and says why.
     broken = tmp_path / "elsewhere" / "ucxrpc"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('not this one')\n")
-    elsewhere = _run(["-c", with_rpc], cwd=tmp_path, env={
-        **base, ENV_VAR: "1",
-        "PYTHONPATH": os.pathsep.join([base["PYTHONPATH"], str(broken.parent)])})
+    on, off, elsewhere = _finish(
+        _start(["-c", with_rpc], cwd=tmp_path, env={**base, ENV_VAR: "1"}),
+        _start(["-c", with_rpc], cwd=tmp_path, env=base),
+        _start(["-c", with_rpc], cwd=tmp_path, env={
+            **base, ENV_VAR: "1",
+            "PYTHONPATH": os.pathsep.join([base["PYTHONPATH"], str(broken.parent)])}))
     for result, module in ((on, "ucxrpc.api"), (off, "torch.distributed.rpc"),
                            (elsewhere, "torch.distributed.rpc")):
         assert result.returncode == 0, result.stderr[-4000:]
@@ -184,9 +206,10 @@ def test_the_childrens_sitecustomize_lives_beside_one_that_chains_too(tmp_path: 
     # ucxrpc's first (as its children get it), then the other first (as a
     # harness may put its own): each runs once, ucxrpc is installed once,
     # and torch's loader is left as it was.
-    for order in ([site_dir(), str(other)], [str(other), site_dir()]):
-        result = _run(["-c", prog], cwd=tmp_path,
-                      env={**base, ENV_VAR: "1", "PYTHONPATH": os.pathsep.join(order)})
+    orders = ([site_dir(), str(other)], [str(other), site_dir()])
+    results = _finish(*(_start(["-c", prog], cwd=tmp_path, env={
+        **base, ENV_VAR: "1", "PYTHONPATH": os.pathsep.join(order)}) for order in orders))
+    for result in results:
         assert result.returncode == 0, result.stderr[-4000:]
         assert "RecursionError" not in result.stderr, result.stderr[-4000:]
         assert _reports(result)["child"] == {"who": "child", "other": "1", "rpc": "ucxrpc.api",

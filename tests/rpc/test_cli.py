@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,17 +16,49 @@ pytestmark = pytest.mark.processes
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ucxrpc(*args: str, timeout: float, cwd: Path | None = None,
-            pythonpath: tuple[str, ...] = (), ucx: dict[str, str] | None = None) -> str:
+def _start(*args: str, cwd: Path | None = None, pythonpath: tuple[str, ...] = (),
+           ucx: dict[str, str] | None = None,
+           env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``python -m ucxrpc.cli args...``; ``env`` adds to this process's."""
     # No UCX_* variable from this process (only ``ucx``): had it imported
     # ucxx, its UCX_MEMTYPE_CACHE=n would reach the child however ucxrpc behaves.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    env.update(ucx or {})
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *pythonpath])
-    proc = subprocess.run([sys.executable, "-m", "ucxrpc.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd, env=env)
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    child_env.update(env or {})
+    child_env.update(ucx or {})
+    child_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *pythonpath])
+    return subprocess.Popen([sys.executable, "-m", "ucxrpc.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd, env=child_env)
+
+
+def _finish(procs: dict[str, subprocess.Popen[str]],
+            timeout: float) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Wait for commands started together, under one deadline; kill what is
+    still running after it."""
+    deadline = time.monotonic() + timeout
+    done = {}
+    try:
+        for name, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                out, err = "", f"(still running after {timeout} s: killed)"
+            done[name] = (out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+    return {name: subprocess.CompletedProcess(proc.args, proc.returncode, *done[name])
+            for name, proc in procs.items()}
+
+
+def _stdout(proc: subprocess.CompletedProcess[str]) -> str:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def _ucxrpc(*args: str, timeout: float, cwd: Path | None = None) -> str:
+    return _stdout(_finish({"run": _start(*args, cwd=cwd)}, timeout)["run"])
 
 
 def _readiness(out: str) -> dict[str, str]:
@@ -33,10 +66,32 @@ def _readiness(out: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def plain_info() -> str:
-    """What ``ucxrpc info`` prints in this environment, run once for the
-    tests that read it as it is."""
-    return _ucxrpc("info", timeout=60)
+def info_runs(
+        tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """``ucxrpc info`` in each environment the tests below read, all started
+    at once: each imports torch and loads UCX (seconds of CPU), and one after
+    another they left a core idle.  Each test checks its own run's exit."""
+    broken = tmp_path_factory.mktemp("broken_cupy")
+    (broken / "cupy").mkdir()
+    (broken / "cupy" / "__init__.py").write_text(
+        'raise ImportError("libnvrtc.so.13: cannot open shared object file")\n')
+    prefer = "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"
+    return _finish({
+        "plain": _start("info"),
+        # With RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true, ucxx loads a system
+        # UCX (how a cluster gets InfiniBand, README); this machine has none,
+        # so libucx falls back to its wheel's, and info says which one it got.
+        "prefer_system=false": _start("info", env={prefer: "false"}),
+        "prefer_system=true": _start("info", env={prefer: "true"}),
+        "sysv_seg_size": _start("info", ucx={"UCX_SYSV_SEG_SIZE": "65600"}),
+        "broken_cupy": _start("info", pythonpath=(str(broken),)),
+    }, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def plain_info(info_runs) -> str:
+    """What ``ucxrpc info`` prints in this environment as it is."""
+    return _stdout(info_runs["plain"])
 
 
 @pytest.mark.timeout(90)
@@ -49,12 +104,9 @@ def test_info_reports_ucx_transports_and_cuda(plain_info):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("prefer_system", ["false", "true"])
-def test_info_names_the_ucx_library_this_process_loaded(prefer_system, monkeypatch):
-    # With RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true, ucxx loads a system UCX
-    # (how a cluster gets InfiniBand, README); this machine has none, so
-    # libucx falls back to its wheel's, and info says which one it got.
-    monkeypatch.setenv("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", prefer_system)
-    line = _readiness(_ucxrpc("info", timeout=60))["UCX"]
+def test_info_names_the_ucx_library_this_process_loaded(prefer_system, info_runs):
+    # (the runs, and why: info_runs)
+    line = _readiness(_stdout(info_runs[f"prefer_system={prefer_system}"]))["UCX"]
     path = line.split(" (", 1)[1].rstrip(")")
     assert os.path.basename(path).startswith("libucp.so") and os.path.exists(path), line
 
@@ -86,18 +138,16 @@ def test_info_says_whether_each_cuda_piece_is_ready_and_why_not(plain_info):
 
 
 @pytest.mark.timeout(90)
-def test_info_names_a_ucx_setting_that_breaks_pipes():
-    assert _readiness(_ucxrpc("info", timeout=60))["UCX settings"].startswith("ready (")
-    got = _readiness(_ucxrpc("info", timeout=60, ucx={"UCX_SYSV_SEG_SIZE": "65600"}))
+def test_info_names_a_ucx_setting_that_breaks_pipes(plain_info, info_runs):
+    assert _readiness(plain_info)["UCX settings"].startswith("ready (")
+    got = _readiness(_stdout(info_runs["sysv_seg_size"]))
     assert got["UCX settings"].startswith("not ready: UCX_SYSV_SEG_SIZE=65600 is over 65535 "), got
 
 
 @pytest.mark.timeout(90)
-def test_info_names_a_broken_cupy(tmp_path):
-    (tmp_path / "cupy").mkdir()
-    (tmp_path / "cupy" / "__init__.py").write_text(
-        'raise ImportError("libnvrtc.so.13: cannot open shared object file")\n')
-    got = _readiness(_ucxrpc("info", timeout=60, pythonpath=(str(tmp_path),)))
+def test_info_names_a_broken_cupy(info_runs):
+    # (a cupy first on the path that raises the ImportError of a missing libnvrtc)
+    got = _readiness(_stdout(info_runs["broken_cupy"]))
     assert got["CuPy"].startswith("not ready: CuPy is installed but does not import "
                                   "(ImportError: libnvrtc.so.13: cannot open"), got
     assert got["CuPy"].endswith("small CUDA tensors go one by one"), got
@@ -106,10 +156,13 @@ def test_info_names_a_broken_cupy(tmp_path):
 @pytest.mark.timeout(150)
 def test_quick_bench_compares_all_three_and_writes_json_and_plot(tmp_path):
     # On a busy host (one busy process beside the workers), as the figures
-    # that matter are taken.
-    out = _ucxrpc("bench", "--quick", "--compare", "torch", "--compare", "ucxx", "--load", "1",
-                  "--json", "r.json", "--plot", "r.png", "--no-progress", "--local",
-                  timeout=130, cwd=tmp_path)
+    # that matter are taken.  The smallest --quick run that still has a first
+    # and a last size and a latency figure: the run is what is checked here,
+    # not its figures (most of its time is the workers' start-up anyway).
+    out = _ucxrpc("bench", "--quick", "--sizes", "4K,1M", "--iters", "20",
+                  "--time-per-size", "0.01", "--compare", "torch", "--compare", "ucxx",
+                  "--load", "1", "--json", "r.json", "--plot", "r.png", "--no-progress",
+                  "--local", timeout=130, cwd=tmp_path)
     assert "ucxrpc/torch" in out and "ucxrpc/raw" in out
     assert "load:        1 busy process (a Python loop each)" in out
     assert "ucxrpc pipe worker0 -> worker1:" in out and "raw ucxx endpoint lanes:" in out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,21 +155,48 @@ def test_memtype_cache_is_really_off():
     assert run_workers(_memtype, 2, timeout=150)[0] == "n"
 
 
+def _pytest_runs(runs: dict[str, tuple[list[str], dict[str, str]]],
+                 timeout: float = 100) -> dict[str, subprocess.CompletedProcess[str]]:
+    """``python -m pytest`` in the repository, one run per (arguments,
+    environment), all started at once and waited for under one deadline;
+    what still runs after it is killed.  Each run imports torch and ucxrpc
+    (seconds of CPU): one after another they left a core idle."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    outs: dict[str, tuple[str, str]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for name, (args, env) in runs.items():
+            procs[name] = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=REPO,
+                                           env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+        for name, proc in procs.items():
+            try:
+                outs[name] = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                outs[name] = ("", f"(still running after {timeout} s: killed)")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+    return {name: subprocess.CompletedProcess(proc.args, proc.returncode, *outs[name])
+            for name, proc in procs.items()}
+
+
 # The switch: on a GPU machine a gpu test that skips is a failure.
 @pytest.mark.timeout(120)
 def test_require_gpu_turns_a_gpu_skip_into_a_failure(tmp_path):
     target = "tests/test_kernels.py::test_pack_unpack_on_the_gpu_matches_the_cpu"
     base = {k: v for k, v in os.environ.items() if k != "UCXRPC_REQUIRE_GPU"}
     base["CUDA_VISIBLE_DEVICES"] = ""  # no GPU for the child, wherever this runs
-
-    def run(**extra):
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:randomly",
-                               "-p", "no:cacheprovider", target], cwd=REPO,
-                              env={**base, **extra}, capture_output=True, text=True, timeout=100)
-
-    skipped = run()
+    # (hypothesis's pytest plugin is off: a GPU image has no hypothesis, and
+    # the target needs none)
+    args = ["-q", "-rs", "-p", "no:randomly", "-p", "no:cacheprovider",
+            "-p", "no:hypothesispytest", target]
+    runs = _pytest_runs({"skipped": (args, base),
+                         "failed": (args, {**base, "UCXRPC_REQUIRE_GPU": "1"})})
+    skipped, failed = runs["skipped"], runs["failed"]
     assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout
-    failed = run(UCXRPC_REQUIRE_GPU="1")
     assert failed.returncode == 1, failed.stdout
     assert "UCXRPC_REQUIRE_GPU=1, yet this gpu test skipped: Skipped: needs a CUDA GPU" \
         in failed.stdout, failed.stdout
@@ -207,16 +235,12 @@ def test_a_gpu_run_collects_without_the_docker_and_fuzz_dependencies(tmp_path):
                  blocked / "hypothesis" / "__init__.py"):
         path.write_text("raise ImportError('not on the GPU image')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked), str(REPO)])}
-
-    def collect(*args):
-        # (hypothesis's own pytest plugin is off too: not there on a GPU image)
-        return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                               "-p", "no:cacheprovider", "-p", "no:hypothesispytest", *args],
-                              cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=100)
-
-    control = collect("tests/docker/test_docker.py")  # the blocking works
+    # (hypothesis's own pytest plugin is off too: not there on a GPU image)
+    collect = ["--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+    runs = _pytest_runs({
+        "control": ([*collect, "tests/docker/test_docker.py"], env),  # the blocking works
+        "gpu": ([*collect, "-m", "gpu", "tests"], env)})
+    control, gpu = runs["control"], runs["gpu"]
     assert control.returncode != 0 and "not on the GPU image" in control.stdout, control.stdout
-    gpu = collect("-m", "gpu", "tests")
     assert gpu.returncode == 0, gpu.stdout + gpu.stderr
     assert "tests/rpc/test_cuda_rpc.py::" in gpu.stdout and "ERROR" not in gpu.stdout
