@@ -235,88 +235,88 @@ static int host_span(PyObject *buf, int writable, void **addr, size_t *len) {
 
 /* ------------------------------------------------------------ calls */
 
-/* ucp_send(ep, buf, tag): send host array `buf`. */
-static PyObject *py_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("ucp_send", 3);
-    void *ep, *addr;
-    size_t len;
-    uint64_t tag;
-    if (!ready() || as_ptr(args[0], &ep) < 0 || host_span(args[1], 0, &addr, &len) < 0 ||
-        as_u64(args[2], &tag) < 0)
-        return NULL;
+#define FULL_MASK UINT64_MAX
+
+/* What a call posts: a send (tag_send) or a receive of exactly one tag,
+ * of host memory, an I/O vector of host memory, or CUDA memory. */
+typedef enum { SEND, SEND_IOV, SEND_DEVICE, RECV, RECV_DEVICE } op_t;
+
+/* Post `op` on handle `h` (an endpoint for sends, a worker for receives)
+ * with the GIL released (the call takes the worker's lock); the request
+ * holds `keep`. */
+static PyObject *post(op_t op, void *h, void *addr, size_t len, uint64_t tag, PyObject *keep) {
     abi_ucs_status_ptr_t p;
     Py_BEGIN_ALLOW_THREADS
-    p = ucp.send(ep, addr, len, tag, &host_param);
+    switch (op) {
+    case SEND: p = ucp.send(h, addr, len, tag, &host_param); break;
+    case SEND_IOV: p = ucp.send(h, addr, len / sizeof(abi_dt_iov_t), tag, &iov_param); break;
+    case SEND_DEVICE: p = ucp.send(h, addr, len, tag, &cuda_param); break;
+    case RECV: p = ucp.tag_recv(h, addr, len, tag, FULL_MASK, &host_param); break;
+    default: p = ucp.tag_recv(h, addr, len, tag, FULL_MASK, &cuda_param); break;
+    }
     Py_END_ALLOW_THREADS
-    return outcome(p, args[1]);
+    return outcome(p, keep);
+}
+
+/* (handle, host buffer, tag[, keep]): the buffer's own object is kept
+ * unless a `keep` is given. */
+static PyObject *post_host(op_t op, const char *name, PyObject *const *args, Py_ssize_t nargs,
+                           Py_ssize_t want) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments", name, want);
+        return NULL;
+    }
+    void *h, *addr;
+    size_t len;
+    uint64_t tag;
+    if (!ready() || as_ptr(args[0], &h) < 0 ||
+        host_span(args[1], op == RECV, &addr, &len) < 0 || as_u64(args[2], &tag) < 0)
+        return NULL;
+    return post(op, h, addr, len, tag, want == 4 ? args[3] : args[1]);
+}
+
+/* (handle, device address, nbytes, tag, keep). */
+static PyObject *post_device(op_t op, const char *name, PyObject *const *args,
+                             Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 5 arguments", name);
+        return NULL;
+    }
+    void *h, *addr;
+    uint64_t n, tag;
+    if (!ready() || as_ptr(args[0], &h) < 0 || as_ptr(args[1], &addr) < 0 ||
+        as_u64(args[2], &n) < 0 || as_u64(args[3], &tag) < 0)
+        return NULL;
+    return post(op, h, addr, (size_t)n, tag, args[4]);
+}
+
+/* ucp_send(ep, buf, tag): send host array `buf`. */
+static PyObject *py_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return post_host(SEND, "ucp_send", args, nargs, 3);
 }
 
 /* ucp_send_iov(ep, iov, tag, keep): send the host memory `iov` lists
  * ((address, length) pairs, uint64) as one message; `keep` holds that
  * memory and `iov` until UCX is done with them. */
 static PyObject *py_send_iov(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("ucp_send_iov", 4);
-    void *ep, *addr;
-    size_t len;
-    uint64_t tag;
-    if (!ready() || as_ptr(args[0], &ep) < 0 || host_span(args[1], 0, &addr, &len) < 0 ||
-        as_u64(args[2], &tag) < 0)
-        return NULL;
-    abi_ucs_status_ptr_t p;
-    Py_BEGIN_ALLOW_THREADS
-    p = ucp.send(ep, addr, len / sizeof(abi_dt_iov_t), tag, &iov_param);
-    Py_END_ALLOW_THREADS
-    return outcome(p, args[3]);
+    return post_host(SEND_IOV, "ucp_send_iov", args, nargs, 4);
 }
 
 /* ucp_send_device(ep, address, nbytes, tag, keep): CUDA memory. */
 static PyObject *py_send_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("ucp_send_device", 5);
-    void *ep, *addr;
-    uint64_t n, tag;
-    if (!ready() || as_ptr(args[0], &ep) < 0 || as_ptr(args[1], &addr) < 0 ||
-        as_u64(args[2], &n) < 0 || as_u64(args[3], &tag) < 0)
-        return NULL;
-    abi_ucs_status_ptr_t p;
-    Py_BEGIN_ALLOW_THREADS
-    p = ucp.send(ep, addr, (size_t)n, tag, &cuda_param);
-    Py_END_ALLOW_THREADS
-    return outcome(p, args[4]);
+    return post_device(SEND_DEVICE, "ucp_send_device", args, nargs);
 }
-
-#define FULL_MASK UINT64_MAX
 
 /* ucp_tag_recv(worker, buf, tag): post a receive of the message with
  * exactly `tag` into writable host array `buf` (a longer message fails the
  * request: truncated). */
 static PyObject *py_tag_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("ucp_tag_recv", 3);
-    void *worker, *addr;
-    size_t len;
-    uint64_t tag;
-    if (!ready() || as_ptr(args[0], &worker) < 0 || host_span(args[1], 1, &addr, &len) < 0 ||
-        as_u64(args[2], &tag) < 0)
-        return NULL;
-    abi_ucs_status_ptr_t p;
-    Py_BEGIN_ALLOW_THREADS
-    p = ucp.tag_recv(worker, addr, len, tag, FULL_MASK, &host_param);
-    Py_END_ALLOW_THREADS
-    return outcome(p, args[1]);
+    return post_host(RECV, "ucp_tag_recv", args, nargs, 3);
 }
 
 /* ucp_tag_recv_device(worker, address, nbytes, tag, keep): into CUDA memory. */
 static PyObject *py_tag_recv_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("ucp_tag_recv_device", 5);
-    void *worker, *addr;
-    uint64_t n, tag;
-    if (!ready() || as_ptr(args[0], &worker) < 0 || as_ptr(args[1], &addr) < 0 ||
-        as_u64(args[2], &n) < 0 || as_u64(args[3], &tag) < 0)
-        return NULL;
-    abi_ucs_status_ptr_t p;
-    Py_BEGIN_ALLOW_THREADS
-    p = ucp.tag_recv(worker, addr, (size_t)n, tag, FULL_MASK, &cuda_param);
-    Py_END_ALLOW_THREADS
-    return outcome(p, args[4]);
+    return post_device(RECV_DEVICE, "ucp_tag_recv_device", args, nargs);
 }
 
 /* ucp_probe(worker, tag, mask) -> (sender tag, length, message handle) of a
