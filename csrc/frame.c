@@ -241,6 +241,14 @@ static int triple(PyObject *item, const char *what, Py_ssize_t i, PyObject **a, 
     return 0;
 }
 
+/* Buffer `i` goes as a message of its own: its index joins `separate`. */
+static int append_index(PyObject *separate, Py_ssize_t i) {
+    PyObject *ix = PyLong_FromSsize_t(i);
+    int rc = ix ? PyList_Append(separate, ix) : -1;
+    Py_XDECREF(ix);
+    return rc;
+}
+
 static const char *const encode_names[] = {"kind", "seq", "payload", "buffers", "key", "limits",
                                            "ways", "peer_max_frame", "seal", "ack", "busy"};
 
@@ -354,12 +362,7 @@ static PyObject *frame_encode(PyObject *self, PyObject *const *args, Py_ssize_t 
                 } else {
                     total += s->nbytes;
                     s->where = NOT_INLINE;
-                    PyObject *ix = PyLong_FromSsize_t(i);
-                    if (!ix || PyList_Append(separate, ix) < 0) {
-                        Py_XDECREF(ix);
-                        goto done;
-                    }
-                    Py_DECREF(ix);
+                    if (append_index(separate, i) < 0) goto done;
                 }
                 continue;
             }
@@ -374,12 +377,7 @@ static PyObject *frame_encode(PyObject *self, PyObject *const *args, Py_ssize_t 
             cursor = end;
         } else {
             s->where = NOT_INLINE;
-            PyObject *ix = PyLong_FromSsize_t(i);
-            if (!ix || PyList_Append(separate, ix) < 0) {
-                Py_XDECREF(ix);
-                goto done;
-            }
-            Py_DECREF(ix);
+            if (append_index(separate, i) < 0) goto done;
         }
     }
     u128 size = (any_inline ? cursor : head_len) + MAC_LEN;

@@ -4,16 +4,17 @@ where the kernel's source is found; what happens where CuPy is missing or broken
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.at_once import run_at_once
 from ucxrpc import _kernels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,24 +117,9 @@ def isolated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
     runs = {"plain_checkout": (_PLAIN_CHECKOUT, {"cupy": _RECORDING_CUPY}),
             "broken_cupy": (_WITH_A_BROKEN_CUPY, {"cupy": _BROKEN_CUPY}),
             "without_cupy": (_WITHOUT_CUPY, {})}
-    procs: dict[str, subprocess.Popen[str]] = {}
-    outs: dict[str, tuple[str, str]] = {}
-    deadline = time.monotonic() + 60
-    try:
-        for name, (code, stubs) in runs.items():
-            procs[name] = _start_isolated(code, stubs, tmp_path_factory.mktemp(name))
-        for name, proc in procs.items():
-            try:
-                outs[name] = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                outs[name] = ("", "(still running after 60 s: killed)")
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-    return {name: subprocess.CompletedProcess(proc.args, proc.returncode, *outs[name])
-            for name, proc in procs.items()}
+    return run_at_once({name: functools.partial(_start_isolated, code, stubs,
+                                                tmp_path_factory.mktemp(name))
+                        for name, (code, stubs) in runs.items()}, 60)
 
 
 # (the test's docstring says what this checks)

@@ -6,10 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.at_once import run_at_once
 
 pytestmark = pytest.mark.processes
 
@@ -30,35 +31,13 @@ def _start(*args: str, cwd: Path | None = None, pythonpath: tuple[str, ...] = ()
                             stderr=subprocess.PIPE, text=True, cwd=cwd, env=child_env)
 
 
-def _finish(procs: dict[str, subprocess.Popen[str]],
-            timeout: float) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Wait for commands started together, under one deadline; kill what is
-    still running after it."""
-    deadline = time.monotonic() + timeout
-    done = {}
-    try:
-        for name, proc in procs.items():
-            try:
-                out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                out, err = "", f"(still running after {timeout} s: killed)"
-            done[name] = (out, err)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-    return {name: subprocess.CompletedProcess(proc.args, proc.returncode, *done[name])
-            for name, proc in procs.items()}
-
-
 def _stdout(proc: subprocess.CompletedProcess[str]) -> str:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
 def _ucxrpc(*args: str, timeout: float, cwd: Path | None = None) -> str:
-    return _stdout(_finish({"run": _start(*args, cwd=cwd)}, timeout)["run"])
+    return _stdout(run_at_once({"run": lambda: _start(*args, cwd=cwd)}, timeout)["run"])
 
 
 def _readiness(out: str) -> dict[str, str]:
@@ -76,15 +55,15 @@ def info_runs(
     (broken / "cupy" / "__init__.py").write_text(
         'raise ImportError("libnvrtc.so.13: cannot open shared object file")\n')
     prefer = "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"
-    return _finish({
-        "plain": _start("info"),
+    return run_at_once({
+        "plain": lambda: _start("info"),
         # With RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true, ucxx loads a system
         # UCX (how a cluster gets InfiniBand, README); this machine has none,
         # so libucx falls back to its wheel's, and info says which one it got.
-        "prefer_system=false": _start("info", env={prefer: "false"}),
-        "prefer_system=true": _start("info", env={prefer: "true"}),
-        "sysv_seg_size": _start("info", ucx={"UCX_SYSV_SEG_SIZE": "65600"}),
-        "broken_cupy": _start("info", pythonpath=(str(broken),)),
+        "prefer_system=false": lambda: _start("info", env={prefer: "false"}),
+        "prefer_system=true": lambda: _start("info", env={prefer: "true"}),
+        "sysv_seg_size": lambda: _start("info", ucx={"UCX_SYSV_SEG_SIZE": "65600"}),
+        "broken_cupy": lambda: _start("info", pythonpath=(str(broken),)),
     }, timeout=60)
 
 

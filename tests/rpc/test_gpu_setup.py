@@ -8,15 +8,16 @@ The probes are marked ``gpu``; run them where there is one with
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.at_once import run_at_once
 from tests.rpc._gpu import BOTH, N, checksum, init
 from tests.workers import run_workers
 
@@ -161,26 +162,12 @@ def _pytest_runs(runs: dict[str, tuple[list[str], dict[str, str]]],
     environment), all started at once and waited for under one deadline;
     what still runs after it is killed.  Each run imports torch and ucxrpc
     (seconds of CPU): one after another they left a core idle."""
-    procs: dict[str, subprocess.Popen[str]] = {}
-    outs: dict[str, tuple[str, str]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for name, (args, env) in runs.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=REPO,
-                                           env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True)
-        for name, proc in procs.items():
-            try:
-                outs[name] = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                outs[name] = ("", f"(still running after {timeout} s: killed)")
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-    return {name: subprocess.CompletedProcess(proc.args, proc.returncode, *outs[name])
-            for name, proc in procs.items()}
+    def start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    return run_at_once({name: functools.partial(start, args, env)
+                        for name, (args, env) in runs.items()}, timeout)
 
 
 # The switch: on a GPU machine a gpu test that skips is a failure.
