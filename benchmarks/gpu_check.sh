@@ -134,6 +134,22 @@ setup_python() {
         say "setup: still missing after the offline install (see setup.log)"
 }
 
+# ucxrpc's native core (csrc/), built in place for this machine's Python
+# when no build of it imports: the GPU image has gcc or it has not; without
+# one, carry ucxrpc/_core.*.so built for the same Python (run's `carry`).
+build_core() {
+    if "$PY" -c "import ucxrpc._core" 2>/dev/null; then
+        return
+    fi
+    if [ "$DRY" = 1 ]; then
+        echo "would build ucxrpc._core in place"
+        return
+    fi
+    timeout 300 "$PY" setup.py -q build_ext --inplace >"$REPORT/build.log" 2>&1 ||
+        say "setup: the native core did not build (see build.log): carry ucxrpc/_core.*.so" \
+            "built for this Python, or run where a C compiler is"
+}
+
 facts() {
     nvidia-smi --query-gpu=name,driver_version,compute_mode,mig.mode.current,memory.total,pci.bus_id \
         --format=csv
@@ -253,6 +269,7 @@ export PY REPORT SITE
 export -f facts perftest percall floor  # run_step runs them as `bash -c NAME`, under timeout
 
 setup_python
+build_core
 echo "report: $REPORT; python: $PY; steps: ${STEPS[*]}"
 for step in "${STEPS[@]}"; do
     case $step in
