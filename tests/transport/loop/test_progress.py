@@ -399,9 +399,13 @@ class _Spin:
         self.calls: list[tuple[float, float]] = []
         self.woken = 0
         self.quiet = True
+        self.raises = 0  # calls left that raise, as UCX's progress may
 
     def __call__(self, wake_fd: int, budget: float, late: float) -> tuple[int, int, float]:
         self.calls.append((budget, late))
+        if self.raises:
+            self.raises -= 1
+            raise RuntimeError("UCX progress failed")
         end = time.monotonic() + budget
         quick = 0
         while time.monotonic() < end:
@@ -448,6 +452,21 @@ def test_a_driver_awaiting_a_message_on_a_quiet_transport_spins_natively():
         lp.fire()
         t.join(10)
         assert out == {"reached": True, "seen_on": "waiter"}
+    finally:
+        lp.close()
+
+
+def test_a_spin_that_raises_is_logged_and_the_driver_waits_on(caplog):
+    """As a turn's error: the caller that happened to drive is not failed."""
+    lp, spin = _spinning()
+    spin.raises = 2
+    try:
+        t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
+        _wait_for(lambda: lp.loop.spins >= 4, "the driver to spin on")
+        lp.fire()
+        t.join(10)
+        assert out == {"reached": True, "seen_on": "waiter"}
+        assert caplog.text.count("progress loop error (continuing)") == 2
     finally:
         lp.close()
 

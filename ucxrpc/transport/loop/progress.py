@@ -481,10 +481,15 @@ class ProgressThread:
             return
         assert self._spin is not None
         self._driver_spinning = True
+        quick, late = 0, 0.0
         try:
             self.spins += 1
             _, quick, late = self._spin(self._wake_fd, min(self._spin_s - idle, SPIN_CHUNK_S),
                                         self.strategy.late_s)
+        except Exception:
+            # As a turn's (_one_turn): UCX's progress raising must not end
+            # the wait of the caller who happened to drive.
+            logger.exception("progress loop error (continuing)")
         finally:
             self._driver_spinning = False
             self._baton.release()
