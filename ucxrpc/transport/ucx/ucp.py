@@ -38,9 +38,8 @@ from typing import Any
 from ..._core import UCP_DONE
 from ..._core import UcpRequest as _Request
 from ..._core import (ucp_bind, ucp_cancel, ucp_probe, ucp_receive, ucp_send, ucp_send_device,
-                      ucp_send_iov, ucp_spin, ucp_status_string, ucp_tag_recv,
+                      ucp_send_iov, ucp_spin, ucp_tag_recv,
                       ucp_tag_recv_device)
-from ...errors import BrokenError
 from .failures import request_failed
 
 __all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "THREAD_MODES", "THREAD_MODE_MULTI",
@@ -188,9 +187,6 @@ class Ucp:
         yet seen complete by its owner, who calls this): UCX completes it
         with UCS_ERR_CANCELED, and the owner frees it when it sees that."""
         ucp_cancel(worker, req)
-
-    def failure(self, status: int) -> BrokenError:
-        return request_failed(ucp_status_string(status), status)
 
     def thread_mode(self, worker: int) -> int:
         """The thread mode UCX really gave worker handle ``worker``
