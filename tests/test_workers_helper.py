@@ -23,6 +23,7 @@ from tests.workers import (
     forkserver_pid,
     free_port,
     run_workers,
+    sigstop,
     spawn_worker,
     stop_worker,
     worker_group,
@@ -285,6 +286,36 @@ def test_spawn_worker_can_be_sigkilled_and_stopped() -> None:
     finally:
         stop_worker(proc)
     stop_worker(proc)  # idempotent
+    _assert_no_children()
+
+
+def _spin_in_a_thread(port: int) -> None:
+    threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
+    time.sleep(60)
+
+
+def _thread_states(pid: int) -> list[str]:
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        states.append(stat[stat.rfind(")") + 2:].split()[0])
+    return states
+
+
+@pytest.mark.processes
+def test_sigstop_returns_once_every_thread_is_stopped() -> None:
+    """Also a spinning thread, which would go on running for a while after
+    a bare kill on a loaded machine."""
+    proc = spawn_worker(_spin_in_a_thread, free_port())
+    try:
+        assert proc.pid is not None
+        time.sleep(0.3)  # the spinner started
+        sigstop(proc.pid)
+        states = _thread_states(proc.pid)
+        assert len(states) >= 2 and all(s in "tT" for s in states), states
+        os.kill(proc.pid, signal.SIGCONT)
+    finally:
+        stop_worker(proc)
     _assert_no_children()
 
 

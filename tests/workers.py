@@ -329,6 +329,37 @@ def child_pids(pid: int | None = None) -> list[int]:
     return sorted(found)
 
 
+def sigstop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP process ``pid`` and return once every thread of it is stopped.
+
+    ``kill`` returns when the signal is queued, not when the process stops:
+    the kernel wakes one thread to take it, and only that thread stops the
+    others.  On a loaded machine that takes tens of milliseconds (18 ms
+    measured on the 2-core VM beside four busy processes), during which a
+    running thread, a spinning progress thread above all, still answers.
+    A test whose premise is "the peer is stopped" waits for it here.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return  # no /proc: nothing to wait on
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in tasks.iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue  # the thread exited meanwhile
+            states.append(stat[stat.rfind(")") + 2:].split()[0])
+        if all(state in "tT" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} not stopped {timeout:g} s after SIGSTOP: "
+                               f"its threads' states are {states}")
+        time.sleep(0.001)
+
+
 # --------------------------------------------------------------------------
 # A group of ranks kept up across the tests of a module.
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.faults import _common as c
-from tests.workers import run_with_victim
+from tests.workers import run_with_victim, sigstop
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
@@ -45,7 +45,7 @@ def _survivor(rank, world_size, init_method, full_world):
     out = {}
     if rank == 0:
         victim_pid = rpc.rpc_sync(c.VICTIM, c.pid)
-        os.kill(victim_pid, signal.SIGSTOP)
+        sigstop(victim_pid)  # returns once it is stopped, not when the signal is queued
         start = time.monotonic()
         try:
             pending = rpc.rpc_async(c.VICTIM, c.echo, args=(torch.ones(1 << 20),),

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.faults import _common as c
-from tests.workers import run_workers
+from tests.workers import run_workers, sigstop
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
@@ -63,7 +63,7 @@ def _burst(rank, world_size, init_method):
                 args.append(torch.tensor([i % 2 == 0, True]))
             else:
                 args.append((f"s{i}", torch.tensor(i, dtype=torch.float16)))
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         try:
             futs = [rpc.rpc_async("worker1", describe, args=(a,)) for a in args[:700]]
             over = rpc.rpc_async("worker1", describe, args=(torch.ones(3 << 10),))  # 12 KiB

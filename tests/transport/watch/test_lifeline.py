@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers import spawn_worker, stop_worker
+from tests.workers import sigstop, spawn_worker, stop_worker
 from ucxrpc.transport.watch.lifeline import (GOODBYE, LOOPBACK, TOKEN_BYTES, LifelineAddress,
                                              Lifelines, LineState, host_key)
 
@@ -140,7 +140,7 @@ def test_a_stopped_process_is_never_cut(child, lines):
     cuts = Cuts()
     lines.watch("peer", "child", child.address, cuts)
     wait_state(lines, "peer", LineState.UP)
-    os.kill(child.proc.pid, signal.SIGSTOP)
+    sigstop(child.proc.pid)
     try:
         assert cuts.none(6 * HOST_TIMEOUT)  # its kernel answers keepalive for it
         assert lines.state("peer") is LineState.UP
@@ -154,7 +154,7 @@ def test_a_stopped_process_is_never_cut(child, lines):
 @pytest.mark.processes
 def test_a_process_stopped_before_we_connect_is_watched(child, lines):
     """The kernel accepts the connection; the token comes once it runs."""
-    os.kill(child.proc.pid, signal.SIGSTOP)
+    sigstop(child.proc.pid)
     cuts = Cuts()
     try:
         lines.watch("peer", "child", child.address, cuts)
