@@ -271,6 +271,60 @@ def test_a_send_no_part_reaches_fails_the_backward_naming_it(pair):
     assert running == 0
 
 
+def ignore(t):
+    """worker0, called back from worker1: takes a tensor, gives back nothing
+    that carries gradients."""
+    return None
+
+
+def calls_back(x):
+    """worker1: y = 2x; sends y to worker0 and drops what comes back, so no
+    gradient ever comes for that send; returns 3y."""
+    import ucxrpc as rpc
+
+    y = x * 2.0
+    rpc.rpc_sync("worker0", ignore, (y,))
+    return y * 3.0
+
+
+def _unused_send_on_a_callee():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+    from ucxrpc.errors import DistAutogradError
+
+    x = torch.rand(3, requires_grad=True)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", calls_back, (x,))
+        try:
+            dist_autograd.backward(ctx, [y.sum()])
+            error = None
+        except DistAutogradError as e:
+            error = str(e)
+        running = rpc.rpc_sync("worker1", passes_running)  # its part was ended
+    with dist_autograd.context() as ctx:  # every send used: the pass ends
+        y = rpc.rpc_sync("worker1", torch.mul, (x, 2.0))
+        dist_autograd.backward(ctx, [y.sum()])
+        grad = dist_autograd.get_gradients(ctx)[x].tolist()
+    return error, running, grad
+
+
+def test_a_send_no_part_reaches_on_another_worker_fails_the_backward_naming_it(pair):
+    # worker1's part waits for the gradients of its send to worker0, which
+    # nothing uses, so its recv of x never sends x's gradients, for which
+    # worker0 waits in turn.  Before termination detection only a caller
+    # with every propagation answered was found waiting so: here worker0's
+    # propagation to worker1 is never answered, and the pass ended by the
+    # RPC timeout (60 s).
+    error, running, grad = pair.run(_unused_send_on_a_callee)
+    assert error is not None and error.startswith("Error on Node 0: the backward pass of "
+                                                  "autograd context"), error
+    assert "cannot finish: it waits for the gradients of send" in error
+    assert "to worker id 1 (tensors of shapes [3]); worker1 (worker id 1) waits for" in error
+    assert "to worker id 0 (tensors of shapes [3]), which no part" in error
+    assert running == 0
+    assert grad == [2.0] * 3
+
+
 # -- DDP around a model that calls another worker --------------------------------------
 
 def _ddp_outside(rank, world_size, init_method, pg_file):

@@ -12,6 +12,14 @@ from __future__ import annotations
 __all__ = ["KNOWN_FAILURES"]
 
 KNOWN_FAILURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "A backward pass that cannot finish fails at once (by design)": (
+        "The test asserts that `backward` over a context with an unused send "
+        "still waits after 10 s (torch's FAST mode waits for ever). ucxrpc "
+        "finds that no gradient can ever come for that send and fails the "
+        "backward at once, naming the send (autograd/_pass.py: termination "
+        "detection); ucxrpc's own test_one_pass.py holds that behaviour.",
+        ("DistAutogradTest.test_backward_unused_send_function",),
+    ),
     "DDP with distributed autograd: a hang at the end of the test": (
         "Intermittent, in about one run in three of each DDP comparison test (2 of 8 "
         "at 4e7e493, 3 of 8 at 2b5e58e): every iteration passes, then one rank hangs "

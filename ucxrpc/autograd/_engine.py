@@ -122,7 +122,7 @@ def _begin(agent: RpcAgent, ctx: DistAutogradContext, roots: list[torch.Tensor] 
         p = WorkerPass(ctx, roots, retain_graph,
                        functools.partial(_send_grads, agent, ctx.id, pass_id, retain_graph),
                        functools.partial(_here, agent), functools.partial(_ended, tbl, ctx),
-                       pass_id)
+                       pass_id, (agent.info.id, agent.info.name))
         ctx.running_pass = p
         tbl.backward_passes += 1
     return p, Begun.NEW
@@ -174,10 +174,13 @@ def _gather(agent: RpcAgent, calls: list[tuple[int, _Future]]) -> _Future:
 def _propagate(context_id: int, pass_id: PassId, send_id: int,
                grads: list[torch.Tensor | None], retain_graph: bool) -> _Future:
     """Run on the worker that made send ``send_id``: gradients for what it
-    sent.  The message that begins this worker's part of the pass is
-    answered when that part ends; later ones at once (their failures end
-    the pass and reach the initiator through the first), as torch's; one
-    that comes after the part ended (it failed) is dropped and answered."""
+    sent.  The message that engages this worker's part of the pass (the
+    one that begins it, or the first after it was left waiting) is answered
+    when that part ends, or with what waits once it is left waiting
+    (``_pass.Waits``); others once their entry ran (their failures end the
+    pass and reach the initiator through the engaging one), as torch's;
+    one that comes after the part ended (it failed) is dropped and
+    answered."""
     agent = api._current()
     tbl = table(agent)
     try:
@@ -195,9 +198,9 @@ def _propagate(context_id: int, pass_id: PassId, send_id: int,
         out.set_result(_here(agent, exc))
         return out
     if p is not None:
-        p.run(send_id, grads)
-        if begun is Begun.NEW:
-            return p.done
+        engaging = p.deliver(send_id, grads)
+        if engaging is not None:
+            return engaging
     answered: _Future = _Future()
     answered.set_result(None)
     return answered
@@ -284,7 +287,31 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         with agent.blocking():  # the pool may replace a thread of its own waiting here
             failure = p.serve()
     if failure is not None:
+        for peer in p.stuck_workers:  # their parts wait for ever: end them
+            _abandon_on(agent, peer, context_id, p.pass_id, failure)
         raise DistAutogradError(failure.describe(context_id))
+
+
+def _abandon_on(agent: RpcAgent, peer: int, context_id: int, pass_id: PassId,
+                failure: Failure) -> None:
+    """End ``peer``'s part of the pass, found waiting for gradients that
+    never come; not waited for (a peer gone meanwhile has no part left)."""
+    try:
+        agent.call(agent.members.workers[peer], _abandon, (context_id, pass_id, failure), {},
+                   agent.default_timeout)
+    except RpcError as exc:
+        logger.debug("%s: cannot end the waiting part of context %d on %s: %s",
+                     agent.info.name, context_id, agent.members.name_of(peer), exc)
+
+
+@_plain
+def _abandon(context_id: int, pass_id: PassId, failure: Failure) -> None:
+    """The caller found this worker's part of ``pass_id`` waiting for ever:
+    it ends with the pass's failure, so that the context may run another."""
+    ctx = table(api._current()).find(context_id)
+    running = ctx.running_pass if ctx is not None else None
+    if running is not None and running.pass_id == tuple(pass_id):
+        running.abandon(failure)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

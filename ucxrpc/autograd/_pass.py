@@ -35,17 +35,24 @@ come, and the pass keeps what makes the parts one pass:
   The first message that began the pass on a worker is answered at its end
   (:attr:`WorkerPass.done`); later ones at once, as torch's.
 * **A pass that cannot end fails.**  The pass waits for every send of its
-  context (torch's FAST mode, which assumes every send is part of it).
-  Where the worker that called ``backward`` has run its roots, nothing of
-  its part runs or waits in line, every propagation it started was
-  answered (so every part they began has ended: each waits for its own
-  before it answers) and a send of its own is still awaited, no gradient
-  can ever come for that send: a result the loss does not use.  torch's
-  agent waits for ever there; the pass fails at once naming the sends
-  (:meth:`WorkerPass._stuck`).  A worker other than the caller waiting so
-  is not told from one whose gradients are still on their way: its pass
-  waits (the caller's ``backward`` until the RPC timeout of the message
-  that began it).
+  context (torch's FAST mode, which assumes every send is part of it), and
+  a send whose result the loss does not use never gets gradients.  torch's
+  agent waits for ever there; here the caller's ``backward`` fails at once
+  naming every worker that waits and for which sends
+  (:meth:`WorkerPass._stuck`).  Telling that apart from gradients still on
+  their way is termination detection, done as Dijkstra and Scholten's:
+  a part is *engaged* by the message it is answering last (the one that
+  began it, or the first that came while it was disengaged), and a part
+  left with nothing running and every propagation of its own answered, but
+  sends still awaited, answers that message with a :class:`Waits` report
+  (who waits, for what) and is disengaged; the next message engages it
+  again.  Any gradient still on its way is a part running or a propagation
+  unanswered, so a chain of unanswered messages leads from it to the
+  caller.  Where the caller has run its roots, nothing of its own runs or
+  waits in line and every propagation it started was answered, nothing is
+  on its way anywhere: what the latest reports (numbered per worker, the
+  answers carrying them up) still say is awaited never comes.  The caller
+  then fails the pass and ends the waiting parts (``_engine._abandon``).
 
 * **Final callbacks at the end.** A callback a part queues with
   ``queue_callback`` (FSDP's, DDP-like reducers' in Python) runs when the
@@ -87,8 +94,20 @@ _Future = torch.futures.Future
 #: are entries under their send ids.
 ROOTS = -1
 
-#: Starts a propagation: ``(recv, gradients) -> future`` of a Failure or None.
+#: Starts a propagation: ``(recv, gradients) -> future`` of a Failure, a
+#: :class:`Waits` or None.
 Propagate = Callable[[Recv, list[torch.Tensor | None]], _Future]
+
+
+@dataclass(frozen=True)
+class Waits:
+    """A part's answer to the message engaging it while sends of the pass
+    are still awaited somewhere below it (see the module's docstring): per
+    worker id, its latest report ``(number, worker name, the sends it
+    awaits, described)``; an empty tuple says that worker awaits nothing
+    any more, superseding its earlier reports."""
+
+    reports: dict[int, tuple[int, str, tuple[str, ...]]]
 
 
 class Phase(StateEnum):
@@ -251,15 +270,17 @@ class WorkerPass:
             completes (its owner forgets it there, so that a next pass of
             the context may begin as soon as anyone sees this one done).
         pass_id: the distributed pass this is a part of (its owner's key).
+        me: this worker's id and name, for the reports of what it awaits.
     """
 
     def __init__(self, ctx: DistAutogradContext, roots: list[torch.Tensor] | None,
                  retain_graph: bool, propagate: Propagate,
                  failure: Callable[[BaseException], Any],
                  on_end: Callable[[WorkerPass], None] | None = None,
-                 pass_id: Any = None) -> None:
+                 pass_id: Any = None, me: tuple[int, str] = (-1, "")) -> None:
         self._ctx = ctx
         self.pass_id = pass_id
+        self._me = me
         self._on_end = on_end
         # With roots, the thread that called backward owns the pass and runs
         # every entry (serve()), as torch's local engine runs a graph task's
@@ -315,6 +336,17 @@ class WorkerPass:
         # end: here, the pass's); _defer is one object, the parts' sink.
         self._deferred: list[Callable[[], None]] = []
         self._defer = self._deferred.append
+        # Termination detection (the module's docstring): the future that
+        # answers the message engaging this part (a part without roots),
+        # messages on their way to a part from their engaging check, the
+        # latest report of each worker below, and how many this one made.
+        self._engager: _Future | None = None
+        self._arriving = 0
+        self._reports: dict[int, tuple[int, str, tuple[str, ...]]] = {}
+        self._reported = 0
+        #: Worker ids the caller found waiting for ever (their parts are
+        #: to be ended when the pass fails so).
+        self.stuck_workers: list[int] = []
 
     def expects(self, key: int) -> bool:
         """Whether entry ``key`` (a send id, or :data:`ROOTS`) is part of this
@@ -323,6 +355,23 @@ class WorkerPass:
             return key in self._left
 
     # ------------------------------------------------------------- the parts
+
+    def deliver(self, key: int, grads: Sequence[torch.Tensor | None]) -> _Future | None:
+        """A peer's message with the gradients of entry ``key``: run it (as
+        :meth:`run`).  Returns the future answering the message where it
+        engages this part (a part without roots, disengaged: it answers at
+        the part's end, or with a :class:`Waits` report when the part is
+        left waiting), else None: answer it now."""
+        engaging: _Future | None = None
+        with self._lock:
+            if self._owner is None:
+                if self._phase is Phase.RUNNING and self._engager is None:
+                    engaging = self._engager = _Future()
+                # Until the entry is taken, the part is not idle: a check
+                # meanwhile must not answer the engaging message.
+                self._arriving += 1
+        self.run(key, grads)
+        return engaging
 
     def run(self, key: int, grads: Sequence[torch.Tensor | None]) -> None:
         """Run entry ``key`` with the gradients of its outputs (None: none
@@ -359,16 +408,23 @@ class WorkerPass:
         started = False
         try:
             with self._lock:
-                if self._phase is not Phase.RUNNING:
-                    return  # stopped by a failure: a late part is dropped
-                if key not in self._left or key in self._running:
-                    raise DistAutogradError(
-                        f"send {key} of autograd context {self._ctx.id} is not awaited by the "
-                        "backward pass running on this worker: it was made after the pass "
-                        "began, or its gradients came twice")
-                self._running.add(key)
-                started = True
-                later = [self._entries[k] for k in self._left if k != key]
+                if self._owner is None and self._arriving:
+                    self._arriving -= 1
+                # Taken in the same step as the arrival ends: the part is
+                # never seen idle between the two.
+                dropped = self._phase is not Phase.RUNNING
+                if not dropped:
+                    if key not in self._left or key in self._running:
+                        raise DistAutogradError(
+                            f"send {key} of autograd context {self._ctx.id} is not awaited by "
+                            "the backward pass running on this worker: it was made after the "
+                            "pass began, or its gradients came twice")
+                    self._running.add(key)
+                    started = True
+                    later = [self._entries[k] for k in self._left if k != key]
+            if dropped:  # stopped by a failure: a late part is dropped
+                self._check()  # (its end may have waited for this arrival)
+                return
             if self._refused is not None:
                 raise self._refused
             entry = self._entries[key]
@@ -480,14 +536,36 @@ class WorkerPass:
 
     def _answered(self, fut: _Future) -> None:
         exc = _torch_futures.failure(fut)
-        # The call itself failed, or it answered (None, or the Failure).
+        # The call itself failed, or it answered (None, what waits below,
+        # or the Failure).
         result = self._failure_of(exc) if exc is not None else fut.value()
         with self._lock:
             self._calls -= 1
+            if isinstance(result, Waits):
+                self._merge(result.reports)
+                result = None
         if result is not None:
             self._stop(result)
         else:
             self._check()
+
+    def _merge(self, reports: dict[int, tuple[int, str, tuple[str, ...]]]) -> None:
+        """Keep each worker's latest report (under the lock)."""
+        for worker, report in reports.items():
+            mine = self._reports.get(worker)
+            if mine is None or mine[0] < report[0]:
+                self._reports[worker] = report
+
+    def _report(self, awaited: Sequence[int]) -> Waits | None:
+        """What this part answers its engaging message with (under the
+        lock): its own report awaiting ``awaited`` (where it ever reported
+        or awaits something) and the latest of those below; None where
+        nobody reported anything."""
+        if awaited or self._reported:
+            self._reported += 1
+            self._reports[self._me[0]] = (self._reported, self._me[1],
+                                          tuple(self._describe(awaited)))
+        return Waits(dict(self._reports)) if self._reports else None
 
     # ------------------------------------------------------------- the end
 
@@ -504,21 +582,43 @@ class WorkerPass:
 
     def _check(self) -> None:
         """End the pass if nothing of it is left to wait for, or if what it
-        waits for can never come."""
-        stuck: list[int] = []
+        waits for can never come; a part without roots left waiting answers
+        its engaging message with what waits (the module's docstring)."""
+        stuck: dict[int, tuple[str, tuple[str, ...]]] = {}
+        answer: tuple[_Future, Waits | None] | None = None
         with self._lock:
-            if self._calls or self._running:
+            if self._calls or self._running or self._arriving:
                 return
+            waiting = {w: (name, sends) for w, (_, name, sends) in self._reports.items()
+                       if sends and w != self._me[0]}
             if self._phase is Phase.STOPPING:
                 failure = self._failure
-            elif self._phase is Phase.RUNNING and not self._left:
-                self._phase = Phase.COMMITTING
-                failure = None
-            elif (self._phase is Phase.RUNNING and self._owner is not None
-                  and not self._queue and not self._serving and ROOTS not in self._left):
-                stuck = sorted(self._left)
+            elif self._owner is None:
+                if self._phase is not Phase.RUNNING:
+                    return
+                if self._left:  # idle, waiting: disengage
+                    if self._engager is None:
+                        return
+                    answer = (self._engager, self._report(sorted(self._left)))
+                    self._engager = None
+                else:
+                    self._phase = Phase.COMMITTING
+                    failure = None
+            elif (self._phase is Phase.RUNNING and not self._queue and not self._serving
+                  and ROOTS not in self._left):
+                if not self._left and not waiting:
+                    self._phase = Phase.COMMITTING
+                    failure = None
+                else:
+                    stuck = waiting
+                    if self._left:
+                        stuck[self._me[0]] = (self._me[1], tuple(self._describe(sorted(self._left))))
+                    self.stuck_workers = sorted(w for w in stuck if w != self._me[0])
             else:
                 return
+        if answer is not None:
+            answer[0].set_result(answer[1])
+            return
         if stuck:
             self._stop(self._failure_of(self._stuck(stuck)))  # ends it: nothing in flight
             return
@@ -530,18 +630,29 @@ class WorkerPass:
                 failure = self._failure_of(exc)
         self._end(failure)
 
-    def _stuck(self, keys: list[int]) -> DistAutogradError:
-        """The error of a pass waiting for sends ``keys`` that no part of it
-        reaches (see the module's docstring)."""
-        sends = "; ".join(
-            f"send {k} to worker id {self._ctx.sends[k].dest} (tensors of shapes "
-            f"{', '.join(str(list(t.shape)) for t in self._ctx.sends[k].capture.tensors)})"
-            for k in keys)
+    def _describe(self, keys: Sequence[int]) -> list[str]:
+        return [f"send {k} to worker id {self._ctx.sends[k].dest} (tensors of shapes "
+                f"{', '.join(str(list(t.shape)) for t in self._ctx.sends[k].capture.tensors)})"
+                for k in keys]
+
+    def _stuck(self, stuck: dict[int, tuple[str, tuple[str, ...]]]) -> DistAutogradError:
+        """The error of a pass whose workers (this one's id included where
+        it waits itself) wait for sends that no part of it reaches (see the
+        module's docstring)."""
+        waits = "; ".join(
+            f"{'it' if w == self._me[0] else f'{name} (worker id {w})'} waits for the "
+            f"gradients of {'; '.join(sends)}"
+            for w, (name, sends) in sorted(stuck.items(), key=lambda kv: kv[0] != self._me[0]))
         return DistAutogradError(
-            f"the backward pass of autograd context {self._ctx.id} cannot finish: it waits "
-            f"for the gradients of {sends}, which no part of the pass reaches (a result "
-            "the loss does not use?). Every send of a context carrying tensors that "
-            "require grad must lead to the loss (torch's agent waits for ever here)")
+            f"the backward pass of autograd context {self._ctx.id} cannot finish: {waits}, "
+            "which no part of the pass reaches (a result the loss does not use?). Every "
+            "send of a context carrying tensors that require grad must lead to the loss "
+            "(torch's agent waits for ever here)")
+
+    def abandon(self, failure: Any) -> None:
+        """The caller found this part waiting for ever: end it with
+        ``failure`` (nothing of it is in flight)."""
+        self._stop(failure)
 
     def _commit(self) -> None:
         """The pass's gradients into the context, as torch's engine
@@ -566,8 +677,12 @@ class WorkerPass:
             self._failure = result
             self._grads.clear()
             self._queue.clear()
+            engager, self._engager = self._engager, None
+            answer = result if result is not None else self._report(())
         if self._on_end is not None:
             self._on_end(self)
+        if engager is not None:
+            engager.set_result(answer)
         self.done.set_result(result)
         with self._lock:
             self._phase = Phase.FINISHED
