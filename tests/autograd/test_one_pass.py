@@ -287,6 +287,18 @@ def calls_back(x):
     return y * 3.0
 
 
+_OWN = torch.ones(3, requires_grad=True)
+
+
+def sends_its_own(x):
+    """worker1: sends 2 * a parameter of its own to worker0, dropping what
+    comes back; returns 3x (so x's gradients go back as ever)."""
+    import ucxrpc as rpc
+
+    rpc.rpc_sync("worker0", ignore, (_OWN * 2.0,))
+    return x * 3.0
+
+
 def _unused_send_on_a_callee():
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
@@ -301,11 +313,19 @@ def _unused_send_on_a_callee():
         except DistAutogradError as e:
             error = str(e)
         running = rpc.rpc_sync("worker1", passes_running)  # its part was ended
+    with dist_autograd.context() as ctx:  # only worker1 waits
+        y = rpc.rpc_sync("worker1", sends_its_own, (x,))
+        try:
+            dist_autograd.backward(ctx, [y.sum()])
+            alone = None
+        except DistAutogradError as e:
+            alone = str(e)
+        running += rpc.rpc_sync("worker1", passes_running)
     with dist_autograd.context() as ctx:  # every send used: the pass ends
         y = rpc.rpc_sync("worker1", torch.mul, (x, 2.0))
         dist_autograd.backward(ctx, [y.sum()])
         grad = dist_autograd.get_gradients(ctx)[x].tolist()
-    return error, running, grad
+    return error, alone, running, grad
 
 
 def test_a_send_no_part_reaches_on_another_worker_fails_the_backward_naming_it(pair):
@@ -315,12 +335,18 @@ def test_a_send_no_part_reaches_on_another_worker_fails_the_backward_naming_it(p
     # with every propagation answered was found waiting so: here worker0's
     # propagation to worker1 is never answered, and the pass ended by the
     # RPC timeout (60 s).
-    error, running, grad = pair.run(_unused_send_on_a_callee)
+    error, alone, running, grad = pair.run(_unused_send_on_a_callee)
     assert error is not None and error.startswith("Error on Node 0: the backward pass of "
                                                   "autograd context"), error
     assert "cannot finish: it waits for the gradients of send" in error
     assert "to worker id 1 (tensors of shapes [3]); worker1 (worker id 1) waits for" in error
     assert "to worker id 0 (tensors of shapes [3]), which no part" in error
+    # Where worker1 alone waits (its own parameter's send), the caller's
+    # part ran everything, and learns it from worker1's answer.
+    assert alone is not None and ("cannot finish: worker1 (worker id 1) waits for the "
+                                  "gradients of send" in alone), alone
+    assert "to worker id 0 (tensors of shapes [3]), which no part" in alone
+    assert "it waits" not in alone
     assert running == 0
     assert grad == [2.0] * 3
 
