@@ -34,6 +34,10 @@
 #             (benchmarks/floor.py), and the host no-op of ucxrpc, raw ucxx
 #             and torch with UCX's CUDA transports loaded and without
 #             (--transports 'sm,tcp;all'), then on CUDA workers polling
+#   reserved  memory_allocated / memory_reserved after 1,000 16 MiB device
+#             receives, ucxrpc (receives allocated on a stream of its own)
+#             against torch's agent (benchmarks/gpu_reserved.py; the review's
+#             finding 6)
 #   expandable    bench_cuda at 64 MiB and 1 GiB under
 #             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (memory CUDA
 #             IPC cannot share: it must go through bounce buffers, bounced_bytes
@@ -72,7 +76,7 @@ REPORT=${1:-${OUT:-$REPO/gpu-check-$(date +%Y%m%d-%H%M%S)}}
 shift $(( $# > 0 ? 1 : 0 ))
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(facts info pytest proto percall floor perftest bench bench-ucxrpc
-                                  expandable)
+                                  reserved expandable)
 DRY=${GPU_CHECK_DRY_RUN:-0}
 mkdir -p "$REPORT"
 : >"$REPORT/summary.txt"
@@ -289,6 +293,7 @@ for step in "${STEPS[@]}"; do
         bench-ucxrpc) run_step bench-ucxrpc 1800 "$PY" -m ucxrpc.bench --device cuda \
             --compare torch --compare ucxx --sizes 1M..1G --no-progress --local \
             --json "$REPORT/bench-ucxrpc-cuda.json" --plot "$REPORT/bench-ucxrpc-cuda.png" ;;
+        reserved) run_step reserved 300 "$PY" benchmarks/gpu_reserved.py ;;
         expandable) run_step expandable 900 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
             "$PY" benchmarks/bench_cuda.py --sizes 64M,1G --repeat 3 --timeout 300 ;;
         *) say "unknown step: $step"; FAILED=$((FAILED + 1)) ;;

@@ -304,70 +304,91 @@ def test_a_thread_with_host_arguments_gets_a_cuda_reply_and_is_left_as_found():
     assert seen["ok"] and seen["device"] == 0, seen
 
 
-def _freed_with_work_pending(rank, world_size, init_method):
-    import ucxrpc as rpc
-
-    _init(rank, world_size, init_method, BOTH)
-    out = None
-    if rank == 0:
-        n = 1 << 22
-        fives(n)  # warm: the callee's kernels and this process's allocator
-        results = []
-        for _ in range(3):
-            x = torch.full((n,), 3.0, device="cuda")
-            torch.cuda.synchronize()
-            torch.cuda._sleep(SPIN)
-            y = x * 2           # queued behind the spin: it still reads x
-            del x               # x's block goes back to this stream's pool at once
-            got = rpc.rpc_sync("worker1", fives, (n,))  # a reply of n floats lands here
-            results.append((y.min().item(), y.max().item(), got.min().item()))
-        out = results
-    rpc.shutdown()
-    return out
+#: The ways a device tensor arrives (receive.py, cuda/staging.py): the UCX
+#: options that make each, and the reply's shape (one tensor, or twelve of
+#: 64 KiB, which travel as one pack: staging.PACK_MIN_COUNT).
+FREED_WAYS = {
+    "one buffer": ({}, None),
+    "staged": (STAGED, None),
+    "packed": ({}, 12),
+    "packed, staged": (STAGED, 12),
+}
 
 
 def small_fives(count, n):
     return [torch.full((n,), 5.0, device="cuda") for _ in range(count)]
 
 
-def _packed_freed_with_work_pending(rank, world_size, init_method):
+def _on_the_current_stream(nbytes, device):
+    """The rule broken: a receive allocated on the thread's current stream,
+    where a block the user just freed with work pending is handed out."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))
+
+
+def _freed_rounds(count, rounds=3):
+    """Free x (or xs) while ``x * 2`` is still queued behind a spin, then call
+    for a reply of fives of the same size: (min and max of x * 2, min of
+    the reply) per round; (6, 6, 5) unless the reply landed in x."""
     import ucxrpc as rpc
 
-    _init(rank, world_size, init_method, BOTH)
+    n = 1 << 22 if count is None else 1 << 14
+    results = []
+    for _ in range(rounds):
+        xs = [torch.full((n,), 3.0, device="cuda") for _ in range(count or 1)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN)
+        ys = [x * 2 for x in xs]  # queued behind the spin: they still read xs
+        del xs                    # their blocks go back to this stream's pool at once
+        got = (rpc.rpc_sync("worker1", fives, (n,)) if count is None
+               else rpc.rpc_sync("worker1", small_fives, (count, n)))
+        got = [got] if count is None else got
+        torch.cuda.synchronize()
+        results.append((min(y.min().item() for y in ys), max(y.max().item() for y in ys),
+                        min(g.min().item() for g in got)))
+    return results
+
+
+def _freed_with_work_pending(rank, world_size, init_method, way):
+    import ucxrpc as rpc
+    from ucxrpc.transport import engine
+
+    extra, count = FREED_WAYS[way]
+    _init(rank, world_size, init_method, BOTH, **extra)
     out = None
     if rank == 0:
-        count, n = 12, 1 << 14  # 12 tensors of 64 KiB: one pack (staging.PACK_MIN_COUNT)
-        small_fives(count, n)  # warm
-        results = []
-        for _ in range(3):
-            xs = [torch.full((n,), 3.0, device="cuda") for _ in range(count)]
-            torch.cuda.synchronize()
-            torch.cuda._sleep(SPIN)
-            ys = [x * 2 for x in xs]  # queued behind the spin: they still read xs
-            del xs                    # their blocks go back to this stream's pool at once
-            got = rpc.rpc_sync("worker1", small_fives, (count, n))  # cut out of the pack here
-            results.append((min(y.min().item() for y in ys), max(y.max().item() for y in ys),
-                            min(g.min().item() for g in got)))
-        out = results
+        _freed_rounds(count, rounds=1)  # warm: the callee's kernels, both allocators
+        # The control first, so that no block freed in the checked rounds is
+        # left for it: receives allocated as the rule forbids.  If the reply
+        # never lands in x here, the checked rounds could not fail either.
+        kept = engine.cuda_alloc
+        engine.cuda_alloc = _on_the_current_stream
+        try:
+            control = _freed_rounds(count)
+        finally:
+            engine.cuda_alloc = kept
+        out = {"control": control, "checked": _freed_rounds(count),
+               "paths": rpc.rpc_sync("worker1", path_stats)}  # the replies' sender
     rpc.shutdown()
     return out
 
 
-def test_a_packed_reply_never_lands_in_memory_freed_with_work_pending():
-    # The same race for tensors cut out of a pack on arrival (staging.finish):
-    # they are allocated by the transport's allocator, on its receive stream.
-    results = run_workers(_packed_freed_with_work_pending, 2, timeout=150)[0]
-    assert results == [(6.0, 6.0, 5.0)] * 3, results
-
-
-def test_a_receive_never_lands_in_memory_freed_with_work_pending():
+@pytest.mark.parametrize("way", list(FREED_WAYS))
+def test_a_receive_never_lands_in_memory_freed_with_work_pending(way):
     # torch's allocator gives a block freed on a stream to the next
     # allocation on that stream at once: the work queued on the stream is
-    # ordered before whatever comes next on it.  UCX writes on streams of its
-    # own, so a reply allocated on the caller's stream could land in x while
-    # `x * 2` still reads it; receives are allocated on a stream of the
-    # transport's own (transport/cuda/side.py, _RECEIVE_ALLOCS).
-    assert run_workers(_freed_with_work_pending, 2, timeout=150)[0] == [(6.0, 6.0, 5.0)] * 3
+    # ordered before whatever comes next on it.  UCX, and the staged and
+    # packed copies, write on streams of their own, so a reply allocated on
+    # the caller's stream could land in x while `x * 2` still reads it;
+    # receives are allocated on a stream of the transport's own
+    # (transport/cuda/side.py, _RECEIVE_ALLOCS), for every way a device
+    # tensor arrives.
+    res = run_workers(_freed_with_work_pending, 2, args=(way,), timeout=150)[0]
+    staged, packed = FREED_WAYS[way][0] is STAGED, FREED_WAYS[way][1] is not None
+    assert (res["paths"]["staged_bytes"] > 0) == staged, res  # the way it meant to test
+    assert (res["paths"]["packed_buffers"] > 0) == packed, res
+    assert res["control"] != [(6.0, 6.0, 5.0)] * 3, (
+        "the control did not race: this check cannot fail here", res)
+    assert res["checked"] == [(6.0, 6.0, 5.0)] * 3, res
 
 
 # -- a peer killed in the middle of a device transfer -----------------------------

@@ -812,3 +812,45 @@ def test_a_malformed_sparse_tensor_is_refused_by_name():
     pickled = s.dumps(bad)
     with pytest.raises(SerializationError, match="sparse tensor of size"):
         s.loads(pickled.payload, pickled.buffers)
+
+
+# --------------------------------------------------------------------------
+# A misaligned CUDA buffer's copy is done before anyone reads it (the CUDA
+# path review of 2026-11-29, finding 11): the copy is queued on the loading
+# thread's current stream, and the message's reader runs on streams that
+# wait only for what the transport settled.
+
+
+def _read_on_a_side_stream(got: torch.Tensor) -> float:
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        total = got.double().sum()
+    side.synchronize()
+    return total.item()
+
+
+@pytest.mark.gpu
+def test_a_misaligned_cuda_buffer_is_copied_before_it_is_read(monkeypatch):
+    from ucxrpc.serialization import tensors
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False")
+    t = torch.arange(1 << 22, dtype=torch.float32, device="cuda")  # 16 MiB
+    want = float(t.double().sum().item())
+    pickled = dumps(t)
+
+    def loaded_behind_a_spin() -> float:
+        wire = _wire(pickled, offset=1)  # misaligned: loads copies it
+        torch.cuda.synchronize()         # the buffers as the transport hands them up
+        torch.cuda._sleep(200_000_000)   # the current stream busy for ~100 ms
+        got = loads(pickled.payload, wire)
+        return _read_on_a_side_stream(got)
+
+    assert loaded_behind_a_spin() == want  # also launches every kernel once
+    # The control: the copy without its wait races the side stream's read.
+    monkeypatch.setattr(tensors, "_settle_copy", lambda copy: None)
+    raced = loaded_behind_a_spin()
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    assert raced != want, "the control did not race: this check cannot fail here"
+    assert loaded_behind_a_spin() == want

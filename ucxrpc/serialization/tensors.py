@@ -98,6 +98,15 @@ _COMPLEX_CODES = frozenset(code for dt, (code, _) in _DTYPE_CODES.items() if dt.
 # Receiving side.
 
 
+
+def _settle_copy(copy: torch.Tensor) -> None:
+    """Wait for a realigned CUDA buffer's copy.  It was queued on this
+    thread's current stream, while the message's reader (a served call on
+    its pool streams, a future's waiter) waits only for the streams the
+    transport settled.  Rare (a buffer at an odd offset), so a wait is
+    cheap where it happens."""
+    torch.cuda.current_stream(copy.device).synchronize()
+
 class _LoadState(threading.local):
     loader: _Loader | None = None  # the _Loader of the loads running here
 
@@ -446,6 +455,8 @@ class _Loader:
         logger.debug("buffer %d is misaligned for %d-byte elements; copying %d bytes",
                      index, itemsize, buf.numel())
         copy = torch.empty_like(buf).copy_(buf)
+        if copy.is_cuda:
+            _settle_copy(copy)
         self.entries[index] = (copy, copy.data_ptr(), copy.numel())
         return copy
 
