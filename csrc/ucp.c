@@ -355,6 +355,98 @@ static PyObject *py_receive(PyObject *self, PyObject *const *args, Py_ssize_t na
     return outcome(p, args[1]);
 }
 
+/* ucp_take(worker, tag, mask, small, alloc) -> list or None: every message
+ * matching tag/mask taken off the unexpected queue, in the order UCX gives
+ * them, as (sender tag, length, request, buffer).  One of at most `small`
+ * bytes is received at once into `alloc(length)` (a writable host buffer;
+ * the request holds it): it is already in UCX's memory, so receiving it
+ * costs no more than leaving it there.  A larger one comes as (sender tag,
+ * length, None, message handle), for the caller to judge before a byte of
+ * it is read (ucp_receive).  None where nothing matched.  One call for a
+ * turn's frames: probing and receiving each in Python cost ~6 calls a
+ * frame (Run AN). */
+/* A message taken off the queue that cannot be received as meant (an
+ * error on the way): received into one byte, truncated, so that UCX lets
+ * go of it; a request still in flight then is UCX's, never freed (a leak
+ * on an error path, not a write into freed memory). */
+static void drop_taken(void *worker, abi_ucp_tag_message_h msg) {
+    static char sink;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    Py_BEGIN_ALLOW_THREADS
+    ucp.msg_recv(worker, &sink, 1, msg, &host_param);
+    Py_END_ALLOW_THREADS
+    PyErr_Restore(type, value, tb);
+}
+
+static PyObject *py_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_take", 5);
+    void *worker;
+    uint64_t tag, mask;
+    if (!ready() || as_ptr(args[0], &worker) < 0 || as_u64(args[1], &tag) < 0 ||
+        as_u64(args[2], &mask) < 0)
+        return NULL;
+    Py_ssize_t small = PyLong_AsSsize_t(args[3]);
+    if (small == -1 && PyErr_Occurred()) return NULL;
+    PyObject *alloc = args[4], *out = NULL;
+    for (;;) {
+        abi_tag_recv_info_t info;
+        abi_ucp_tag_message_h msg;
+        Py_BEGIN_ALLOW_THREADS
+        msg = ucp.probe(worker, tag, mask, 1, &info);
+        Py_END_ALLOW_THREADS
+        if (!msg) break;
+        PyObject *item = NULL;
+        Py_ssize_t length = (Py_ssize_t)info.length;
+        if (!out && !(out = PyList_New(0))) {
+            drop_taken(worker, msg);
+            return NULL;
+        }
+        if (length <= small) {
+            PyObject *n = PyLong_FromSsize_t(length);
+            PyObject *buf = n ? PyObject_CallOneArg(alloc, n) : NULL;
+            Py_XDECREF(n);
+            void *addr = NULL;
+            size_t len = 0;
+            if (buf && (host_span(buf, 1, &addr, &len) < 0 || len < (size_t)length)) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "ucp_take: alloc gave a short buffer");
+                Py_CLEAR(buf);
+            }
+            if (!buf) {
+                drop_taken(worker, msg);
+                Py_DECREF(out);
+                return NULL;
+            }
+            abi_ucs_status_ptr_t p;
+            Py_BEGIN_ALLOW_THREADS
+            p = ucp.msg_recv(worker, addr, (size_t)length, msg, &host_param);
+            Py_END_ALLOW_THREADS
+            PyObject *req = outcome(p, buf); /* from here the request holds buf */
+            if (req) item = Py_BuildValue("(KnNN)", (unsigned long long)info.sender_tag, length,
+                                          req, buf);
+            else Py_DECREF(buf);
+        } else {
+            PyObject *handle = PyLong_FromVoidPtr(msg);
+            if (!handle) {
+                drop_taken(worker, msg);
+                Py_DECREF(out);
+                return NULL;
+            }
+            item = Py_BuildValue("(KnON)", (unsigned long long)info.sender_tag, length, Py_None,
+                                 handle);
+        }
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    if (!out) Py_RETURN_NONE;
+    return out;
+}
+
 /* ucp_cancel(worker, req): cancel a receive still in flight, by its owner;
  * UCX completes it with UCS_ERR_CANCELED, and the owner frees it when it
  * sees that.  Returns 1 if it was in flight, else 0. */
@@ -549,6 +641,9 @@ PyMethodDef core_ucp_methods[] = {
      "ucp_probe(worker, tag, mask) -> (sender_tag, length, message) or None."},
     {"ucp_receive", (PyCFunction)(void (*)(void))py_receive, METH_FASTCALL,
      "ucp_receive(worker, buf, message) -> request: receive a probed message."},
+    {"ucp_take", (PyCFunction)(void (*)(void))py_take, METH_FASTCALL,
+     "ucp_take(worker, tag, mask, small, alloc) -> [(sender_tag, length, request or None, "
+     "buffer or message)] or None: a turn's messages, the small ones received."},
     {"ucp_cancel", (PyCFunction)(void (*)(void))py_cancel, METH_FASTCALL,
      "ucp_cancel(worker, request) -> 1 if it was in flight, else 0."},
     {"ucp_spin", (PyCFunction)(void (*)(void))py_spin, METH_FASTCALL,

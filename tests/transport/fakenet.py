@@ -92,6 +92,20 @@ class FakeWorker:
                 return self.probes.pop(i)
         return None
 
+    def take(self, tag: int, mask: int, small: int) -> list[tuple[int, int, Any, Any]] | None:
+        out: list[tuple[int, int, Any, Any]] = []
+        while (found := self.probe(tag, mask)) is not None:
+            if found.length <= small:
+                buf = np.empty(found.length, dtype=np.uint8)
+                self.received.append(buf.nbytes)
+                out.append((found.sender_tag, found.length, Request(), buf))
+            else:
+                out.append((found.sender_tag, found.length, None, found))
+        return out or None
+
+    def recv_taken(self, buf: np.ndarray, handle: Any) -> Request:
+        return self.recv_probed(buf, handle)
+
     def cancel(self, req: Request) -> int:
         if req.done:
             return 0

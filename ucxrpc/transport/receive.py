@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 FRAMES = (0, 1 << 63)
 
 MAX_HANDSHAKE_FRAME = 1024  # real ones are under 200 bytes
+#: Frames up to this size (and max_frame_bytes) are received as they are
+#: found, before they are judged (:meth:`Receiver.poll`): far under UCX's
+#: rendezvous thresholds, so UCX holds all of one already.
+SMALL_FRAME = 64 << 10
 #: Why a frame being received is dropped: its pipe ended (not counted: it
 #: was nobody's fault).
 ENDED = "its pipe ended"
@@ -106,6 +110,7 @@ class Receiver:
         self._worker = worker
         self._bounce = bounce
         self.limits = limits
+        self._small = min(SMALL_FRAME, limits.max_frame_bytes)
         self._pipes = shared.pipes
         self._watch = shared.watch
         self._alloc = alloc
@@ -131,15 +136,21 @@ class Receiver:
         """Receive what arrived and hand on the frames that completed, in
         each sender's order: whether anything happened."""
         busy = False
-        while (probe := self._worker.probe(*FRAMES)) is not None:
+        # A small frame is received at once (it is in UCX's memory already);
+        # a larger one is judged first and, where it is not wanted, goes into
+        # one byte: UCX truncates and drops it, so it costs no memory here.
+        taken = self._worker.take(FRAMES[0], FRAMES[1], self._small)
+        if taken is not None:
             busy = True
-            # A frame we will not read goes into one byte: UCX truncates and
-            # drops it, so it costs no memory here.
-            drop = self.unwanted(probe.sender_tag, probe.length)
-            buf = np.empty(1 if drop else probe.length, dtype=np.uint8)
-            req = self._worker.recv_probed(buf, probe)
-            self.frames.append((req, buf, probe.sender_tag, probe.length, drop,
-                                self._pipes.get(sender_of(probe.sender_tag))))
+            for tag, length, req, got in taken:
+                drop = self.unwanted(tag, length)
+                if req is None:
+                    buf = np.empty(1 if drop else length, dtype=np.uint8)
+                    req = self._worker.recv_taken(buf, got)
+                else:
+                    buf = got
+                self.frames.append((req, buf, tag, length, drop,
+                                    self._pipes.get(sender_of(tag))))
         if self.frames:
             # A large frame (rendezvous) completes after a small one sent
             # behind it; frames are delivered in the order each sender sent

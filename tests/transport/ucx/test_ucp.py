@@ -18,6 +18,10 @@ worker in a child process, through an endpoint to itself.
 * The native spin (the progress loop's idle turns) returns on a frame it
   looks for (leaving it to be taken), on a wake-up, on a late yield or
   when its budget is spent, and not on a message of another tag.
+* ``take`` takes every frame of a turn in one call, in order: the small
+  ones received at once into byte arrays of their own, a larger one left
+  for the caller to judge and receive; an allocator that fails raises and
+  leaves nothing behind in UCX.
 * The installed UCX gives the worker the multi-threaded mode ucxrpc needs
   (``ucp_worker_query``; the Worker refuses to start otherwise).
 """
@@ -155,6 +159,52 @@ def _scenario(rank, world_size, init_method, name):
         take((0x6 << 60) | 1)
         out["other_sent"] = other.error() is None
         os.close(wake)
+    elif name == "take":
+        kinds = (1 << 64) - (1 << 60)  # kind 5, any low bits
+        out["none"] = worker.take(TAG, kinds, 1000)
+        small = np.arange(200, dtype=np.uint8)
+        big = np.random.default_rng(2).integers(0, 255, 5000, dtype=np.uint8)
+        for i, arr in enumerate((small, big, small[:10])):
+            sent = ep.tag_send(arr, TAG | (50 + i))
+            until(lambda: sent.done)
+        taken = []
+        until(lambda: taken.extend(worker.take(TAG, kinds, 1000) or ()) or len(taken) >= 3)
+        (t1, n1, r1, b1), (t2, n2, r2, h2), (t3, n3, r3, b3) = taken
+        until(lambda: r1.done and r3.done)
+        # In the order sent; the small ones received into byte arrays of
+        # their own, the large one left to the caller to receive.
+        out["order"] = [t1 - TAG, t2 - TAG, t3 - TAG]
+        out["small"] = (n1, r1.error(), bool((b1 == small).all()), b1.dtype.name, n3,
+                        bool((b3 == small[:10]).all()))
+        buf = np.zeros(n2, dtype=np.uint8)
+        r2b = worker.recv_taken(buf, h2)
+        until(lambda: r2b.done)
+        out["large"] = (r2, n2, r2b.error(), bool((buf == big).all()))
+        out["after"] = worker.take(TAG, kinds, 1000)
+
+        # An allocator that fails: the error comes out, and the message is
+        # not left behind in UCX (received into nothing).
+        def broken(n):
+            raise MemoryError(f"no {n} bytes")
+
+        sent = ep.tag_send(small, TAG | 60)
+        until(lambda: sent.done)
+        found = []
+
+        def fails():
+            try:
+                found.append(worker.take(TAG, kinds, 1000))
+            except MemoryError as exc:
+                found.append(str(exc))
+            return found[-1] is not None
+
+        worker._ucp.take, real = (lambda h, t, m, s, a: real(h, t, m, s, broken)), worker._ucp.take
+        until(fails)
+        worker._ucp.take = real
+        out["broken"] = found[-1]
+        for _ in range(100):
+            worker.progress()
+        out["left_behind"] = worker.take(TAG, kinds, 1000)
     else:  # "closed"
         ep.close()
         try:
@@ -168,6 +218,15 @@ def _scenario(rank, world_size, init_method, name):
 
 def _run(name):
     return run_workers(_scenario, 1, args=(name,), timeout=45)[0]
+
+
+def test_take_receives_small_frames_at_once_and_leaves_large_ones_to_the_caller():
+    res = _run("take")
+    assert res["none"] is None and res["after"] is None, res
+    assert res["order"] == [50, 51, 52], res
+    assert res["small"] == (200, None, True, "uint8", 10, True), res
+    assert res["large"] == (None, 5000, None, True), res
+    assert res["broken"] == "no 200 bytes" and res["left_behind"] is None, res
 
 
 def test_a_small_frame_arrives_intact_with_its_tag():

@@ -194,6 +194,14 @@ class Probe:
     raw: Any  # the UCP message handle, for :meth:`Worker.recv_probed`
 
 
+#: What :meth:`Worker.take` gives per message: (sender tag, length, the
+#: request and buffer it was received into, or None and its handle).
+Taken = tuple[int, int, Any, Any]
+
+#: A frame's memory, as :meth:`Worker.take` makes it: a byte array.
+_frame_buffer = functools.partial(np.empty, dtype=np.uint8)
+
+
 class Worker:
     """One UCX context and worker for the process, in blocking-progress mode.
 
@@ -262,6 +270,19 @@ class Worker:
     def recv_probed(self, buf: np.ndarray, probe: Probe) -> Request:
         """Receive a probed message into host array ``buf``."""
         return self._ucp.receive(self._handle, buf, probe.raw)
+
+    def take(self, tag: int, mask: int, small: int) -> list[Taken] | None:
+        """Every message matching ``tag``/``mask`` off the unexpected queue,
+        in one call: ``(sender tag, length, request, buffer)``, the ones of
+        at most ``small`` bytes received into a byte array of their own (they
+        are in UCX's memory already), the larger ones ``(sender tag, length,
+        None, handle)``, to be received with :meth:`recv_taken`.  None where
+        none matched."""
+        return self._ucp.take(self._handle, tag, mask, small, _frame_buffer)
+
+    def recv_taken(self, buf: np.ndarray, handle: Any) -> Request:
+        """Receive a message :meth:`take` left to the caller into ``buf``."""
+        return self._ucp.receive(self._handle, buf, handle)
 
     def cancel(self, req: Request) -> int:
         """Cancel a receive still in flight (it then completes, failed, at a

@@ -39,7 +39,7 @@ from ..._core import UCP_DONE
 from ..._core import UcpRequest as _Request
 from ..._core import (ucp_bind, ucp_cancel, ucp_probe, ucp_receive, ucp_send, ucp_send_device,
                       ucp_send_iov, ucp_spin, ucp_tag_recv,
-                      ucp_tag_recv_device)
+                      ucp_tag_recv_device, ucp_take)
 from .failures import request_failed
 
 __all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "THREAD_MODES", "THREAD_MODE_MULTI",
@@ -150,6 +150,11 @@ class Ucp:
       memory;
     * ``probe(worker, tag, mask)``: (sender tag, length, message handle) of
       a message taken off the worker's unexpected queue, or None;
+    * ``take(worker, tag, mask, small, alloc)``: every message matching
+      ``tag``/``mask`` taken off the unexpected queue, as (sender tag,
+      length, request, buffer): one of at most ``small`` bytes received
+      into ``alloc(length)``, a larger one as (sender tag, length, None,
+      message handle) to receive with ``receive``; None where none matched;
     * ``receive(worker, buf, msg)``: probed message ``msg`` into host array
       ``buf`` (a shorter buffer truncates it: the request fails, the data is
       gone);
@@ -168,6 +173,7 @@ class Ucp:
         self.tag_recv = ucp_tag_recv
         self.tag_recv_device = ucp_tag_recv_device
         self.probe = ucp_probe
+        self.take = ucp_take
         self.receive = ucp_receive
         self.spin = ucp_spin
         # The same copies ucxx loaded, named by path, or the wheel's.
