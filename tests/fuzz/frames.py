@@ -20,14 +20,14 @@ import numpy as np
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.transport.wire import auth
 from ucxrpc.transport.wire.frame import (DESC, MAC_LEN, MIN_CHUNK_KIB, NOT_INLINE, PACK, PACKED,
-                                         PREFIX, REMOTE, STAGED, Frame, FrameKind, Limits, decode,
-                                         encode)
+                                         PREFIX, REMOTE, STAGED, WRITTEN, Frame, FrameKind, Limits,
+                                         decode, encode)
 
 #: The only exceptions bad input may raise from a decoder or a handshake check.
 CLEAR_ERRORS = (FrameError, AuthenticationError)
 
 #: Every flag combination a descriptor may carry (frame.py's docstring).
-VALID_FLAGS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE)
+VALID_FLAGS = (0, STAGED, PACK, PACK | STAGED, PACKED, REMOTE, WRITTEN)
 
 # (offset, width, signed) of each field, relative to its struct.
 PREFIX_FIELDS = {"magic": (0, 2, False), "version": (2, 1, False), "kind": (3, 1, False),
@@ -123,9 +123,9 @@ def check_frame(frame: Frame, raw: np.ndarray, limits: Limits) -> None:
         assert bool(d.flags & PACK) == (i >= first_pack), (i, d, first_pack)
         if d.flags & STAGED:
             assert d.arg >= MIN_CHUNK_KIB, (i, d)
-        if d.flags & (STAGED | PACK) or d.flags == REMOTE:
+        if d.flags & (STAGED | PACK) or d.flags in (REMOTE, WRITTEN):
             oob += d.nbytes
-        if d.flags == REMOTE:
+        if d.flags in (REMOTE, WRITTEN):  # host memory: read by address, or written into ours
             assert d.device == -1, (i, d)
         if d.flags == PACKED:
             assert first_pack <= d.arg < nbuf, (i, d)

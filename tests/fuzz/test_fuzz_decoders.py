@@ -31,8 +31,8 @@ from ucxrpc.serialization.tensors import _rebuild_tensor, _rebuild_vector
 from ucxrpc.errors import AuthenticationError, FrameError, SerializationError
 from ucxrpc.serialization.pickler import Serializer
 from ucxrpc.transport.wire import auth
-from ucxrpc.transport.wire.frame import (MAC_LEN, MAGIC, MIN_CHUNK_KIB, PREFIX, VERSION, FrameKind,
-                                         Limits, decode, encode, peek_seq)
+from ucxrpc.transport.wire.frame import (MAC_LEN, MAGIC, MIN_CHUNK_KIB, PREFIX, REMOTE, VERSION,
+                                         WRITTEN, FrameKind, Limits, decode, encode, peek_seq)
 
 
 KEY = b"k" * 32
@@ -237,6 +237,24 @@ def test_lying_sizes_sum_past_two_to_the_64():
     frame = decode_checked(raw, None, LIMITS)
     assert frame is not None and frame.total == raw.nbytes + 12 * (2**64 - 1)
     assert frame.total > LIMITS.max_message_bytes
+
+
+def test_buffers_read_by_address_or_written_into_ours_decode_checked():
+    """REMOTE and WRITTEN descriptors (host memory read by address, or
+    written by the sender into a grant of ours) are valid flags, counted in
+    the message's total; naming a device is refused.  (The checked
+    invariants once lacked WRITTEN: atheris found it, 2026-11-29.)"""
+    bufs = [(100, None, -1), (1 << 20, None, -1), (4, memoryview(b"abcd"), -1)]
+    ways = [(REMOTE, 0, 0x7F0000001000), (WRITTEN, 3, 0), (0, 0, 0)]
+    raw, separate = encode(FrameKind.MESSAGE, 1, b"p", bufs, KEY, LIMITS, ways)
+    assert separate == []  # neither is sent as a tag message of its own
+    frame = decode_checked(raw, KEY, LIMITS)
+    assert frame is not None and [d.flags for d in frame.buffers] == [REMOTE, WRITTEN, 0]
+    assert frame.total == raw.nbytes + 100 + (1 << 20)
+    for i, flags in ((0, REMOTE), (1, WRITTEN)):
+        pos, width, signed = desc_pos(i, "device")
+        bad = put_int(raw, pos, width, 0, signed)
+        assert decode_checked(bad, None, LIMITS) is None, flags
 
 
 # ---------------------------------------------------------------- handshake
