@@ -296,9 +296,11 @@ def _abandon_on(agent: RpcAgent, peer: int, context_id: int, pass_id: PassId,
                 failure: Failure) -> None:
     """End ``peer``'s part of the pass, found waiting for gradients that
     never come; not waited for (a peer gone meanwhile has no part left)."""
+    to = agent.members.workers.get(peer)
+    if to is None:  # gone from the group: no part left there
+        return
     try:
-        agent.call(agent.members.workers[peer], _abandon, (context_id, pass_id, failure), {},
-                   agent.default_timeout)
+        agent.call(to, _abandon, (context_id, pass_id, failure), {}, agent.default_timeout)
     except RpcError as exc:
         logger.debug("%s: cannot end the waiting part of context %d on %s: %s",
                      agent.info.name, context_id, agent.members.name_of(peer), exc)

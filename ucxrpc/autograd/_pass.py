@@ -612,7 +612,8 @@ class WorkerPass:
                 else:
                     stuck = waiting
                     if self._left:
-                        stuck[self._me[0]] = (self._me[1], tuple(self._describe(sorted(self._left))))
+                        own = tuple(self._describe(sorted(self._left)))
+                        stuck[self._me[0]] = (self._me[1], own)
                     self.stuck_workers = sorted(w for w in stuck if w != self._me[0])
             else:
                 return
