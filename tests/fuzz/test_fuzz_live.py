@@ -131,14 +131,17 @@ def _capture_sends() -> list[tuple[int, bytes]]:
     from ucxrpc.transport.ucx import binding as ucx
 
     sent: list[tuple[int, bytes]] = []
-    original = ucx.Endpoint.tag_send
 
-    def tag_send(self, buf, tag):
-        if isinstance(buf, np.ndarray) and len(sent) < 32:
-            sent.append((tag if isinstance(tag, int) else int(tag.value), buf.tobytes()))
-        return original(self, buf, tag)
+    def recording(original):
+        def send(self, buf, tag):
+            if isinstance(buf, np.ndarray) and len(sent) < 32:
+                sent.append((tag if isinstance(tag, int) else int(tag.value), buf.tobytes()))
+            return original(self, buf, tag)
+        return send
 
-    ucx.Endpoint.tag_send = tag_send
+    # Frames with buffers go by tag_send, frames alone by send_frame.
+    ucx.Endpoint.tag_send = recording(ucx.Endpoint.tag_send)
+    ucx.Endpoint.send_frame = recording(ucx.Endpoint.send_frame)
     return sent
 
 

@@ -136,6 +136,8 @@ class FakeEndpoint:
         self.net.queues.setdefault(self.address, []).append((int(tag), data))
         return Request()
 
+    send_frame = tag_send
+
     def transports(self) -> list[tuple[str, str]]:
         return []
 

@@ -91,12 +91,13 @@ def test_small_messages_queued_behind_a_frame_in_flight_go_as_one_batch(pair: Pa
         sent.append(req)
         return req
 
-    ep_class.tag_send = slow_send
+    # Messages without buffers go by send_frame.
+    ep_class.tag_send = ep_class.send_frame = slow_send
     try:
         for i in range(5):
             pair.w0.tr.send(1, b"m%d" % i, [])
     finally:
-        ep_class.tag_send = real_send
+        ep_class.tag_send = ep_class.send_frame = real_send
     for req in sent:
         req.done = True
     for _ in range(5):

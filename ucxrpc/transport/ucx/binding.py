@@ -165,6 +165,14 @@ class Endpoint:
         src = as_array_source(buf)
         return UcxxRequest(self._ep.tag_send(self._Array(src), self._ucx.UCXXTag(tag)), (buf, src))
 
+    def send_frame(self, frame: np.ndarray, tag: int) -> Request:
+        """Send a frame as :func:`..wire.frame.encode` made it (a fresh,
+        writable host byte array) with ``tag``: :meth:`tag_send`'s direct
+        path, without its look at what the buffer is.  Only while open."""
+        if not self._handle:
+            raise endpoint_closed()
+        return self._ucp.send(self._handle, frame, tag)
+
     def transports(self) -> list[tuple[str, str]]:
         try:
             return self._ucp.transports(int(self._ep.handle))
