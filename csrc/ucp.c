@@ -319,20 +319,34 @@ static PyObject *py_tag_recv_device(PyObject *self, PyObject *const *args, Py_ss
     return post_device(RECV_DEVICE, "ucp_tag_recv_device", args, nargs);
 }
 
+/* (worker, tag, mask) from three arguments in a row: what probing takes. */
+static int worker_match(PyObject *const *args, void **worker, uint64_t *tag, uint64_t *mask) {
+    if (!ready() || as_ptr(args[0], worker) < 0 || as_u64(args[1], tag) < 0 ||
+        as_u64(args[2], mask) < 0)
+        return -1;
+    return 0;
+}
+
+/* The next message matching tag/mask taken off the unexpected queue (the
+ * GIL released: the call takes the worker's lock), or NULL. */
+static abi_ucp_tag_message_h take_one(void *worker, uint64_t tag, uint64_t mask,
+                                      abi_tag_recv_info_t *info) {
+    abi_ucp_tag_message_h msg;
+    Py_BEGIN_ALLOW_THREADS
+    msg = ucp.probe(worker, tag, mask, 1, info);
+    Py_END_ALLOW_THREADS
+    return msg;
+}
+
 /* ucp_probe(worker, tag, mask) -> (sender tag, length, message handle) of a
  * message taken off the worker's unexpected queue, or None. */
 static PyObject *py_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     NARGS("ucp_probe", 3);
     void *worker;
     uint64_t tag, mask;
-    if (!ready() || as_ptr(args[0], &worker) < 0 || as_u64(args[1], &tag) < 0 ||
-        as_u64(args[2], &mask) < 0)
-        return NULL;
+    if (worker_match(args, &worker, &tag, &mask) < 0) return NULL;
     abi_tag_recv_info_t info;
-    abi_ucp_tag_message_h msg;
-    Py_BEGIN_ALLOW_THREADS
-    msg = ucp.probe(worker, tag, mask, 1, &info);
-    Py_END_ALLOW_THREADS
+    abi_ucp_tag_message_h msg = take_one(worker, tag, mask, &info);
     if (!msg) Py_RETURN_NONE;
     return Py_BuildValue("(KnN)", (unsigned long long)info.sender_tag, (Py_ssize_t)info.length,
                          PyLong_FromVoidPtr(msg));
@@ -383,18 +397,13 @@ static PyObject *py_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     NARGS("ucp_take", 5);
     void *worker;
     uint64_t tag, mask;
-    if (!ready() || as_ptr(args[0], &worker) < 0 || as_u64(args[1], &tag) < 0 ||
-        as_u64(args[2], &mask) < 0)
-        return NULL;
+    if (worker_match(args, &worker, &tag, &mask) < 0) return NULL;
     Py_ssize_t small = PyLong_AsSsize_t(args[3]);
     if (small == -1 && PyErr_Occurred()) return NULL;
     PyObject *alloc = args[4], *out = NULL;
     for (;;) {
         abi_tag_recv_info_t info;
-        abi_ucp_tag_message_h msg;
-        Py_BEGIN_ALLOW_THREADS
-        msg = ucp.probe(worker, tag, mask, 1, &info);
-        Py_END_ALLOW_THREADS
+        abi_ucp_tag_message_h msg = take_one(worker, tag, mask, &info);
         if (!msg) break;
         PyObject *item = NULL;
         Py_ssize_t length = (Py_ssize_t)info.length;
@@ -493,9 +502,7 @@ static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *progress = args[0];
     void *worker;
     uint64_t tag, mask;
-    if (!ready() || as_ptr(args[1], &worker) < 0 || as_u64(args[2], &tag) < 0 ||
-        as_u64(args[3], &mask) < 0)
-        return NULL;
+    if (worker_match(args + 1, &worker, &tag, &mask) < 0) return NULL;
     int fd = (int)PyLong_AsLong(args[4]);
     double budget = PyFloat_AsDouble(args[5]), late = PyFloat_AsDouble(args[6]);
     if (PyErr_Occurred()) return NULL;

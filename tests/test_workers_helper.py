@@ -26,6 +26,7 @@ from tests.workers import (
     sigstop,
     spawn_worker,
     stop_worker,
+    thread_states,
     worker_group,
 )
 
@@ -294,14 +295,6 @@ def _spin_in_a_thread(port: int) -> None:
     time.sleep(60)
 
 
-def _thread_states(pid: int) -> list[str]:
-    states = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        stat = (task / "stat").read_text()
-        states.append(stat[stat.rfind(")") + 2:].split()[0])
-    return states
-
-
 @pytest.mark.processes
 def test_sigstop_returns_once_every_thread_is_stopped() -> None:
     """Also a spinning thread, which would go on running for a while after
@@ -311,7 +304,7 @@ def test_sigstop_returns_once_every_thread_is_stopped() -> None:
         assert proc.pid is not None
         time.sleep(0.3)  # the spinner started
         sigstop(proc.pid)
-        states = _thread_states(proc.pid)
+        states = thread_states(proc.pid)
         assert len(states) >= 2 and all(s in "tT" for s in states), states
         os.kill(proc.pid, signal.SIGCONT)
     finally:

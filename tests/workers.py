@@ -329,6 +329,19 @@ def child_pids(pid: int | None = None) -> list[int]:
     return sorted(found)
 
 
+def thread_states(pid: int) -> list[str]:
+    """The state letter of every thread of ``pid`` (``/proc``: R, S, T ...)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread exited meanwhile
+        # The command name is in parentheses and may contain spaces.
+        states.append(stat[stat.rfind(")") + 2:].split()[0])
+    return states
+
+
 def sigstop(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP process ``pid`` and return once every thread of it is stopped.
 
@@ -340,18 +353,11 @@ def sigstop(pid: int, timeout: float = 10.0) -> None:
     A test whose premise is "the peer is stopped" waits for it here.
     """
     os.kill(pid, signal.SIGSTOP)
-    tasks = Path(f"/proc/{pid}/task")
-    if not tasks.is_dir():
+    if not Path(f"/proc/{pid}/task").is_dir():
         return  # no /proc: nothing to wait on
     deadline = time.monotonic() + timeout
     while True:
-        states = []
-        for task in tasks.iterdir():
-            try:
-                stat = (task / "stat").read_text()
-            except OSError:
-                continue  # the thread exited meanwhile
-            states.append(stat[stat.rfind(")") + 2:].split()[0])
+        states = thread_states(pid)
         if all(state in "tT" for state in states):
             return
         if time.monotonic() > deadline:

@@ -299,28 +299,32 @@ def sends_its_own(x):
     return x * 3.0
 
 
-def _unused_send_on_a_callee():
+def _failed_backward(fn, x):
+    """In a context of its own, backward through ``worker1``'s ``fn(x)``:
+    the error it failed with (None if it did not), and how many passes
+    still run on worker1 after it."""
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
     from ucxrpc.errors import DistAutogradError
 
-    x = torch.rand(3, requires_grad=True)
     with dist_autograd.context() as ctx:
-        y = rpc.rpc_sync("worker1", calls_back, (x,))
+        y = rpc.rpc_sync("worker1", fn, (x,))
         try:
             dist_autograd.backward(ctx, [y.sum()])
             error = None
         except DistAutogradError as e:
             error = str(e)
-        running = rpc.rpc_sync("worker1", passes_running)  # its part was ended
-    with dist_autograd.context() as ctx:  # only worker1 waits
-        y = rpc.rpc_sync("worker1", sends_its_own, (x,))
-        try:
-            dist_autograd.backward(ctx, [y.sum()])
-            alone = None
-        except DistAutogradError as e:
-            alone = str(e)
-        running += rpc.rpc_sync("worker1", passes_running)
+        return error, rpc.rpc_sync("worker1", passes_running)
+
+
+def _unused_send_on_a_callee():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    x = torch.rand(3, requires_grad=True)
+    error, running = _failed_backward(calls_back, x)  # its part was ended
+    alone, left = _failed_backward(sends_its_own, x)  # only worker1 waits
+    running += left
     with dist_autograd.context() as ctx:  # every send used: the pass ends
         y = rpc.rpc_sync("worker1", torch.mul, (x, 2.0))
         dist_autograd.backward(ctx, [y.sum()])
