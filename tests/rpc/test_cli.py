@@ -133,16 +133,19 @@ def test_info_names_a_broken_cupy(info_runs):
 
 
 @pytest.mark.timeout(150)
-def test_quick_bench_compares_all_three_and_writes_json_and_plot(tmp_path):
+def test_quick_bench_on_a_busy_host_compares_and_writes_json_and_plot(tmp_path):
     # On a busy host (one busy process beside the workers), as the figures
     # that matter are taken.  The smallest --quick run that still has a first
     # and a last size and a latency figure: the run is what is checked here,
     # not its figures (most of its time is the workers' start-up anyway).
+    # torch's series is left to the run across two simulated hosts
+    # (tests/bench/test_netns.py), which runs all three: its start-up is the
+    # slowest of the three, and the series run the same code either way.
     out = _ucxrpc("bench", "--quick", "--sizes", "4K,1M", "--iters", "20",
-                  "--time-per-size", "0.01", "--compare", "torch", "--compare", "ucxx",
+                  "--time-per-size", "0.01", "--compare", "ucxx",
                   "--load", "1", "--json", "r.json", "--plot", "r.png", "--no-progress",
                   "--local", timeout=130, cwd=tmp_path)
-    assert "ucxrpc/torch" in out and "ucxrpc/raw" in out
+    assert "ucxrpc/raw" in out and "ucxrpc/torch" not in out
     assert "load:        1 busy process (a Python loop each)" in out
     assert "ucxrpc pipe worker0 -> worker1:" in out and "raw ucxx endpoint lanes:" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]
@@ -151,14 +154,14 @@ def test_quick_bench_compares_all_three_and_writes_json_and_plot(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     rows = {row["metric"]: row for row in data["table"]}
     p50 = rows["latency_p50_us"]["values"]
-    assert p50["ucxrpc"] > 0 and p50["torch"] > 0 and p50["ucxx"] > 0
-    assert set(data["series"]) == {"ucxrpc", "torch", "ucxx"} and data["errors"] == {}
+    assert p50["ucxrpc"] > 0 and p50["ucxx"] > 0 and "torch" not in p50
+    assert set(data["series"]) == {"ucxrpc", "ucxx"} and data["errors"] == {}
     assert data["config"]["load"] == 1
     # The busy process took its share: about one of the machine's CPUs.
     cpus = os.cpu_count() or 1
     assert all(run["cpu_others"] > 0.5 / cpus for runs in data["runs"].values() for run in runs)
     sizes = data["config"]["sizes"]
-    for key in ("ucxrpc", "torch", "ucxx"):
+    for key in ("ucxrpc", "ucxx"):
         (result,) = data["results"][key]
         for section in ("one_way", "round_trip", "bidirectional"):
             entries = result[section]

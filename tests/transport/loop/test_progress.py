@@ -129,11 +129,13 @@ class _Loop:
         self.calls: list = []  # run inside a turn, on whichever thread turns
         self.seen = threading.Event()
         self.seen_on = ""  # the thread whose turn saw the last event
+        self.stalls: list[float] = []  # what on_stall was told
         self.loop = ProgressThread(
             name="test-progress", progress=lambda: None, turn=self._turn,
             in_flight=lambda: self.expect, awaited=awaited, spin_s=spin_s,
             pending=lambda: self.pending, arm=lambda: True, fd=self.fd,
-            strategy=strategy, on_stall=lambda s, now: None, on_start=self._started,
+            strategy=strategy, on_stall=lambda s, now: self.stalls.append(s),
+            on_start=self._started,
             spin=spin, quiet=quiet)
         self.started_on: tuple[str, int] | None = None  # thread, turns before it
 
@@ -192,6 +194,31 @@ def test_an_idle_loop_sleeps_and_an_event_wakes_it(loop):
         loop.fire()
         assert loop.seen.wait(10), f"event {i} was not seen"
     assert loop.events == 3
+
+
+def test_a_long_idle_loop_sleeps_longer_and_its_sleeps_are_no_stalls(monkeypatch):
+    # Idle for IDLE_AFTER_S, the progress thread's waits grow from SLEEP_S
+    # to IDLE_SLEEP_S (an idle agent's CPU is mostly its idle turns); an
+    # event still ends a wait at once.  A wait as long as its own timeout is
+    # no stall, even one longer than STALL_S: only an overrun would be.
+    monkeypatch.setattr(progress, "IDLE_AFTER_S", 0.3)
+    monkeypatch.setattr(progress, "IDLE_SLEEP_S", 0.5)
+    monkeypatch.setattr(progress, "STALL_S", 0.4)
+    lp = _Loop(strategies.strategy("blocking"))
+    lp.loop.start()
+    try:
+        _wait_for(lambda: lp.loop.sleeps >= 1, "the first sleep")
+        time.sleep(0.6)  # idle for longer than IDLE_AFTER_S
+        before = lp.loop.turns
+        time.sleep(1.5)
+        # At SLEEP_S, 15 turns; at IDLE_SLEEP_S, 3 (4 if one ended as this began).
+        assert lp.loop.turns - before <= 1.5 / 0.5 + 2, lp.loop.info()
+        lp.seen.clear()
+        lp.fire()
+        assert lp.seen.wait(10), "an event did not end a long idle sleep"
+        assert lp.stalls == [], lp.stalls
+    finally:
+        lp.close()
 
 
 @pytest.mark.parametrize("mode", ["polling", "adaptive"])

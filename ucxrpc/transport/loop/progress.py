@@ -64,6 +64,16 @@ logger = logging.getLogger(__name__)
 #: Epoll waits are bounded so UCX's keepalive timers still run on an idle
 #: worker.
 SLEEP_S = 0.1
+#: Once nothing has happened for :data:`IDLE_AFTER_S`, the progress thread's
+#: waits grow to this.  Everything that needs the loop soon wakes it (UCX's
+#: event descriptor, :meth:`ProgressThread.wake` from a caller), so only the
+#: timers lose precision, and they are coarser: UCX's keepalive
+#: (``UCX_KEEPALIVE_INTERVAL``, 1 s) and the pruning of ended pipes'
+#: requests (1 s).  Each idle turn costs ~0.1-0.25 ms of Python on a slow
+#: host: ten a second were half of an idle agent's CPU, whose peer was
+#: unreachable and who called nobody (2.6 of 4.2 ms/s, 2026-11-29).
+IDLE_SLEEP_S = 0.5
+IDLE_AFTER_S = 2.0
 #: How long the progress thread stays parked after a driver left with
 #: nothing expected (its caller got its reply; a pool thread took the request
 #: it waited for): the same thread is likely back within microseconds, and
@@ -408,10 +418,12 @@ class ProgressThread:
 
     def _loop(self) -> None:
         checked = last_event = time.monotonic()
+        slept = 0.0  # the timeout of the wait since `checked`: no stall
         while not self._stopping:
             if self._owner is Owner.DRIVER:
                 self._park()
                 checked = last_event = time.monotonic()
+                slept = 0.0
                 continue
             if self._owner is Owner.LINGER:  # a driver left while this thread turned
                 self._hand(Owner.THREAD, only_from=Owner.LINGER)
@@ -420,19 +432,21 @@ class ProgressThread:
                 busy = self._one_turn()
             now = time.monotonic()
             # Turns are measured from here to here, so a stall anywhere (UCX,
-            # a callback, an epoll wait, the GIL) is seen once.
-            if now - checked > STALL_S:
-                self._on_stall(now - checked, now)
-            checked = now
+            # a callback, an epoll wait overrunning its timeout, the GIL) is
+            # seen once; the wait's own timeout is no stall.
+            if now - checked - slept > STALL_S:
+                self._on_stall(now - checked - slept, now)
+            checked, slept = now, 0.0
             if busy:
                 last_event = now
                 continue  # more may be there: look again before anything else
             if self.decide(now, now - last_event) in POLLS:
                 self._yield(now)
                 continue
+            slept = IDLE_SLEEP_S if now - last_event > IDLE_AFTER_S else SLEEP_S
             self._sleeping = True
             try:
-                woken = self._sleep(now, SLEEP_S)
+                woken = self._sleep(now, slept)
             finally:
                 self._sleeping = False
             if woken:
