@@ -1,6 +1,6 @@
 """A worker of the outage test (tests/hosts/test_outage.py), on a simulated host.
 
-``python -m tests.hosts._outage CTL RANK INIT_METHOD``
+``python -m tests.hosts._outage CTL RANK INIT_METHOD [DEVICE]``
 
 worker0 (with the store) on host 0, worker1 on host 1, over TCP, with a
 short ``peer_timeout`` (:data:`PEER_TIMEOUT`).  Each calls the other all the
@@ -12,7 +12,7 @@ crossed to worker1.  The test cuts and heals the link; the files in ``CTL``:
 
 =================  ====================================================
 ``ready<R>``       the worker is up and calling (worker)
-``big``            worker1: start a 256 MiB call to worker0 now, so that
+``big``            worker1: start a 256 MiB (1 GiB) echo by worker0 now, so that
                    the cut finds it in flight (test); ``big-started``
                    (worker1)
 ``lost<R>``        the worker's first call failed as unreachable (worker)
@@ -22,6 +22,12 @@ crossed to worker1.  The test cuts and heals the link; the files in ``CTL``:
 ``done``           stop; then the spanning state is tried, both shut
                    down and write ``worker<R>.json`` (test, then worker)
 =================  ====================================================
+
+With DEVICE ``cuda`` (a GPU test) the 256 MiB tensor lives on ``cuda:0``
+of both workers (device maps both ways, ``tcp,cuda_copy``): the cut finds
+worker0 receiving into device memory, and ``paused<R>`` says whether the
+memory the transfer took went back (``torch.cuda.memory_allocated()``
+against before it); after the heal a device tensor goes both ways again.
 
 Every wait has a deadline; SIGUSR1 dumps every thread's stack to the log.
 """
@@ -48,6 +54,9 @@ RPC_TIMEOUT = 30.0
 CALL_EVERY_S = 0.05
 PAYLOAD = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
 BIG = torch.ones(64 << 20, dtype=torch.float32)       # 256 MiB
+#: On a GPU: a GPU machine's link is faster, and the cut must find the
+#: transfer in flight for its memory to be checked.
+BIG_CUDA_ELEMENTS = 256 << 20                           # 1 GiB
 STEP_TIMEOUT_S = 90.0
 
 
@@ -126,13 +135,41 @@ def _attempt(fn: Any) -> dict[str, Any]:
                 "error": str(exc)}
 
 
-def run(ctl: Path, rank: int, init_method: str) -> dict[str, Any]:
+def _device_settled(rpc: Any, base: int, timeout: float = 10.0) -> dict[str, Any]:
+    """Once the loop let go of the cut transfer's requests and freed what
+    they held (it prunes ended ones every second), or at the deadline:
+    what is still held."""
+    import gc
+
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        torch.cuda.synchronize()
+        info = rpc._get_debug_info()
+        leaked = torch.cuda.memory_allocated() - base
+        if (not info["retired_requests"] and not leaked) or time.monotonic() > deadline:
+            return {"cuda_leaked": leaked, "retired_requests": info["retired_requests"]}
+        time.sleep(0.1)
+
+
+def run(ctl: Path, rank: int, init_method: str, device: str = "cpu") -> dict[str, Any]:
     import ucxrpc as rpc
     import ucxrpc.autograd as dist_autograd
 
     peer = f"worker{1 - rank}"
-    c.init(rank, 2, init_method, transports=["tcp"], peer_timeout=PEER_TIMEOUT,
-           rpc_timeout=RPC_TIMEOUT)
+    cuda = device == "cuda"
+    extra: dict[str, Any] = {}
+    if cuda:
+        extra = {"device_maps": {peer: {0: 0}}, "devices": [0]}
+    c.init(rank, 2, init_method, transports=["tcp", "cuda_copy"] if cuda else ["tcp"],
+           peer_timeout=PEER_TIMEOUT, rpc_timeout=RPC_TIMEOUT, **extra)
+    big_value = BIG
+    if cuda and rank == 1:
+        big_value = torch.ones(BIG_CUDA_ELEMENTS, dtype=torch.float32, device="cuda")
+    base = 0
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
     out: dict[str, Any] = {"pipes": rpc.get_pipe_info()}
     assert torch.equal(rpc.rpc_sync(peer, echo, args=(PAYLOAD,)), PAYLOAD)
     with dist_autograd.context() as ctx:
@@ -147,7 +184,7 @@ def run(ctl: Path, rank: int, init_method: str) -> dict[str, Any]:
         write(ctl / f"ready{rank}")
         if rank == 1:
             wait_file(ctl / "big")
-            big = rpc.rpc_async(peer, echo, args=(BIG,))
+            big = rpc.rpc_async(peer, echo, args=(big_value,))
             write(ctl / "big-started")
         wait_file(ctl / "quiet")
         caller.calling.clear()
@@ -156,7 +193,10 @@ def run(ctl: Path, rank: int, init_method: str) -> dict[str, Any]:
         info = rpc._get_debug_info()
         out["quiet"] = {"watched_requests": info["watched_requests"],
                         "poll_decision": info["progress"]["poll_decision"],
-                        "broken_peers": info["broken_peers"]}
+                        "broken_peers": info["broken_peers"],
+                        "retired_requests": info["retired_requests"]}
+        if cuda:
+            out["quiet"].update(_device_settled(rpc, base))
         write(ctl / f"paused{rank}", json.dumps(out["quiet"]))
         wait_file(ctl / "resume", every=0.5)  # seldom: the test measures our CPU meanwhile
         caller.calling.set()
@@ -165,8 +205,12 @@ def run(ctl: Path, rank: int, init_method: str) -> dict[str, Any]:
         caller.calling.set()
         caller.join(10)
         out["calls"] = caller.records
+        if cuda:  # the link back: device memory moves both ways again
+            ones = torch.ones(1 << 18, device="cuda")
+            out["device_echo"] = _attempt(
+                lambda: torch.equal(rpc.rpc_sync(peer, echo, args=(ones,)), ones))
         if rank == 1:
-            out["big"] = _attempt(lambda: torch.equal(big.wait(), BIG))
+            out["big"] = _attempt(lambda: torch.equal(big.wait(), big_value))
         else:
             # State that spanned the outage: it goes on, or fails naming it.
             out["rref"] = _attempt(rref.to_here)
@@ -194,7 +238,8 @@ def run(ctl: Path, rank: int, init_method: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     ctl, rank, init_method = Path(argv[1]), int(argv[2]), argv[3]
-    return c.report(ctl / f"worker{rank}.json", lambda: run(ctl, rank, init_method))
+    device = argv[4] if len(argv) > 4 else "cpu"
+    return c.report(ctl / f"worker{rank}.json", lambda: run(ctl, rank, init_method, device))
 
 
 if __name__ == "__main__":

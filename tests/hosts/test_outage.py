@@ -16,6 +16,12 @@ failed switch drops them), then the link is back:
   after that succeeds.  An RRef and a distributed autograd context made
   before the partition either go on or fail naming the outage; new ones
   work.
+
+On a GPU (``gpu``) the same with a 1 GiB tensor on ``cuda:0`` of both
+(device maps, ``tcp,cuda_copy``): the cut finds worker0 receiving into
+device memory, and once both know, ``torch.cuda.memory_allocated()`` is
+back where it was before the transfer on both; after the heal a device
+tensor goes both ways again.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ BLIP_S = 1.0
 #: After the heal, both sides reach each other again within this: a new
 #: round of lifeline connections goes out every 0.5 s, then one handshake.
 RECOVER_BOUND_S = 3.0
-#: The survivor's CPU while its peer is unreachable and nobody calls.
-QUIET_S = 3.0
+#: The survivor's CPU while its peer is unreachable and nobody calls, over
+#: as long as issue 50 asks (ten idle sleeps of the progress thread,
+#: twenty rounds of lifeline connections).
+QUIET_S = 10.0
 QUIET_CPU = 0.01  # of one core
 #: A failed call lasts at most this: found unreachable by keepalive.
 FAIL_BOUND_S = PEER_TIMEOUT + 10.0
@@ -61,14 +69,16 @@ def _failed(calls: list[dict[str, Any]], lo: float, hi: float) -> list[dict[str,
     return [r for r in calls if lo <= r["start"] <= hi and not r["ok"]]
 
 
-def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path, device):
     with two_hosts() as hosts:
         job = Job(hosts, tmp_path)
         host0 = hosts.hosts[0]
         init = f"tcp://{host0.address}:{STORE_PORT}"
         try:
             for rank, host in enumerate(hosts.hosts):
-                job.start_worker_module("tests.hosts._outage", f"worker{rank}", host, rank, init)
+                job.start_worker_module("tests.hosts._outage", f"worker{rank}", host, rank, init,
+                                        device)
             job.wait_for("ready0")
             job.wait_for("ready1")
             time.sleep(1.0)
@@ -133,12 +143,26 @@ def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path
         assert back - heal < RECOVER_BOUND_S
         # Once both knew: nothing left posted (the 256 MiB call was cut).
         assert quiet[rank]["watched_requests"] == 0, quiet[rank]
+        assert quiet[rank]["poll_decision"] != "data in flight", quiet[rank]
         assert quiet[rank]["broken_peers"] == [1 - rank], quiet[rank]
+        # What UCX has not ended of the cut transfer's requests (kept with
+        # their buffers, transport/engine.py _abandon).  On the CPU the cut
+        # left 15 of the 256 MiB message's 16 MiB receives (and the sender's
+        # sends) held past the heal (2026-11-29): item 1 of issue 50 wants
+        # them freed, and the GPU variant asserts it.
+        print(f"  worker{rank}: requests of the cut pipe UCX has not ended: "
+              f"{quiet[rank]['retired_requests']}")
+        if device == "cuda":  # and what the cut receive held is freed
+            assert quiet[rank]["cuda_leaked"] == 0, quiet[rank]
+            assert quiet[rank]["retired_requests"] == 0, quiet[rank]
+            assert res["device_echo"] == {"value": True}, res["device_echo"]
         c.check_shutdown(res["shutdown_s"], f"worker{rank}")
     assert idle_cpu < QUIET_CPU, f"worker0 used {100 * idle_cpu:.1f}% of a core while idle"
     w0, w1 = out
     print(f"  the 256 MiB call cut by the partition: {w1['big']}")
     assert w1["big"].get("value") is True or w1["big"]["type"] == "UnreachableError", w1["big"]
+    if device == "cuda":  # else the memory checks above checked nothing
+        assert w1["big"].get("type") == "UnreachableError", w1["big"]
     # State that spanned the outage goes on, or fails naming it; new state works.
     for what in ("rref", "backward"):
         res = w0[what]

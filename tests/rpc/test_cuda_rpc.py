@@ -304,6 +304,51 @@ def test_a_thread_with_host_arguments_gets_a_cuda_reply_and_is_left_as_found():
     assert seen["ok"] and seen["device"] == 0, seen
 
 
+def _init_on_a_fresh_thread(rank, world_size, init_method):
+    import ctypes
+    import threading
+
+    import ucxrpc as rpc
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    seen: dict = {}
+
+    def context() -> int:
+        ctx = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(ctx))
+        return ctx.value or 0
+
+    def start() -> None:
+        # This thread never used CUDA: the transport's start lends it the
+        # device's context while UCX's worker opens (engine.py,
+        # CudaSide.lent), and must take it back.
+        seen["before"] = context()
+        _init(rank, world_size, init_method, BOTH)
+        seen["after"] = context()
+
+    th = threading.Thread(target=start)
+    th.start()
+    th.join(60)
+    # Device memory still moves (the progress thread has its own context).
+    peer = f"worker{1 - rank}"
+    seen["ok"] = bool(torch.equal(rpc.rpc_sync(peer, fives, (1 << 20,)),
+                                  torch.full((1 << 20,), 5.0, device="cuda")))
+    rpc.shutdown()
+    return seen
+
+
+def test_init_rpc_leaves_the_thread_that_called_it_as_it_found_it():
+    # Issue 50 item 4, on init_rpc's own thread (the user's): before, the
+    # transport made the device's context current there for good, so a
+    # worker of devices=["cuda:1"] switched its user's torch device to 1.
+    # On one GPU the switch cannot show; a context left current on a thread
+    # that had none is the same fault.
+    for seen in run_workers(_init_on_a_fresh_thread, 2, timeout=150):
+        assert seen["before"] == 0, seen
+        assert seen["after"] == 0, f"init_rpc left a CUDA context current on its thread: {seen}"
+        assert seen["ok"], seen
+
+
 #: The ways a device tensor arrives (receive.py, cuda/staging.py): the UCX
 #: options that make each, and the reply's shape (one tensor, or twelve of
 #: 64 KiB, which travel as one pack: staging.PACK_MIN_COUNT).

@@ -143,14 +143,20 @@ class Transport:
         self._data_spins = 8
         self._transports = transports
         self._cuda = CudaSide(cuda_devices, transports)
-        #: Whose CUDA context UCX sees, or why none (for pipe_info and tests).
-        self.cuda_context = self._cuda.make_current()
         # Any process with a usable GPU may send CUDA memory: its own device
         # maps' tensors, and replies along a caller's map reversed.
         self._endpoint_class = endpoint
-        self._worker = worker(transports, host_timeout,
-                              device_memory=self._cuda.device is not None,
-                              device_path=device_path())
+        # UCX's CUDA transports open under the calling thread's context: the
+        # device's, lent to this thread (the user's) while the worker opens,
+        # and the thread's own, or none, again after (issue 50: the user's
+        # current device never changes).  The progress thread makes it
+        # current for good on its own thread (_progress_started).
+        with self._cuda.lent() as cuda_context:
+            #: Whose CUDA context UCX sees, or why none (for pipe_info and tests).
+            self.cuda_context = cuda_context
+            self._worker = worker(transports, host_timeout,
+                                  device_memory=self._cuda.device is not None,
+                                  device_path=device_path())
         self.address = self._worker.address
         #: UCX's TCP fragment size here (published: a peer's must be the same).
         self.tcp_segment = tcp_segment()

@@ -1,7 +1,10 @@
 """Which CUDA context the transport makes current for UCX (cudactx.py).
 
 The decision runs on any machine; making a context current needs a GPU
-(tests/rpc/test_gpu_setup.py checks it on the progress thread).
+(tests/rpc/test_gpu_setup.py checks it on the progress thread).  Lending the
+device's context to the thread that starts the transport, and taking it
+back, runs here on a fake driver (tests/rpc/test_cuda_rpc.py checks it on a
+GPU).
 """
 
 from __future__ import annotations
@@ -57,3 +60,68 @@ def test_a_transport_without_a_gpu_says_why_it_has_no_context() -> None:
         assert tr.stats()["cuda_context"].startswith("none")
     finally:
         tr.close()
+
+
+class _FakeDriver:
+    """The three driver calls a lent context makes, on a stack of current
+    contexts as the driver keeps one per thread (one thread here)."""
+
+    def __init__(self, own: int | None, refuse: bool = False) -> None:
+        self.stack = [own] if own else []
+        self.refuse = refuse
+
+    def current(self) -> int | None:
+        return self.stack[-1] if self.stack else None
+
+    def cuCtxGetCurrent(self, ref) -> int:
+        ref._obj.value = self.current()
+        return 0
+
+    def cuCtxPushCurrent(self, ctx) -> int:
+        if self.refuse:
+            return 201  # CUDA_ERROR_INVALID_CONTEXT
+        self.stack.append(ctx)
+        return 0
+
+    def cuCtxPopCurrent(self, ref) -> int:
+        self.stack.pop()
+        return 0
+
+
+DEVICE_CTX = 0xD1
+
+
+@pytest.mark.parametrize("own", [None, 0x51], ids=["no context", "a context of its own"])
+def test_the_transport_s_start_lends_the_device_s_context_and_takes_it_back(
+        gpu: None, monkeypatch: pytest.MonkeyPatch, own: int | None) -> None:
+    # The transport starts on the user's init_rpc thread: UCX's worker opens
+    # under the device's context, and the thread is left as it was found,
+    # with no context or its own (its torch device) (issue 50, item 4).
+    from ucxrpc.transport.cuda.side import CudaSide
+
+    driver = _FakeDriver(own)
+    monkeypatch.setattr(cudactx, "_lib", lambda: driver)
+    monkeypatch.setattr(cudactx, "_primary", lambda device: DEVICE_CTX + device)
+    side = CudaSide(["cuda:1"], None)
+    with side.lent() as said:
+        assert said == "cuda:1" and driver.current() == DEVICE_CTX + 1
+    assert driver.current() == own
+    with pytest.raises(KeyError):  # a failing start takes it back too
+        with side.lent():
+            raise KeyError("the worker did not open")
+    assert driver.current() == own
+
+
+def test_a_context_the_driver_refuses_to_lend_is_said_and_nothing_is_taken_back(
+        gpu: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from ucxrpc.transport.cuda.side import CudaSide
+
+    driver = _FakeDriver(0x51, refuse=True)
+    monkeypatch.setattr(cudactx, "_lib", lambda: driver)
+    monkeypatch.setattr(cudactx, "_primary", lambda device: DEVICE_CTX + device)
+    with CudaSide(["cuda:1"], None).lent() as said:
+        assert said.startswith("failed: cuCtxPushCurrent failed with CUDA error 201"), said
+    assert driver.stack == [0x51]
+    assert "UCX may fail to move CUDA memory" in caplog.text
+    with CudaSide(["cpu"], ["tcp"]).lent() as said:  # no device: nothing lent
+        assert said.startswith("none")

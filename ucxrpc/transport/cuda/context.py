@@ -129,24 +129,33 @@ class Borrowed:
         RuntimeError: the CUDA driver refused, naming the call and its code.
     """
 
-    __slots__ = ("_device", "_pushed")
+    __slots__ = ("_device", "_pushed", "_always")
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, always: bool = False) -> None:
         self._device = device
         self._pushed = False
+        #: Push even over a context of the thread's own (and pop it again):
+        #: for work that must run under ``device``'s context whatever the
+        #: thread's is (the transport's start, on the user's init_rpc thread).
+        self._always = always
 
     def __enter__(self) -> None:
-        own = getattr(_local, "own", None)
-        if own is None:
-            ctx = ctypes.c_void_p()
-            code = _lib().cuCtxGetCurrent(ctypes.byref(ctx))
-            own = _local.own = code == 0 and bool(ctx.value)
-        if not own:
+        if self._always or not self._own():
             code = _lib().cuCtxPushCurrent(_primary(self._device))
             if code != 0:
                 raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {code} for "
                                    f"cuda:{self._device}")
             self._pushed = True
+
+    @staticmethod
+    def _own() -> bool:
+        """Whether this thread has a context of its own (asked once)."""
+        own: bool | None = getattr(_local, "own", None)
+        if own is None:
+            ctx = ctypes.c_void_p()
+            code = _lib().cuCtxGetCurrent(ctypes.byref(ctx))
+            own = _local.own = code == 0 and bool(ctx.value)
+        return own
 
     def __exit__(self, *exc: object) -> None:
         if self._pushed:

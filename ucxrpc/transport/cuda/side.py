@@ -10,8 +10,9 @@ no-op or says so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -82,6 +83,32 @@ class CudaSide:
             logger.warning("UCX may fail to move CUDA memory: %s", exc)
             return f"failed: {exc}"
         return f"cuda:{self.device}"
+
+    @contextlib.contextmanager
+    def lent(self) -> Iterator[str]:
+        """A ``with`` block with the device's context current on this thread
+        (UCX's CUDA transports open under the calling thread's), and the
+        thread's own context, or none, current again after it: the thread
+        that starts the transport is the user's (``init_rpc``'s), and its
+        current context is its torch device.  Yields what happened, in
+        words, as :meth:`make_current` says it; a failure is logged, not
+        raised."""
+        if self.device is None:
+            yield "none (no GPU usable, or no CUDA transport)"
+            return
+        pushed = context.Borrowed(self.device, always=True)
+        try:
+            pushed.__enter__()
+        except (OSError, RuntimeError) as exc:
+            logger.warning("UCX may fail to move CUDA memory: %s", exc)
+            failed = f"failed: {exc}"
+        else:
+            try:
+                yield f"cuda:{self.device}"
+            finally:
+                pushed.__exit__()
+            return
+        yield failed
 
     def memory_way(self, loaded: Collection[str]) -> bounce.Way:
         """How this worker's device memory goes to UCX (:func:`.bounce.way`),
