@@ -188,6 +188,28 @@ def test_an_ended_pipe_leaves_no_receive_posted_and_delivers_nothing(pair: Pair)
     assert w0.stats()["watched_requests"] == 0
 
 
+def test_requests_ucx_ends_later_are_let_go_on_an_idle_turn(pair: Pair) -> None:
+    """What an ended pipe still had in UCX (a send, a receive matched to a
+    rendezvous: no cancel reaches them) is kept, with its buffer, until
+    UCX ends it; an idle turn asks every PRUNE_EVERY_S, not every turn."""
+    from tests.transport.fakenet import Request
+    from ucxrpc.transport import engine
+
+    pair.open()
+    w0 = pair.w0.tr
+    _lose(pair.w0, 1)
+    w0._run_tasks()
+    held = Request(done=False)
+    w0._retired.append((held, torch.empty(8)))
+    w0._next_prune = float("inf")      # not yet due
+    assert not w0._turn() and w0.stats()["retired_requests"] == 1
+    held.done = True                   # UCX ended it
+    assert not w0._turn() and w0.stats()["retired_requests"] == 1  # not due: kept
+    w0._next_prune = 0.0               # due
+    assert not w0._turn() and w0.stats()["retired_requests"] == 0
+    assert w0._next_prune > 0 and engine.PRUNE_EVERY_S == 1.0
+
+
 def test_each_generation_tags_its_data_with_an_epoch_of_its_own(pair: Pair) -> None:
     pair.open()
     old = _pipe(pair.w0, 1)

@@ -23,7 +23,10 @@ worker in a child process, through an endpoint to itself.
   for the caller to judge and receive; an allocator that fails raises and
   leaves nothing behind in UCX.
 * The installed UCX gives the worker the multi-threaded mode ucxrpc needs
-  (``ucp_worker_query``; the Worker refuses to start otherwise).
+  (``ucp_worker_query``; the Worker refuses to start otherwise, shown with
+  the query made to say single-threaded).
+* A receive posted for a message that never comes is cancelled
+  (``ucp_request_cancel``): it ends, failed, once.
 """
 
 from __future__ import annotations
@@ -218,6 +221,50 @@ def _scenario(rank, world_size, init_method, name):
 
 def _run(name):
     return run_workers(_scenario, 1, args=(name,), timeout=45)[0]
+
+
+def _cancel_and_refuse(rank, world_size, init_method):
+    """A receive nobody sends to, cancelled on a real worker (how an ended
+    pipe lets go of its receives: receive.py, Receiver.abandon); then a
+    worker whose UCX says it is not multi-threaded, refused."""
+    import time
+
+    import numpy as np
+
+    from ucxrpc.transport.ucx import ucp
+    from ucxrpc.transport.ucx.binding import Worker
+
+    worker = Worker(None)
+    req = worker.tag_recv(np.zeros(64, dtype=np.uint8), TAG | 99)
+    for _ in range(50):
+        worker.progress()
+    out: dict = {"pending": req.done, "cancelled": worker.cancel(req)}
+    end = time.monotonic() + 20
+    while not req.done and time.monotonic() < end:
+        worker.progress()
+    err = req.error()
+    out.update(done=req.done, error=None if err is None else f"{type(err).__name__}: {err}",
+               again=worker.cancel(req))
+    real = ucp.Ucp.thread_mode
+    ucp.Ucp.thread_mode = lambda self, handle: 0  # UCS_THREAD_MODE_SINGLE
+    try:
+        Worker(None)
+        out["refused"] = None
+    except RuntimeError as exc:
+        out["refused"] = str(exc)
+    finally:
+        ucp.Ucp.thread_mode = real
+    return out
+
+
+def test_a_posted_receive_is_cancelled_and_a_single_threaded_worker_refused():
+    res = run_workers(_cancel_and_refuse, 1, timeout=45)[0]
+    assert res["pending"] is False and res["cancelled"] == 1, res
+    # It ends, failed (its owner frees it as any other), and only once.
+    assert res["done"] is True and res["error"] and "cancel" in res["error"].lower(), res
+    assert res["again"] == 0, res
+    assert res["refused"] and "thread mode 'single'" in res["refused"], res
+    assert "--enable-mt" in res["refused"], res
 
 
 def test_take_receives_small_frames_at_once_and_leaves_large_ones_to_the_caller():
