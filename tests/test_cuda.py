@@ -52,11 +52,13 @@ def test_private_bindings_that_agree_are_used(monkeypatch, public):
         warnings.simplefilter("error")
         assert _cuda.current(1) == (7, 1, 1) and _cuda.device() == 1
         _cuda.set_device(0)
-    assert calls == [("private", 0)] and public["set"] == []
-    assert _cuda._get_stream is not None
+    # The check set the stream to the one current, then the call.
+    assert calls == [("stream", {"stream_id": 7, "device_index": 1, "device_type": 1}),
+                     ("private", 0)], calls
+    assert public["set"] == [] and _cuda._get_stream is not None
 
 
-@pytest.mark.parametrize("wrong", ["stream", "device", "raises"])
+@pytest.mark.parametrize("wrong", ["stream", "device", "raises", "setter raises"])
 def test_private_bindings_that_disagree_give_way_to_the_public_api(monkeypatch, public, wrong):
     calls = _private(monkeypatch, public, stream=(9, 1, 1) if wrong == "stream" else None,
                      device=3 if wrong == "device" else None)
@@ -64,11 +66,15 @@ def test_private_bindings_that_disagree_give_way_to_the_public_api(monkeypatch, 
         def broken(i):
             raise TypeError("takes no arguments")
         monkeypatch.setattr(_cuda, "_get_stream", broken)
+    if wrong == "setter raises":
+        def renamed(**kw):
+            raise TypeError("_cuda_setStream() got an unexpected keyword argument 'stream_id'")
+        monkeypatch.setattr(_cuda, "_set_stream", renamed)
     with pytest.warns(RuntimeWarning, match="private CUDA stream bindings disagree"):
         assert _cuda.current(1) == (7, 1, 1)  # the public answer
     assert _cuda._get_stream is None and _cuda._set_device is None
     _cuda.set_device(0)
-    assert public["set"] == [("public", 0)] and calls == []
+    assert public["set"] == [("public", 0)] and calls == [], calls
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # checked once: no second warning
         assert _cuda.device() == 1

@@ -56,8 +56,9 @@ _checked = False
 
 def _check() -> None:
     """Once, on first use: do the private bindings say what the public API
-    says (this thread's device, its current stream's key)?  If not, or if
-    one fails, warn and use the public helpers from now on."""
+    says (this thread's device, its current stream's key), and does the
+    stream setter take what ucxrpc passes it?  If not, or if one fails, warn
+    and use the public helpers from now on."""
     global _checked, _get_stream, _set_stream, _get_device, _set_device
     _checked = True
     if _get_stream is None and _get_device is None:
@@ -71,6 +72,13 @@ def _check() -> None:
             got, want = tuple(_get_stream(index)), key_of(torch.cuda.current_stream(index))
             if got != want:
                 why = f"_cuda_getCurrentStream({index}) gave {got}, torch.cuda {want}"
+        # The stream setter, to the stream current already (no change): a
+        # changed signature raises here, once, not in a message's path.  (Not
+        # the device setter: cudaSetDevice may make a context current on a
+        # thread that had none, which the transport must leave as found.)
+        if not why and _set_stream is not None:
+            key = key_of(torch.cuda.current_stream(index))
+            _set_stream(stream_id=key[0], device_index=key[1], device_type=key[2])
     except Exception as exc:  # a changed signature, a missing symbol
         why = f"{type(exc).__name__}: {exc}"
     if why:
