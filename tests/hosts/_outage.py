@@ -135,7 +135,7 @@ def _attempt(fn: Any) -> dict[str, Any]:
                 "error": str(exc)}
 
 
-def _device_settled(rpc: Any, base: int, timeout: float = 10.0) -> dict[str, Any]:
+def _settled(rpc: Any, cuda: bool, base: int, timeout: float = 10.0) -> dict[str, Any]:
     """Once the loop let go of the cut transfer's requests and freed what
     they held (it prunes ended ones every second), or at the deadline:
     what is still held."""
@@ -144,11 +144,14 @@ def _device_settled(rpc: Any, base: int, timeout: float = 10.0) -> dict[str, Any
     deadline = time.monotonic() + timeout
     while True:
         gc.collect()
-        torch.cuda.synchronize()
-        info = rpc._get_debug_info()
-        leaked = torch.cuda.memory_allocated() - base
-        if (not info["retired_requests"] and not leaked) or time.monotonic() > deadline:
-            return {"cuda_leaked": leaked, "retired_requests": info["retired_requests"]}
+        leaked = 0
+        if cuda:
+            torch.cuda.synchronize()
+            leaked = torch.cuda.memory_allocated() - base
+        retired = rpc._get_debug_info()["retired_requests"]
+        if (not retired and not leaked) or time.monotonic() > deadline:
+            out = {"retired_requests": retired}
+            return {**out, "cuda_leaked": leaked} if cuda else out
         time.sleep(0.1)
 
 
@@ -193,10 +196,8 @@ def run(ctl: Path, rank: int, init_method: str, device: str = "cpu") -> dict[str
         info = rpc._get_debug_info()
         out["quiet"] = {"watched_requests": info["watched_requests"],
                         "poll_decision": info["progress"]["poll_decision"],
-                        "broken_peers": info["broken_peers"],
-                        "retired_requests": info["retired_requests"]}
-        if cuda:
-            out["quiet"].update(_device_settled(rpc, base))
+                        "broken_peers": info["broken_peers"]}
+        out["quiet"].update(_settled(rpc, cuda, base))
         write(ctl / f"paused{rank}", json.dumps(out["quiet"]))
         wait_file(ctl / "resume", every=0.5)  # seldom: the test measures our CPU meanwhile
         caller.calling.set()

@@ -130,6 +130,8 @@ class FakeEndpoint:
 
     def __init__(self, worker: FakeWorker, address: bytes, on_error: Any) -> None:
         self.address = address
+        self.alive = True
+        self.discarded = False
 
     def tag_send(self, buf: Any, tag: int) -> Request:
         data = buf.numpy().tobytes() if isinstance(buf, torch.Tensor) else np.asarray(buf).tobytes()
@@ -142,7 +144,11 @@ class FakeEndpoint:
         return []
 
     def close(self) -> None:
-        pass
+        self.alive = False
+
+    def discard(self) -> None:
+        self.alive = False
+        self.discarded = True
 
 
 class Peer:

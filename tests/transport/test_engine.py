@@ -179,9 +179,13 @@ def test_an_ended_pipe_leaves_no_receive_posted_and_delivers_nothing(pair: Pair)
     w0._poll_requests()
     posted = [req for req, owner in w0._watch if owner is not None and not req.done]
     assert len(posted) == 1  # the data's receive, waiting
+    ep = _pipe(pair.w0, 1).ep
     _lose(pair.w0, 1)
+    assert not ep.discarded
     w0._run_tasks()   # the abandon runs on the loop
     assert w0._worker.cancelled == posted
+    # and the endpoint goes, by force: UCX then fails what no cancel reaches
+    assert ep.discarded
     w0._poll_requests()
     assert not w0._watch, w0._watch
     assert (1, b"large") not in pair.w0.messages and not pair.w0.frame_errors

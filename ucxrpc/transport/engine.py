@@ -638,10 +638,10 @@ class Transport:
         """Let go of what ``pipe``, ended, has in flight (on the loop): its
         receives (:meth:`.receive.Receiver.abandon`) and its sends.  UCX
         offers no cancel of a send, nor of a receive matched to a
-        rendezvous in progress, and one cut by an outage may never end
-        while the old connection lingers: they are no longer watched each
-        turn (a loop that watched them would poll for good), but kept, with
-        their buffers, until UCX ends them (:meth:`_prune_retired`)."""
+        rendezvous in progress: they are no longer watched each turn (a
+        loop that watched them would poll for good), but kept, with their
+        buffers, until UCX ends them (:meth:`_prune_retired`), which it
+        does once the endpoint goes (:meth:`_let_go_of_endpoint`)."""
         self._retired.extend(self._rx.abandon(pipe))
         while self._inflight:
             self._watch.append(self._inflight.popleft())
@@ -649,7 +649,23 @@ class Transport:
         for entry in self._watch:
             (self._retired if entry[1] is pipe else kept).append(entry)
         self._watch[:] = kept
+        self._let_go_of_endpoint(pipe)
         self._prune_retired()
+
+    def _let_go_of_endpoint(self, pipe: Pipe) -> None:
+        """Discard the endpoint of ``pipe``, ended, where UCX still holds it
+        usable (on the loop).  Nothing goes on it again: a peer that comes
+        back gets the next generation's pipe and endpoint.  Discarded (a
+        close by force), UCX fails its sends and the receives matched to a
+        rendezvous from it, which no cancel reaches; a flushing close
+        waits for a peer behind a partition for good, and a partition that
+        cut a 256 MiB message left 15 receives of 16 MiB held past the heal
+        on the receiver, and its sends on the sender (Run AO).  An endpoint
+        UCX failed itself is left alone (closing such crashed ucxx; UCX
+        failed what it held)."""
+        with pipe.lock:
+            if pipe.ep is not None and getattr(pipe.ep, "alive", False):
+                pipe.ep.discard()
 
     def _prune_retired(self) -> None:
         """Forget what UCX ended of the retired requests (their buffers go
@@ -710,13 +726,10 @@ class Transport:
                 f"{old.name} re-established its pipe to this worker after losing it (an "
                 "outage between the two hosts, or a failure of UCX): what was in flight on "
                 "it is lost"), renew=False)
-        with old.lock:
-            # An endpoint UCX has not failed (TCP kept retransmitting through
-            # the outage) would deliver the old generation's frames late and
-            # hold its connection for good.  (One UCX failed is left alone:
-            # closing such crashed ucxx.)
-            if old.ep is not None and getattr(old.ep, "alive", False):
-                old.ep.close()
+        # An endpoint UCX has not failed (TCP kept retransmitting through the
+        # outage) would deliver the old generation's frames late and hold its
+        # connection for good (one that carried anything went when it broke).
+        self._let_go_of_endpoint(old)
         self._pipes[new.peer_id] = new
         self.renewed += 1
         self._prune_retired()

@@ -186,12 +186,28 @@ class Endpoint:
         return bool(self._handle) and bool(self._ep.alive)
 
     def close(self) -> None:
+        """Close once what was sent is flushed (the peer is there to take it)."""
         self._handle = 0
         try:
             self._ep.remove_close_callback()
             self._ep.close()
         except Exception:
             logger.debug("endpoint close failed", exc_info=True)
+        _retired.append(self._ep)
+
+    def discard(self) -> None:
+        """Close at once, by force: UCX fails what it still holds of this
+        endpoint (sends, receives matched to a rendezvous from it, which no
+        cancel reaches).  ``close`` flushes first, and a flush to a peer
+        behind a partition never ends: what it held stayed held for good.
+        (ucxx's ``close_blocking`` forces where errors are handled, as
+        here; its ``close`` does not: UCX logs ``close_nbx(flags=0x0)``.)"""
+        self._handle = 0
+        try:
+            self._ep.remove_close_callback()
+            self._ep.close_blocking()
+        except Exception:
+            logger.debug("endpoint discard failed", exc_info=True)
         _retired.append(self._ep)
 
 
