@@ -13,8 +13,12 @@
 #             a packed reply into memory freed with work pending, a peer
 #             killed mid device transfer (nothing left posted or allocated),
 #             a thread with host arguments getting a CUDA reply (left as
-#             found), the receive stream, both device paths (tests/rpc/
-#             test_cuda_rpc.py); percall below compares the two paths' cost
+#             found), the receive stream, both device paths, a tensor
+#             written on a blocking stream (probe 7, with its control),
+#             init_rpc's thread left as found (tests/rpc/test_cuda_rpc.py),
+#             a partition cutting a 1 GiB device transfer (tests/hosts/
+#             test_outage.py, two network namespaces: needs root, ip and
+#             iptables); percall below compares the two paths' cost
 #   proto     what UCX picks for ucxrpc's own pipe (UCX_PROTO_INFO=y, probe 1)
 #   perftest  ucx_perftest between two processes, cuda memory, UCX_PROTO_INFO=y:
 #             sm,cuda_copy,cuda_ipc (expect cuda_ipc zero-copy) and

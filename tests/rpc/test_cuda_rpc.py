@@ -349,6 +349,61 @@ def test_init_rpc_leaves_the_thread_that_called_it_as_it_found_it():
         assert seen["ok"], seen
 
 
+def smallest(t):
+    return t.min().item()
+
+
+def _written_on_another_stream(rank, world_size, init_method, blocking):
+    """x filled behind a spin on a stream other than the current one (the
+    legacy default), then sent at once: the smallest value the callee saw,
+    per round (7.0 when the send waited for the fill)."""
+    import ctypes
+
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method, BOTH)
+    out = None
+    if rank == 0:
+        if blocking:
+            # A blocking stream (CU_STREAM_DEFAULT), as CuPy's streams are by
+            # default: CUDA orders the legacy default stream after its work.
+            lib, handle = ctypes.CDLL("libcuda.so.1"), ctypes.c_void_p()
+            assert lib.cuStreamCreate(ctypes.byref(handle), 0) == 0
+            other = torch.cuda.ExternalStream(handle.value)
+        else:
+            other = torch.cuda.Stream()  # non-blocking: no such order
+        out = []
+        for _ in range(3):
+            x = torch.zeros(1 << 20, device="cuda")
+            torch.cuda.synchronize()
+            with torch.cuda.stream(other):
+                torch.cuda._sleep(SPIN)
+                x.fill_(7.0)
+            out.append(rpc.rpc_sync("worker1", smallest, (x,)))
+            torch.cuda.synchronize()
+    rpc.shutdown()
+    return out
+
+
+def test_a_tensor_written_on_a_blocking_stream_is_sent_once_written():
+    # The review's probe 7 (settle, _cuda.py): the current stream is the
+    # legacy default, and the tensor was written on a blocking stream.
+    # torch's agent recorded an event on the current stream, which the
+    # legacy stream orders after the blocking stream's work; ucxrpc queries
+    # and synchronizes that stream instead, with nothing queued on it.
+    # Does that wait too?  Expect 7.0 each round.
+    got = run_workers(_written_on_another_stream, 2, args=(True,), timeout=150)[0]
+    assert got == [7.0, 7.0, 7.0], got
+
+
+def test_control_a_tensor_written_on_a_non_blocking_stream_may_go_unwritten():
+    # The control: a non-blocking stream has no order with the current one,
+    # and nothing (here or in torch) waits for it: the race the test above
+    # would show is observable.  Expect a 0.0 in some round.
+    got = run_workers(_written_on_another_stream, 2, args=(False,), timeout=150)[0]
+    assert 0.0 in got, f"the race did not show in {got}: the probe above proves nothing"
+
+
 #: The ways a device tensor arrives (receive.py, cuda/staging.py): the UCX
 #: options that make each, and the reply's shape (one tensor, or twelve of
 #: 64 KiB, which travel as one pack: staging.PACK_MIN_COUNT).
