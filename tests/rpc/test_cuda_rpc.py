@@ -349,6 +349,35 @@ def test_init_rpc_leaves_the_thread_that_called_it_as_it_found_it():
         assert seen["ok"], seen
 
 
+def _receive_stream_and_pools(rank, world_size, init_method):
+    import ucxrpc as rpc
+    from ucxrpc.transport.cuda import side
+
+    _init(rank, world_size, init_method, BOTH)
+    out = None
+    if rank == 0:
+        got = rpc.rpc_sync("worker1", fives, (1 << 20,))  # a device receive here
+        assert torch.equal(got, torch.full((1 << 20,), 5.0, device="cuda"))
+        ours = side._RECEIVE_ALLOCS[0][2].cuda_stream
+        # Every stream torch's pools hand out (32 a priority, round-robin),
+        # as user code draws them: twice around each.
+        pooled = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1) for _ in range(64)}
+        out = {"ours": ours, "pooled": len(pooled), "shared": ours in pooled,
+               "current": ours == torch.cuda.current_stream().cuda_stream}
+    rpc.shutdown()
+    return out
+
+
+def test_receives_are_allocated_on_a_stream_no_user_code_can_be_handed():
+    # Finding 5 of the CUDA review: a stream drawn from torch's pool (as
+    # torch.cuda.Stream() draws) is handed to user code too, whose kernels
+    # on it would read a received tensor's block as freed.  Without this,
+    # receives moved back to a pooled stream would fail nothing: the
+    # freed-memory controls allocate on the current stream.
+    got = run_workers(_receive_stream_and_pools, 2, timeout=150)[0]
+    assert got["pooled"] >= 2 and not got["shared"] and not got["current"], got
+
+
 def smallest(t):
     return t.min().item()
 
