@@ -393,6 +393,12 @@ class RpcAgent:
     def wait(self, fut: torch.futures.Future | SyncReply) -> Any:
         """``fut.wait()`` that lets the pool replace a thread blocked here,
         and that handles the reply on this thread while polling pays."""
+        if not self._pool.owns_this_thread():
+            # A user's thread: no pool to tell (and no context manager's
+            # four calls per rpc_sync; issue 52).
+            if not fut.done():
+                self._drive(fut.done)
+            return _torch_futures.result(fut)
         with self._pool.blocking():
             if not fut.done():
                 self._drive(fut.done)

@@ -333,6 +333,10 @@ class WorkerPool:
         if hook is not None:
             hook()
 
+    def owns_this_thread(self) -> bool:
+        """Whether the calling thread is one of this pool's."""
+        return getattr(_local, "pool", None) is self
+
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
         """Mark the calling pool thread as waiting on the network."""
