@@ -520,9 +520,12 @@ class Transport:
             # Python work between calls is what limits bandwidth.
             for _ in range(self._data_spins):
                 self._worker.progress()
-        busy = self._run_tasks()
+        # (Each look is guarded here where it is one test: a turn runs twice a
+        # message on each side, and a call is most of a turn's cost; issue 52.)
+        busy = bool(self._tasks) and self._run_tasks()
         busy = self._rx.poll() or busy
-        busy = self._poll_requests() or busy
+        if self._watch or self._inflight:
+            busy = self._poll_requests() or busy
         busy = self._liveness.poll() or busy
         if self._by_address.due and not busy:
             self._by_address.send_due()
