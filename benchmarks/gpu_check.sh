@@ -285,7 +285,10 @@ for step in "${STEPS[@]}"; do
         info) run_step info 180 "$PY" -m ucxrpc.cli info ;;
         # -m gpu over the whole tree: modules without a gpu test are not
         # imported (tests/conftest.py), so none of their dependencies is needed.
-        pytest) run_step pytest 1500 env UCXRPC_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -rs \
+        # Bounded within the device tool's 600 s a command (a lent machine
+        # gives 15 minutes in all): a run that needs longer takes the step
+        # alone, or PYTEST_ADDOPTS=-k to pick.
+        pytest) run_step pytest 480 env UCXRPC_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -rs \
             -p no:cacheprovider --junitxml="$REPORT/pytest-gpu.xml" tests ;;
         proto) run_step proto 300 env UCXRPC_REQUIRE_GPU=1 UCX_PROTO_INFO=y "$PY" -m pytest -s \
             -p no:cacheprovider tests/rpc/test_gpu_setup.py -k cuda_ipc_lane ;;
