@@ -263,8 +263,17 @@ def test_a_thread_that_never_used_cuda_calls_with_device_tensors():
     assert run_workers(_fresh_thread, 2, timeout=150)[0] == [True, True]
 
 
-def _host_arguments_cuda_reply(rank, world_size, init_method):
+def _current_context() -> int:
+    """The CUDA context current on the calling thread (0: none), from the
+    driver: torch's own answer would make one current to ask."""
     import ctypes
+
+    ctx = ctypes.c_void_p()
+    ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(ctx))
+    return ctx.value or 0
+
+
+def _host_arguments_cuda_reply(rank, world_size, init_method):
     import threading
 
     import ucxrpc as rpc
@@ -272,13 +281,8 @@ def _host_arguments_cuda_reply(rank, world_size, init_method):
     _init(rank, world_size, init_method, BOTH)
     out = None
     if rank == 0:
-        lib = ctypes.CDLL("libcuda.so.1")
         seen: dict = {}
-
-        def context() -> int:
-            ctx = ctypes.c_void_p()
-            lib.cuCtxGetCurrent(ctypes.byref(ctx))
-            return ctx.value or 0
+        context = _current_context
 
         def call() -> None:
             # Host arguments only: nothing before the wait makes a CUDA call
@@ -305,18 +309,12 @@ def test_a_thread_with_host_arguments_gets_a_cuda_reply_and_is_left_as_found():
 
 
 def _init_on_a_fresh_thread(rank, world_size, init_method):
-    import ctypes
     import threading
 
     import ucxrpc as rpc
 
-    lib = ctypes.CDLL("libcuda.so.1")
     seen: dict = {}
-
-    def context() -> int:
-        ctx = ctypes.c_void_p()
-        lib.cuCtxGetCurrent(ctypes.byref(ctx))
-        return ctx.value or 0
+    context = _current_context
 
     def start() -> None:
         # This thread never used CUDA: the transport's start lends it the

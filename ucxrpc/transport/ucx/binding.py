@@ -187,13 +187,7 @@ class Endpoint:
 
     def close(self) -> None:
         """Close once what was sent is flushed (the peer is there to take it)."""
-        self._handle = 0
-        try:
-            self._ep.remove_close_callback()
-            self._ep.close()
-        except Exception:
-            logger.debug("endpoint close failed", exc_info=True)
-        _retired.append(self._ep)
+        self._end(force=False)
 
     def discard(self) -> None:
         """Close at once, by force: UCX fails what it still holds of this
@@ -202,12 +196,18 @@ class Endpoint:
         behind a partition never ends: what it held stayed held for good.
         (ucxx's ``close_blocking`` forces where errors are handled, as
         here; its ``close`` does not: UCX logs ``close_nbx(flags=0x0)``.)"""
+        self._end(force=True)
+
+    def _end(self, force: bool) -> None:
         self._handle = 0
         try:
             self._ep.remove_close_callback()
-            self._ep.close_blocking()
+            if force:
+                self._ep.close_blocking()
+            else:
+                self._ep.close()
         except Exception:
-            logger.debug("endpoint discard failed", exc_info=True)
+            logger.debug("endpoint %s failed", "discard" if force else "close", exc_info=True)
         _retired.append(self._ep)
 
 
