@@ -638,10 +638,10 @@ def _accumulate_grad_hooks():
 
 def test_accumulate_grad_hooks_run_and_grad_is_left_alone(pair):
     # As torch's distributed engine: a leaf's AccumulateGrad hooks run (DDP's
-    # reducer all-reduces there), once per local pass that reaches the leaf
-    # (here two: the root's, and the propagation back from worker1), while
+    # reducer all-reduces there), once per pass, when every gradient for
+    # it is in (here two: the roots', and the one back from worker1), while
     # the gradient goes to the context and .grad keeps its local value.
-    assert pair.run(_accumulate_grad_hooks) == ([3.0] * 3, [7.0] * 3, 2)
+    assert pair.run(_accumulate_grad_hooks) == ([3.0] * 3, [7.0] * 3, 1)
 
 
 # -- sparse gradients ---------------------------------------------------------------

@@ -71,6 +71,119 @@ def test_a_recv_reached_by_two_parts_sends_its_gradient_once(pair):
     assert hooks == 1  # worker1's send of y ran once, with the summed gradient
 
 
+# -- a parameter several micro-batches use: its node runs once -----------------------
+
+_CLAMP = 2.5
+_SHARED: dict = {}
+
+
+def shared_parameter():
+    """worker1: a parameter with a tensor hook that changes its gradient (not
+    linearly: clamp), an AccumulateGrad hook (as DDP's reducer) and a
+    post-accumulate-grad hook, each logging what it sees."""
+    w = torch.nn.Parameter(torch.ones(3))
+    log = {"tensor": [], "node": [], "post": 0}
+
+    def clamp(g):
+        log["tensor"].append(g.tolist())
+        return g.clamp(max=_CLAMP)
+
+    def post(p):
+        log["post"] += 1
+
+    w.register_hook(clamp)
+    node = w.view_as(w).grad_fn.next_functions[0][0]
+    node.register_hook(lambda grad_inputs, grad_outputs: log["node"].append(1))
+    w.register_post_accumulate_grad_hook(post)
+    _SHARED.update(w=w, node=node, log=log)
+
+
+def through_shared(x):
+    return x * _SHARED["w"]
+
+
+def shared_seen(ctx_id):
+    import ucxrpc.autograd as dist_autograd
+
+    grad = dist_autograd.get_gradients(ctx_id)[_SHARED["w"]]
+    log = _SHARED["log"]
+    return grad.tolist(), log["tensor"], len(log["node"]), log["post"], _SHARED["w"].grad
+
+
+def _micro_batches_share_a_parameter():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    rpc.rpc_sync("worker1", shared_parameter)
+    with dist_autograd.context() as ctx:
+        # Four micro-batches through worker1's parameter: four sends there,
+        # each its own entry of the pass, whose gradients come one by one.
+        ys = [rpc.rpc_sync("worker1", through_shared, (torch.ones(3),)) for _ in range(4)]
+        dist_autograd.backward(ctx, [torch.stack(ys).sum()])
+        return rpc.rpc_sync("worker1", shared_seen, (ctx,))
+
+
+def test_a_parameter_several_sends_reach_accumulates_once_with_the_whole_gradient(pair):
+    # torch's one graph task runs the parameter's AccumulateGrad once, when
+    # all four micro-batches' gradients are in: its tensor hook sees the
+    # sum (4) once and clamps it (2.5; per micro-batch it would leave each
+    # 1 alone, 4 in all), its node hook runs once, and, the gradient going
+    # to the context rather than .grad, no post-accumulate-grad hook runs
+    # (torch's agent, same program: the same four figures).
+    grad, tensor_hook, node_hook, post_hook, dot_grad = pair.run(_micro_batches_share_a_parameter)
+    assert tensor_hook == [[4.0] * 3]
+    assert grad == [_CLAMP] * 3
+    assert node_hook == 1
+    assert post_hook == 0
+    assert dot_grad is None
+
+
+def _a_sparse_leaf_sent_twice():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    w = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,), requires_grad=True)
+    with dist_autograd.context() as ctx:
+        # w itself is each send's output: two entries share a sparse leaf.
+        a = rpc.rpc_sync("worker1", torch.mul, (w, 2.0))
+        b = rpc.rpc_sync("worker1", torch.mul, (w, 3.0))
+        dist_autograd.backward(ctx, [torch.sparse.sum(a + b)])
+        grad = dist_autograd.get_gradients(ctx)[w]
+        return grad.layout == torch.sparse_coo, grad.to_dense().tolist()
+
+
+def test_a_sparse_leaf_two_sends_carried_gets_their_sum_once(pair):
+    assert pair.run(_a_sparse_leaf_sent_twice) == (True, [5.0, 0.0, 5.0])
+
+
+def _a_tensor_sent_and_used_locally():
+    import ucxrpc as rpc
+    import ucxrpc.autograd as dist_autograd
+
+    w = torch.ones(3, requires_grad=True)
+    seen = []
+    with dist_autograd.context() as ctx:
+        h = w * 2.0
+        h.retain_grad()
+        h.register_hook(lambda g: seen.append(g.tolist()))
+        # h's node is interior, and both the roots' part and the part of
+        # h's send to worker1 reach it.
+        r = rpc.rpc_sync("worker1", torch.mul, (h, 3.0))
+        dist_autograd.backward(ctx, [r.sum() + h.sum()])
+        return dist_autograd.get_gradients(ctx)[w].tolist(), h.grad.tolist(), sorted(seen)
+
+
+def test_an_interior_node_two_entries_reach_runs_once_per_entry_with_the_sums_right(pair):
+    # The one difference left from torch's graph task (README): h's node runs
+    # once per entry, its hook seeing each share (1, then 3) where torch's
+    # sees 4 once; the sums, the context's gradient and retain_grad's .grad,
+    # are torch's.
+    grad, retained, seen = pair.run(_a_tensor_sent_and_used_locally)
+    assert grad == [8.0] * 3
+    assert retained == [4.0] * 3
+    assert seen == [[1.0] * 3, [3.0] * 3]
+
+
 # -- a part that failed: the pass's later messages find it ended ----------------------
 
 _FAILS_LEFT = [0]

@@ -60,10 +60,23 @@ come, and the pass keeps what makes the parts one pass:
   the context gets them: torch's graph task runs its final callbacks once
   all of it ran (``_torch_engine`` defers them).
 
-What torch's single task does that separate local parts cannot: a node that
-two entries reach runs once per entry, each time with its share of the
-gradient (the sum is the same; a hook on such a node, a leaf's included,
-sees the shares).  The missing hook is a way to add roots with their
+* **A leaf's node runs once.**  A leaf several entries reach (a parameter
+  several micro-batches use) has its AccumulateGrad node run once, when the
+  last of those entries ran, with the sum of what each sent it: such an
+  entry's part runs only up to its leaves' nodes and hands over the
+  gradients flowing into them (``_torch_engine.gradients_at``, the leaves'
+  tensor hooks set aside meanwhile, or they would see each share), and
+  :meth:`WorkerPass._gather` adds them up.  Its hooks then see what torch's
+  graph task gives them: the whole gradient, once.
+
+What torch's single task does that separate local parts cannot: an
+*interior* node that two entries reach runs once per entry, each time with
+its share of the gradient (the sums are the same, ``retain_grad``'s too; a
+hook on such a node or its tensor sees the shares).  Cutting there as at a
+leaf would not do: torch runs an interior node's tensor hooks (and
+``retain_grad``) on the gradient it captures there, so they would see each
+share and then the sum, and a hook that changes the gradient would be
+applied twice.  The missing hook is a way to add roots with their
 gradients to a running graph task (``Engine::execute`` takes them all at
 once; ``DistEngine::executeSendFunctionAsync`` feeds the task in C++ only).
 """
@@ -84,7 +97,7 @@ from .._states import StateEnum
 from .. import _torch_futures
 from ..errors import DistAutogradError
 from ._context import DistAutogradContext, Recv
-from ._torch_engine import run_backward
+from ._torch_engine import gradients_at, hooks_set_aside, run_backward
 
 __all__ = ["ROOTS", "WorkerPass", "owned"]
 
@@ -130,6 +143,9 @@ class _Entry:
     nodes: set[Any] = field(default_factory=set)
     leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # id -> leaf
     accumulators: dict[int, Any] = field(default_factory=dict)     # id(leaf) -> AccumulateGrad
+    #: The nodes between the outputs and the leaves: where two entries
+    #: share one, a later part runs it again (the module's docstring).
+    inner: set[Any] = field(default_factory=set)
 
 
 #: Nodes whose backward runs a backward of its own over leaves the graph
@@ -180,6 +196,7 @@ def _walk(outputs: Sequence[torch.Tensor]) -> _Entry:
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 stack.append(nxt)
+    entry.inner = seen - set(entry.accumulators.values())
     return entry
 
 
@@ -317,6 +334,18 @@ class WorkerPass:
         for entry in self._entries.values():
             leaves.update(entry.leaves)
         self._leaves = list(leaves.values())
+        # A leaf two or more entries reach gets its gradient from each; its
+        # AccumulateGrad runs once, with the sum, when the last of them ran
+        # (torch's graph task runs a node once all its inputs are in).
+        reach: dict[int, set[int]] = {}
+        self._accumulators: dict[int, Any] = {}   # id(leaf) -> AccumulateGrad, where seen
+        for key, entry in self._entries.items():
+            self._accumulators.update(entry.accumulators)
+            for leaf_id, leaf in entry.leaves.items():
+                if leaf.requires_grad:
+                    reach.setdefault(leaf_id, set()).add(key)
+        self._leaf_waits = {leaf_id: keys for leaf_id, keys in reach.items() if len(keys) > 1}
+        self._shares: dict[int, torch.Tensor] = {}  # id(leaf) -> the sum come so far
         # Per recv message: the entries that reach any of its tensors.
         self._recvs: dict[int, Recv] = {}
         self._recv_waits: dict[int, set[int]] = {}
@@ -430,12 +459,13 @@ class WorkerPass:
             entry = self._entries[key]
             pairs = {id(t): (t, g) for t, g in zip(entry.outputs, grads)
                      if g is not None and t.requires_grad}
-            if pairs:
-                keep = self._retain or any(entry.nodes & other.nodes for other in later)
+            shares = not self._leaf_waits.keys().isdisjoint(entry.leaves)
+            if pairs or shares:
+                keep = self._retain or any(entry.inner & other.inner for other in later)
                 # A send's part under torch's name for its node, for profilers.
                 with _span("SendRpcBackward") if key != ROOTS else contextlib.nullcontext():
-                    self._part([t for t, _ in pairs.values()],
-                               [g for _, g in pairs.values()], entry, keep)
+                    self._part(key, [t for t, _ in pairs.values()],
+                               [g for _, g in pairs.values()], entry, keep, shares)
             ready = self._reached(key)
         except Exception as exc:
             if started:
@@ -447,19 +477,67 @@ class WorkerPass:
             self._send(recv)
         self._check()
 
-    def _part(self, outs: list[torch.Tensor], gouts: list[torch.Tensor], entry: _Entry,
-              keep: bool) -> None:
+    def _part(self, key: int, outs: list[torch.Tensor], gouts: list[torch.Tensor],
+              entry: _Entry, keep: bool, shares: bool) -> None:
         """One local part through torch's engine, every leaf of the pass
         holding the pass's gradient in ``.grad`` meanwhile; the callbacks
-        it queues wait for the pass's end (:meth:`_run_callbacks`)."""
-        hooks = [node.register_prehook(functools.partial(self._arrived, leaf_id))
-                 for leaf_id, node in entry.accumulators.items()]
+        it queues wait for the pass's end (:meth:`_run_callbacks`).
+
+        Where the entry reaches a leaf another entry reaches too
+        (``shares``), the part runs up to its leaves' AccumulateGrad nodes
+        and takes the gradients flowing into them; each leaf's node then
+        runs once its whole gradient is in (:meth:`_gather`)."""
+        with self._lending():
+            if not shares:
+                self._accumulate(list(entry.accumulators),
+                                 lambda: run_backward(outs, gouts, keep, self._defer))
+                return
+            leaves = [leaf for leaf in entry.leaves.values() if leaf.requires_grad]
+            found: dict[int, torch.Tensor | None] = {}
+            if outs:
+                grads = gradients_at(outs, gouts, keep, leaves, self._defer)
+                found = {id(leaf): grad for leaf, grad in zip(leaves, grads)}
+            ready = self._gather(key, leaves, found)
+            if ready:
+                self._accumulate([id(leaf) for leaf, _ in ready], lambda: run_backward(
+                    [leaf for leaf, _ in ready], [grad for _, grad in ready], False,
+                    self._defer))
+
+    def _accumulate(self, leaf_ids: list[int], run: Callable[[], None]) -> None:
+        """``run``, noting which of the leaves ``leaf_ids`` each gradient
+        tensor reaches (:meth:`_arrived`; a leaf that was itself sent, whose
+        node the graph does not show, is not watched, as before)."""
+        hooks = [self._accumulators[leaf_id].register_prehook(
+                     functools.partial(self._arrived, leaf_id))
+                 for leaf_id in leaf_ids if leaf_id in self._accumulators]
         try:
-            with self._lending():
-                run_backward(outs, gouts, keep, self._defer)
+            run()
         finally:
             for handle in hooks:
                 handle.remove()
+
+    def _gather(self, key: int, leaves: list[torch.Tensor], found: dict[int, torch.Tensor | None]
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Entry ``key``'s gradients for its ``leaves`` (``found``; None
+        where none flowed) added to what the other entries sharing a leaf
+        gave; the leaves whose whole gradient is in now, with it."""
+        ready: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with self._lock:
+            for leaf in leaves:
+                leaf_id = id(leaf)
+                grad = found.get(leaf_id)
+                waits = self._leaf_waits.get(leaf_id)
+                if waits is None:  # this entry's alone
+                    if grad is not None:
+                        ready.append((leaf, grad))
+                    continue
+                if grad is not None:
+                    held = self._shares.get(leaf_id)
+                    self._shares[leaf_id] = grad if held is None else held + grad
+                waits.discard(key)
+                if not waits and leaf_id in self._shares:
+                    ready.append((leaf, self._shares.pop(leaf_id)))
+        return ready
 
     @contextlib.contextmanager
     def _lending(self) -> Iterator[None]:
@@ -475,7 +553,11 @@ class WorkerPass:
             try:
                 for leaf in leaves:
                     leaf.grad = self._grads.get(id(leaf))
-                yield
+                # The gradient goes to the context, not .grad: as under
+                # torch's distributed engine, no post-accumulate-grad hook
+                # runs (one stepping an optimizer would step with it).
+                with hooks_set_aside(leaves, "_post_accumulate_grad_hooks"):
+                    yield
             finally:
                 for leaf, grad in zip(leaves, saved):
                     now = leaf.grad
@@ -577,6 +659,7 @@ class WorkerPass:
                 self._phase = Phase.STOPPING
                 self._failure = failure
                 self._grads.clear()
+                self._shares.clear()
                 self._queue.clear()
         self._check()
 
