@@ -61,6 +61,9 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                         "UCX_TLS", "UCX_NET_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # A worker that crashes in native code leaves its threads' stacks in
+    # its log (a SIGSEGV's exit code alone says nothing of where).
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(extra or {})
     return env
 

@@ -49,7 +49,7 @@ SETTING = re.compile(r"^(UCX|UCXRPC|PYTORCH|TORCHELASTIC|CUDA|NCCL|GLOO|TP|OMP|M
                      r"PYTHONPATH|PATH|HOME|LICENSE)$")
 #: Names from the libraries the examples run (FairScale, TorchRL) and from
 #: torch's own tests and autograd engine.
-OUTSIDE_NAMES = {"DistributedPipeline", "RPCCollector", "queue_callback", "gdr_copy"}
+OUTSIDE_NAMES = {"DistributedPipeline", "RPCCollector", "queue_callback", "gdr_copy", "retain_grad"}
 _FILE = re.compile(r"[\w.-]+\.(py|md|json|txt|sh|typed|toml|yml|yaml|cu|cuh|png|cfg|ini)")
 DOCS = [REPO / "docs" / "architecture.md", REPO / "README.md"]
 

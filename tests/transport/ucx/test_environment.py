@@ -35,6 +35,15 @@ def test_tcp_moves_512_kib_fragments_unless_the_user_set_the_size():
         None, 10.0, environ={"UCX_TCP_RX_SEG_SIZE": "64K"})
 
 
+def test_ucps_endpoint_keepalive_is_off_unless_the_user_set_it():
+    # The lifelines judge peers; UCX 1.21's keepalive crashed a worker after
+    # a broken pipe's endpoint was closed by force (docs/ucx-notes.md,
+    # pitfall 22: 3 of 7 runs of tests/hosts/test_outage.py).
+    assert ucx_environment(None, 10.0, environ={})["UCX_KEEPALIVE_INTERVAL"] == "inf"
+    assert "UCX_KEEPALIVE_INTERVAL" not in ucx_environment(
+        None, 10.0, environ={"UCX_KEEPALIVE_INTERVAL": "1s"})
+
+
 def test_a_process_that_may_send_device_memory_lets_ucx_pick_the_rendezvous_switch():
     # One threshold serves every memory type: 2 MiB eagerly would copy CUDA
     # messages to the peer 8 KiB at a time (benchmarks/runs/R.md).

@@ -61,15 +61,15 @@ __all__ = ["Owner", "ProgressThread", "guard", "unguard"]
 
 logger = logging.getLogger(__name__)
 
-#: Epoll waits are bounded so UCX's keepalive timers still run on an idle
-#: worker.
+#: Epoll waits are bounded so UCX's timers (its wire-up's and its TCP
+#: transport's; UCP's keepalive is off, ucx/environment.py) still run on an
+#: idle worker.
 SLEEP_S = 0.1
 #: Once nothing has happened for :data:`IDLE_AFTER_S`, the progress thread's
 #: waits grow to this.  Everything that needs the loop soon wakes it (UCX's
 #: event descriptor, :meth:`ProgressThread.wake` from a caller), so only the
-#: timers lose precision, and they are coarser: UCX's keepalive
-#: (``UCX_KEEPALIVE_INTERVAL``, 1 s) and the pruning of ended pipes'
-#: requests (1 s).  Each idle turn costs ~0.1-0.25 ms of Python on a slow
+#: timers lose precision, and they are coarser: UCX's own and the pruning
+#: of ended pipes' requests (1 s).  Each idle turn costs ~0.1-0.25 ms of Python on a slow
 #: host: ten a second were half of an idle agent's CPU, whose peer was
 #: unreachable and who called nobody (2.6 of 4.2 ms/s, 2026-11-29).
 IDLE_SLEEP_S = 0.5

@@ -177,10 +177,9 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
 
     Shared memory only works with endpoint error handling when
     ``UCX_MM_ERROR_HANDLING=y`` (docs/ucx-notes.md, pitfall 1); without it UCX falls
-    back to TCP over loopback.  UCX's keepalive checks what a peer's kernel
-    or hardware answers (a TCP segment acknowledged, a shared-memory peer's
-    process still there), never the peer's own code, so a busy peer passes;
-    its TCP keepalive gives up on a silent host after about
+    back to TCP over loopback.  UCP's endpoint keepalive is off (the
+    lifelines judge peers; it crashed after a forced close, pitfall 22);
+    the TCP keepalive of UCX's sockets gives up on a silent host after about
     ``host_timeout``, as the lifelines do.  Within a host, messages below
     2 MiB go eagerly (``UCX_RNDV_THRESH``), unless this process may send
     ``device_memory`` (it has a usable GPU): then UCX picks per memory
@@ -269,8 +268,16 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # with a smaller one overruns its buffer (docs/ucx-notes.md,
         # pitfall 20).
         "UCX_TCP_RX_SEG_SIZE": TCP_SEG_SIZE,
-        "UCX_KEEPALIVE_INTERVAL": "1s",
-        "UCX_KEEPALIVE_NUM_EPS": "inf",
+        # UCP's own keepalive (an endpoint check every interval) off: the
+        # lifelines judge a peer (transport/watch/lifeline.py), and UCX
+        # 1.21's keepalive can crash the process once an endpoint it was
+        # checking is closed by force, as a broken pipe's is
+        # (Transport._let_go_of_endpoint): its iterator is left on the freed
+        # endpoint (openucx/ucx#11217).  tests/hosts/test_outage.py's worker
+        # died of SIGSEGV in ucp_worker_progress in 3 of 7 runs with a 1 s
+        # interval, in none of 12 with it off (docs/ucx-notes.md, pitfall
+        # 22).  The sockets' own TCP keepalive below stays.
+        "UCX_KEEPALIVE_INTERVAL": "inf",
         "UCX_TCP_KEEPIDLE": f"{idle}s",
         "UCX_TCP_KEEPINTVL": f"{interval}s",
         "UCX_TCP_KEEPCNT": str(max(1, math.ceil((host_timeout - idle) / interval))),
