@@ -36,7 +36,7 @@ import pytest
 
 from tests.faults import _common as c
 from tests.hosts._harness import STORE_PORT, Job, two_hosts, write
-from tests.hosts._outage import PEER_TIMEOUT
+from tests.hosts._outage import PAYLOAD, PEER_TIMEOUT
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(150)]
 
@@ -150,8 +150,13 @@ def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path
         # once their endpoint was discarded (transport/engine.py,
         # _let_go_of_endpoint).  A flushing close left 15 of the 256 MiB
         # message's 16 MiB receives held on worker0 past the heal, and the
-        # sends on worker1 (Run AO).
-        assert quiet[rank]["retired_requests"] == 0, quiet[rank]
+        # sends on worker1 (Run AO).  At most one 1 MiB call the peer was
+        # sending as the link went may stay held until the heal: a receive
+        # UCX matched to its first fragments cannot be cancelled, and ends
+        # when the old connection does (2 of 25 runs, 2026-11-29).
+        assert quiet[rank]["retired_bytes"] <= PAYLOAD.nbytes, quiet[rank]
+        # After the heal nothing of the outage is held.
+        assert res["after_heal"]["retired_requests"] == 0, res["after_heal"]
         if device == "cuda":
             assert quiet[rank]["cuda_leaked"] == 0, quiet[rank]
             assert res["device_echo"] == {"value": True}, res["device_echo"]

@@ -785,10 +785,26 @@ class Transport:
                 # Peers whose last frame said their loop may not poll.
                 "peers_busy": sum(p.inbound.peer_busy for p in list(self._pipes.values())),
                 "pool": self.pool.stats(), "watched_requests": len(self._watch),
-                # Requests of ended pipes that UCX still holds (not watched).
+                # Requests of ended pipes that UCX still holds (not watched),
+                # and the bytes of memory they keep.
                 "retired_requests": len(self._retired),
+                "retired_bytes": sum(_held_bytes(getattr(req, "keep", None))
+                                     for req, _ in list(self._retired)),
                 "pipes_renewed": self.renewed,
                 **self._liveness.stats(), "progress": self._loop.info(),
                 "cuda_context": self.cuda_context,
                 # How device buffers reach UCX (UCXRPC_DEVICE_PATH).
                 "device_path": "ucp" if self._worker.device_ucp else "ucxx"}
+
+
+def _held_bytes(keep: Any) -> int:
+    """The bytes of memory a request keeps for UCX (an array, a tensor, a
+    gather of parts, or a tuple of them), for the transport's stats."""
+    if keep is None:
+        return 0
+    if isinstance(keep, (tuple, list)):
+        return sum(_held_bytes(part) for part in keep)
+    if isinstance(keep, torch.Tensor):
+        return keep.numel() * keep.element_size()
+    nbytes = getattr(keep, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 0
