@@ -15,6 +15,7 @@ tests/transport/test_send_receive.py, which lands a data buffer by hand).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Iterator
@@ -91,6 +92,9 @@ class FakeWorker:
             if found.sender_tag & mask == tag & mask:
                 return self.probes.pop(i)
         return None
+
+    def taker(self, tag: int, mask: int, small: int) -> Any:
+        return functools.partial(self.take, tag, mask, small)
 
     def take(self, tag: int, mask: int, small: int) -> list[tuple[int, int, Any, Any]] | None:
         out: list[tuple[int, int, Any, Any]] = []

@@ -62,15 +62,12 @@ class ByAddress:
         self._send = send
         self._endpoint = endpoint
         self._offered = offered
-        # Pipes whose peer's buffers we read and have not yet said so, with
-        # when the first of those reads ended (read_done).
-        self._due: dict[Pipe, float] = {}
+        #: Pipes whose peer's buffers we read and have not yet said so, with
+        #: when the first of those reads ended (read_done): truthy while a
+        #: word waits for a frame (a plain attribute, not a property: the
+        #: loop looks at it twice a turn, issue 52).
+        self.due: dict[Pipe, float] = {}
         self.sent_alone = 0  # CMA_DONE frames sent: no other frame carried the word
-
-    @property
-    def due(self) -> bool:
-        """Whether a word on a peer's buffers waits for a frame."""
-        return bool(self._due)
 
     def accepted(self, pipe: Pipe) -> None:
         """The peer's frames to us authenticated: if it offered to be read
@@ -117,16 +114,16 @@ class ByAddress:
         reply, mostly), or, if none went within :data:`ACK_DELAY_S`, a
         CMA_DONE frame the loop sends when it next finds nothing to do."""
         if pipe.cma.ack_sent < pipe.cma.read_through:
-            self._due.setdefault(pipe, time.monotonic())
+            self.due.setdefault(pipe, time.monotonic())
 
     def send_due(self) -> None:
         """Send what no frame carried within :data:`ACK_DELAY_S`."""
         due = time.monotonic() - ACK_DELAY_S
-        for pipe, since in list(self._due.items()):
+        for pipe, since in list(self.due.items()):
             if pipe.cma.ack_sent >= pipe.cma.read_through:
-                del self._due[pipe]  # a frame carried it
+                del self.due[pipe]  # a frame carried it
             elif since <= due:
-                del self._due[pipe]
+                del self.due[pipe]
                 self.send_ack(pipe)
 
     def send_ack(self, pipe: Pipe) -> None:

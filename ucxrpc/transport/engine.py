@@ -435,7 +435,8 @@ class Transport:
         taken at once.  Nor while a peer may write into our memory in two
         halves (grants.py), for the same reason.  Then the agent's word
         (``spin_while``)."""
-        if self._sender.holding_split or self._grants.split_write_due():
+        if self._sender.holding_split or (self._grants.split_until
+                                          and self._grants.split_write_due()):
             return strategy.Why.PEER_COPYING
         return strategy.Why.AWAITED if spin_while is None else spin_while()
 

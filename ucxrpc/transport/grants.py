@@ -116,9 +116,10 @@ class Grants:
         self.used = 0        # buffers peers wrote into them
         self.used_bytes = 0
         self._retired: list[torch.Tensor] = []
-        # Until when a peer may write into our memory in two halves; 0: not
-        # since it was last looked at (the loop asks every idle turn).
-        self._split_until = 0.0
+        #: Until when a peer may write into our memory in two halves; 0: not
+        #: since it was last looked at (:meth:`split_write_due`).  The loop
+        #: tests it before that call: a test, not a call, a turn (issue 52).
+        self.split_until = 0.0
 
     def lend(self, pipe: Pipe, sizes: list[tuple[int, int]]) -> None:
         """The peer sent us buffers of these ``(nbytes, phase)`` (phase:
@@ -147,7 +148,7 @@ class Grants:
                 gid = next(self._ids)
                 pipe.grants.lent[gid] = buf
                 if cls >= SPLIT_BYTES:
-                    self._split_until = time.monotonic() + SPLIT_QUIET_S
+                    self.split_until = time.monotonic() + SPLIT_QUIET_S
                 entries.append(_ENTRY.pack(gid, cls, buf.data_ptr()))
         if not entries:
             return
@@ -162,11 +163,11 @@ class Grants:
         """Whether a peer may be writing into our memory in two halves now
         (we lent it memory for such a write within :data:`SPLIT_QUIET_S`):
         polling would then slow its copy down."""
-        if not self._split_until:
+        if not self.split_until:
             return False
-        if time.monotonic() < self._split_until:
+        if time.monotonic() < self.split_until:
             return True
-        self._split_until = 0.0
+        self.split_until = 0.0
         return False
 
     def take(self, pipe: Pipe, i: int, d: BufferDesc) -> torch.Tensor:

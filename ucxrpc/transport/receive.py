@@ -36,8 +36,8 @@ from .grants import Grants
 from .handshake import Handshake
 from .pipe import Incoming, Piece, Pipe, Shared
 from .hostmem.pool import PAGE
-from .wire.tags import (HANDSHAKE, HINT_MASK, data_tag, epoch_base, epoch_mask, kind_of,
-                        sender_of)
+from .wire.tags import (HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT, data_tag,
+                        epoch_base, epoch_mask, kind_of, sender_of)
 from .ucx.binding import Request, Worker
 
 __all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
@@ -111,6 +111,7 @@ class Receiver:
         self._bounce = bounce
         self.limits = limits
         self._small = min(SMALL_FRAME, limits.max_frame_bytes)
+        self._take = worker.taker(FRAMES[0], FRAMES[1], self._small)
         self._pipes = shared.pipes
         self._watch = shared.watch
         self._alloc = alloc
@@ -126,7 +127,9 @@ class Receiver:
         self.read_bytes = 0
         #: Frames being received: (request, buffer, tag, length, why
         #: dropped, the sender's pipe when it was probed).
-        self.frames: list[tuple[Request, np.ndarray, int, int, str | None, Pipe | None]] = []
+        # (request, buffer, tag, length, why dropped, pipe, sender id)
+        self.frames: list[tuple[Request, np.ndarray, int, int, str | None, Pipe | None,
+                                int]] = []
         self.refused = 0
         self.frame_errors = 0
 
@@ -139,18 +142,20 @@ class Receiver:
         # A small frame is received at once (it is in UCX's memory already);
         # a larger one is judged first and, where it is not wanted, goes into
         # one byte: UCX truncates and drops it, so it costs no memory here.
-        taken = self._worker.take(FRAMES[0], FRAMES[1], self._small)
+        taken = self._take()
         if taken is not None:
             busy = True
             for tag, length, req, got in taken:
-                drop = self.unwanted(tag, length)
+                # (tags.py's sender_of, inline: once a frame, not four calls)
+                sender = (tag >> ID_SHIFT) & ID_MASK
+                drop = self.unwanted(tag, length, sender)
                 if req is None:
                     buf = np.empty(1 if drop else length, dtype=np.uint8)
                     req = self._worker.recv_taken(buf, got)
                 else:
                     buf = got
-                self.frames.append((req, buf, tag, length, drop,
-                                    self._pipes.get(sender_of(tag))))
+                self.frames.append((req, buf, tag, length, drop, self._pipes.get(sender),
+                                    sender))
         if self.frames:
             # A large frame (rendezvous) completes after a small one sent
             # behind it; frames are delivered in the order each sender sent
@@ -161,8 +166,7 @@ class Receiver:
             seen = 0
             try:
                 for entry in frames:
-                    req, buf, tag, length, drop, pipe = entry
-                    sender = sender_of(tag)
+                    req, buf, tag, length, drop, _, sender = entry
                     seen += 1  # first: an entry is never handled twice
                     if sender in waiting or not req.done:
                         waiting.add(sender)
@@ -174,7 +178,7 @@ class Receiver:
                     elif drop:
                         self.dropped(tag, length, drop)
                     elif req.error() is None:
-                        self.on_frame(tag, buf)
+                        self.on_frame(tag, buf, sender)
             finally:
                 # Whatever ends this turn (a BaseException from a callback,
                 # which the handlers' ``except Exception`` lets through),
@@ -182,15 +186,17 @@ class Receiver:
                 self.frames[:0] = still + frames[seen:]
         return busy
 
-    def unwanted(self, tag: int, length: int) -> str | None:
+    def unwanted(self, tag: int, length: int, sender: int | None = None) -> str | None:
         """Why a probed frame is not worth receiving, judged before a byte of
         it is read: anyone can send to a worker, and a receive buffer of the
-        size claimed would let them fill our memory."""
+        size claimed would let them fill our memory.  ``sender``: the id
+        ``tag`` claims, where the caller has it."""
         if length > self.limits.max_frame_bytes:
             return f"exceeds max_frame_bytes={self.limits.max_frame_bytes}"
-        if kind_of(tag) == HANDSHAKE:
+        if tag >> KIND_SHIFT == HANDSHAKE:
             return "too large for a handshake" if length > MAX_HANDSHAKE_FRAME else None
-        sender = sender_of(tag)
+        if sender is None:
+            sender = sender_of(tag)
         pipe = self._pipes.get(sender)
         if pipe is None:
             return "from an unknown worker id"
@@ -214,10 +220,12 @@ class Receiver:
         logger.warning("dropped a %d-byte frame claiming to be from worker id %d: %s",
                        length, sender_of(tag), why)
 
-    def on_frame(self, tag: int, buf: np.ndarray) -> None:
-        """A whole frame arrived on ``tag``: act on it, or count why not."""
-        sender = sender_of(tag)
-        kind = kind_of(tag)
+    def on_frame(self, tag: int, buf: np.ndarray, sender: int | None = None) -> None:
+        """A whole frame arrived on ``tag`` (from the worker id ``sender``
+        claims, where the caller has it): act on it, or count why not."""
+        if sender is None:
+            sender = sender_of(tag)
+        kind = tag >> KIND_SHIFT  # (tags.py's kind_of, inline)
         pipe = self._pipes.get(sender)
         if kind == HANDSHAKE and peek_kind(buf) == FrameKind.HELLO:
             pipe = self._adopt(sender, pipe)
@@ -473,7 +481,7 @@ class Receiver:
         # the next generation) and is judged on its own.
         frames = []
         for entry in self.frames:
-            req, _, tag, _, _, of = entry
+            req, _, tag, _, _, of, _ = entry
             if of is pipe and kind_of(tag) != HANDSHAKE:
                 cancelled += self._worker.cancel(req)
                 taken.append((req, None))

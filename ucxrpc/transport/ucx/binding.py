@@ -271,9 +271,9 @@ class Worker:
         self._ucp = ucp()
         self._handle = int(self.raw.handle)
         check_thread_mode(self._ucp.thread_mode(self._handle))
-
-    def progress(self) -> None:
-        self.raw.progress()
+        #: ``progress()``: ucxx's own, bound here rather than wrapped (the
+        #: loop calls it once or more a turn; issue 52).
+        self.progress: Callable[[], Any] = self.raw.progress
 
     def spinner(self, tag: int, mask: int) -> Callable[[int, float, float], tuple[int, int, float]]:
         """The native spin (``ucp_spin``, csrc/ucp.c) on this worker, looking
@@ -294,6 +294,11 @@ class Worker:
     def recv_probed(self, buf: np.ndarray, probe: Probe) -> Request:
         """Receive a probed message into host array ``buf``."""
         return self._ucp.receive(self._handle, buf, probe.raw)
+
+    def taker(self, tag: int, mask: int, small: int) -> Callable[[], list[Taken] | None]:
+        """:meth:`take` of ``tag``/``mask``/``small`` as one native call
+        without arguments (the receiver takes once a turn)."""
+        return functools.partial(self._ucp.take, self._handle, tag, mask, small, _frame_buffer)
 
     def take(self, tag: int, mask: int, small: int) -> list[Taken] | None:
         """Every message matching ``tag``/``mask`` off the unexpected queue,
