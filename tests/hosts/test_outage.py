@@ -153,7 +153,7 @@ def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path
         # sends on worker1 (Run AO).  At most one 1 MiB call the peer was
         # sending as the link went may stay held until the heal: a receive
         # UCX matched to its first fragments cannot be cancelled, and ends
-        # when the old connection does (2 of 25 runs, 2026-11-29).
+        # when the old connection does (3 of 28 runs, 2026-11-29).
         assert quiet[rank]["retired_bytes"] <= PAYLOAD.nbytes, quiet[rank]
         # After the heal nothing of the outage is held.
         assert res["after_heal"]["retired_requests"] == 0, res["after_heal"]

@@ -275,7 +275,7 @@ def ucx_environment(transports: Sequence[str] | None, host_timeout: float = 10.0
         # (Transport._let_go_of_endpoint): its iterator is left on the freed
         # endpoint (openucx/ucx#11217).  tests/hosts/test_outage.py's worker
         # died of SIGSEGV in ucp_worker_progress in 3 of 7 runs with a 1 s
-        # interval, in none of 12 with it off (docs/ucx-notes.md, pitfall
+        # interval, in none of 31 with it off (docs/ucx-notes.md, pitfall
         # 22).  The sockets' own TCP keepalive below stays.
         "UCX_KEEPALIVE_INTERVAL": "inf",
         "UCX_TCP_KEEPIDLE": f"{idle}s",
