@@ -126,8 +126,7 @@ class Receiver:
         self._grants = grants
         self.read_bytes = 0
         #: Frames being received: (request, buffer, tag, length, why
-        #: dropped, the sender's pipe when it was probed).
-        # (request, buffer, tag, length, why dropped, pipe, sender id)
+        #: dropped, the sender's pipe when it was probed, the sender's id).
         self.frames: list[tuple[Request, np.ndarray, int, int, str | None, Pipe | None,
                                 int]] = []
         self.refused = 0

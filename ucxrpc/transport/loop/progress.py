@@ -69,9 +69,10 @@ SLEEP_S = 0.1
 #: waits grow to this.  Everything that needs the loop soon wakes it (UCX's
 #: event descriptor, :meth:`ProgressThread.wake` from a caller), so only the
 #: timers lose precision, and they are coarser: UCX's own and the pruning
-#: of ended pipes' requests (1 s).  Each idle turn costs ~0.1-0.25 ms of Python on a slow
-#: host: ten a second were half of an idle agent's CPU, whose peer was
-#: unreachable and who called nobody (2.6 of 4.2 ms/s, 2026-11-29).
+#: of ended pipes' requests (1 s).  Each idle turn costs ~0.1-0.25 ms of
+#: Python on a slow host: ten a second were half of an idle agent's CPU,
+#: whose peer was unreachable and who called nobody (2.6 of 4.2 ms/s,
+#: 2026-11-29).
 IDLE_SLEEP_S = 0.5
 IDLE_AFTER_S = 2.0
 #: How long the progress thread stays parked after a driver left with
