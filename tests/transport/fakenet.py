@@ -94,9 +94,9 @@ class FakeWorker:
         return None
 
     def taker(self, tag: int, mask: int, small: int) -> Any:
-        return functools.partial(self.take, tag, mask, small)
+        return functools.partial(self._take, tag, mask, small)
 
-    def take(self, tag: int, mask: int, small: int) -> list[tuple[int, int, Any, Any]] | None:
+    def _take(self, tag: int, mask: int, small: int) -> list[tuple[int, int, Any, Any]] | None:
         out: list[tuple[int, int, Any, Any]] = []
         while (found := self.probe(tag, mask)) is not None:
             if found.length <= small:

@@ -140,7 +140,6 @@ class _Entry:
     """Where one entry's gradients flow on this worker."""
 
     outputs: list[torch.Tensor]
-    nodes: set[Any] = field(default_factory=set)
     leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # id -> leaf
     accumulators: dict[int, Any] = field(default_factory=dict)     # id(leaf) -> AccumulateGrad
     #: The nodes between the outputs and the leaves: where two entries
@@ -179,7 +178,7 @@ def _walk(outputs: Sequence[torch.Tensor]) -> _Entry:
             entry.leaves[id(t)] = t
         else:
             stack.append(t.grad_fn)
-    seen = entry.nodes
+    seen: set[Any] = set()
     while stack:
         node = stack.pop()
         if node in seen:

@@ -164,14 +164,14 @@ def _scenario(rank, world_size, init_method, name):
         os.close(wake)
     elif name == "take":
         kinds = (1 << 64) - (1 << 60)  # kind 5, any low bits
-        out["none"] = worker.take(TAG, kinds, 1000)
+        out["none"] = worker.taker(TAG, kinds, 1000)()
         small = np.arange(200, dtype=np.uint8)
         big = np.random.default_rng(2).integers(0, 255, 5000, dtype=np.uint8)
         for i, arr in enumerate((small, big, small[:10])):
             sent = ep.tag_send(arr, TAG | (50 + i))
             until(lambda: sent.done)
         taken = []
-        until(lambda: taken.extend(worker.take(TAG, kinds, 1000) or ()) or len(taken) >= 3)
+        until(lambda: taken.extend(worker.taker(TAG, kinds, 1000)() or ()) or len(taken) >= 3)
         (t1, n1, r1, b1), (t2, n2, r2, h2), (t3, n3, r3, b3) = taken
         until(lambda: r1.done and r3.done)
         # In the order sent; the small ones received into byte arrays of
@@ -183,7 +183,7 @@ def _scenario(rank, world_size, init_method, name):
         r2b = worker.recv_taken(buf, h2)
         until(lambda: r2b.done)
         out["large"] = (r2, n2, r2b.error(), bool((buf == big).all()))
-        out["after"] = worker.take(TAG, kinds, 1000)
+        out["after"] = worker.taker(TAG, kinds, 1000)()
 
         # An allocator that fails: the error comes out, and the message is
         # not left behind in UCX (received into nothing).
@@ -196,7 +196,7 @@ def _scenario(rank, world_size, init_method, name):
 
         def fails():
             try:
-                found.append(worker.take(TAG, kinds, 1000))
+                found.append(worker.taker(TAG, kinds, 1000)())
             except MemoryError as exc:
                 found.append(str(exc))
             return found[-1] is not None
@@ -207,7 +207,7 @@ def _scenario(rank, world_size, init_method, name):
         out["broken"] = found[-1]
         for _ in range(100):
             worker.progress()
-        out["left_behind"] = worker.take(TAG, kinds, 1000)
+        out["left_behind"] = worker.taker(TAG, kinds, 1000)()
     else:  # "closed"
         ep.close()
         try:

@@ -101,14 +101,12 @@ class CudaSide:
             pushed.__enter__()
         except (OSError, RuntimeError) as exc:
             logger.warning("UCX may fail to move CUDA memory: %s", exc)
-            failed = f"failed: {exc}"
-        else:
-            try:
-                yield f"cuda:{self.device}"
-            finally:
-                pushed.__exit__()
+            yield f"failed: {exc}"
             return
-        yield failed
+        try:
+            yield f"cuda:{self.device}"
+        finally:
+            pushed.__exit__()
 
     def memory_way(self, loaded: Collection[str]) -> bounce.Way:
         """How this worker's device memory goes to UCX (:func:`.bounce.way`),

@@ -296,18 +296,15 @@ class Worker:
         return self._ucp.receive(self._handle, buf, probe.raw)
 
     def taker(self, tag: int, mask: int, small: int) -> Callable[[], list[Taken] | None]:
-        """:meth:`take` of ``tag``/``mask``/``small`` as one native call
-        without arguments (the receiver takes once a turn)."""
+        """A native call without arguments (the receiver takes once a turn,
+        and a Python wrapper would cost a call each time) that takes every
+        message matching ``tag``/``mask`` off the unexpected queue:
+        ``(sender tag, length, request, buffer)``, the ones of at most
+        ``small`` bytes received into a byte array of their own (they are in
+        UCX's memory already), the larger ones ``(sender tag, length, None,
+        handle)``, to be received with :meth:`recv_taken`.  None where none
+        matched."""
         return functools.partial(self._ucp.take, self._handle, tag, mask, small, _frame_buffer)
-
-    def take(self, tag: int, mask: int, small: int) -> list[Taken] | None:
-        """Every message matching ``tag``/``mask`` off the unexpected queue,
-        in one call: ``(sender tag, length, request, buffer)``, the ones of
-        at most ``small`` bytes received into a byte array of their own (they
-        are in UCX's memory already), the larger ones ``(sender tag, length,
-        None, handle)``, to be received with :meth:`recv_taken`.  None where
-        none matched."""
-        return self._ucp.take(self._handle, tag, mask, small, _frame_buffer)
 
     def recv_taken(self, buf: np.ndarray, handle: Any) -> Request:
         """Receive a message :meth:`take` left to the caller into ``buf``."""
