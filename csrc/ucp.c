@@ -44,6 +44,7 @@ typedef abi_ucs_status_t (*check_status_t)(void *);
 typedef void (*request_free_t)(void *);
 typedef void (*request_cancel_t)(abi_ucp_worker_h, void *);
 typedef const char *(*status_string_t)(abi_ucs_status_t);
+typedef unsigned (*worker_progress_t)(abi_ucp_worker_h);
 
 static struct {
     send_nbx_t send;
@@ -54,6 +55,7 @@ static struct {
     request_free_t free;
     request_cancel_t cancel;
     status_string_t status_string;
+    worker_progress_t worker_progress;
 } ucp;
 
 /* Read-only to UCX, so shared by every thread: host memory (which spares
@@ -483,39 +485,44 @@ static double now_s(void) {
 
 enum { SPIN_FRAME = 0, SPIN_LATE = 1, SPIN_BUDGET = 2, SPIN_WOKEN = 3 };
 
-/* ucp_spin(progress, worker, tag, mask, wake_fd, budget_s, late_s)
+/* ucp_spin(worker, tag, mask, wake_fd, budget_s, late_s)
  *   -> (why, quick yields, the late yield's seconds)
  *
  * What the progress loop's idle turns do while a message is awaited and
- * nothing else is in flight, without a Python call per turn: UCX progress
- * (ucxx's `progress`, so its own callbacks run), a look for a frame
- * matching tag/mask (left where it is: the loop's next turn takes it),
- * a look at the loop's wake descriptor, and the CPU given up (timed) for
- * whoever wants it.  It returns when a frame waits (0), when a yield came
- * back after `late_s` (1: another thread or process wants this core; the
- * strategy decides), when `budget_s` ran out (2), or when someone woke the
- * loop (3: the wake-up is consumed, as the loop's own sleep consumes it).
- * The GIL is released for everything but the progress call.  Measured in
- * Run AM: an idle turn cost ~23 Python calls. */
+ * nothing else is in flight, without a Python call per turn: UCX progress,
+ * a look for a frame matching tag/mask (left where it is: the loop's next
+ * turn takes it), a look at the loop's wake descriptor, and the CPU given
+ * up (timed) for whoever wants it.  It returns when a frame waits (0), when
+ * a yield came back after `late_s` (1: another thread or process wants this
+ * core; the strategy decides), when `budget_s` ran out (2), or when someone
+ * woke the loop (3: the wake-up is consumed, as the loop's own sleep
+ * consumes it).  Measured in Run AM: an idle turn cost ~23 Python calls.
+ *
+ * The progress is libucp's own, not ucxx's `Worker.progress`, so a round
+ * holds the GIL not at all (one release for the whole round, not one for
+ * ucxx's call and one for the rest): ucxx's adds only its delayed
+ * submissions (ucxrpc makes none) and the requests of its own it was asked
+ * to cancel, under a mutex and a hash table's clear every call (Run AP:
+ * ~3% of a no-op's samples).  The loop's turns still call ucxx's, so those
+ * wait at most one budget.  A callback UCX runs from its progress (an
+ * endpoint's error callback into ucxx) takes the GIL itself, as it does on
+ * ucxx's progress thread. */
 static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("ucp_spin", 7);
-    PyObject *progress = args[0];
+    NARGS("ucp_spin", 6);
     void *worker;
     uint64_t tag, mask;
-    if (worker_match(args + 1, &worker, &tag, &mask) < 0) return NULL;
-    int fd = (int)PyLong_AsLong(args[4]);
-    double budget = PyFloat_AsDouble(args[5]), late = PyFloat_AsDouble(args[6]);
+    if (worker_match(args, &worker, &tag, &mask) < 0) return NULL;
+    int fd = (int)PyLong_AsLong(args[3]);
+    double budget = PyFloat_AsDouble(args[4]), late = PyFloat_AsDouble(args[5]);
     if (PyErr_Occurred()) return NULL;
     double start = now_s(), took = 0.0;
     long quick = 0;
     int why = SPIN_BUDGET;
     for (;;) {
-        PyObject *r = PyObject_CallNoArgs(progress);
-        if (!r) return NULL;
-        Py_DECREF(r);
         int found = 0, woken = 0, spent = 0;
         Py_BEGIN_ALLOW_THREADS
         abi_tag_recv_info_t info;
+        ucp.worker_progress(worker);
         found = ucp.probe(worker, tag, mask, 0, &info) != NULL;
         if (!found) {
             uint64_t v;
@@ -583,13 +590,14 @@ static PyObject *py_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_Format(PyExc_ImportError, "cannot load libucs: %s", dlerror());
         return NULL;
     }
-    void *f[8];
-    static const char *const names[7] = {"ucp_tag_send_nbx", "ucp_tag_recv_nbx", "ucp_tag_probe_nb",
+    void *f[9];
+    static const char *const names[8] = {"ucp_tag_send_nbx", "ucp_tag_recv_nbx", "ucp_tag_probe_nb",
                                          "ucp_tag_msg_recv_nbx", "ucp_request_check_status",
-                                         "ucp_request_free", "ucp_request_cancel"};
-    for (int i = 0; i < 7; i++)
+                                         "ucp_request_free", "ucp_request_cancel",
+                                         "ucp_worker_progress"};
+    for (int i = 0; i < 8; i++)
         if (!(f[i] = symbol(lib, names[i], ucp_path))) return NULL;
-    if (!(f[7] = symbol(lib_ucs, "ucs_status_string", ucs_path))) return NULL;
+    if (!(f[8] = symbol(lib_ucs, "ucs_status_string", ucs_path))) return NULL;
     ucp.send = (send_nbx_t)f[0];
     ucp.tag_recv = (tag_recv_nbx_t)f[1];
     ucp.probe = (probe_nb_t)f[2];
@@ -597,7 +605,8 @@ static PyObject *py_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     ucp.check_status = (check_status_t)f[4];
     ucp.free = (request_free_t)f[5];
     ucp.cancel = (request_cancel_t)f[6];
-    ucp.status_string = (status_string_t)f[7];
+    ucp.worker_progress = (worker_progress_t)f[7];
+    ucp.status_string = (status_string_t)f[8];
     Py_INCREF(args[2]);
     Py_XSETREF(failure_fn, args[2]);
     Py_RETURN_NONE;
@@ -654,7 +663,7 @@ PyMethodDef core_ucp_methods[] = {
     {"ucp_cancel", (PyCFunction)(void (*)(void))py_cancel, METH_FASTCALL,
      "ucp_cancel(worker, request) -> 1 if it was in flight, else 0."},
     {"ucp_spin", (PyCFunction)(void (*)(void))py_spin, METH_FASTCALL,
-     "ucp_spin(progress, worker, tag, mask, wake_fd, budget_s, late_s) -> (why, quick "
+     "ucp_spin(worker, tag, mask, wake_fd, budget_s, late_s) -> (why, quick "
      "yields, late seconds): idle turns without Python; why: 0 frame, 1 late yield, "
      "2 budget spent, 3 woken."},
     {"ucp_abi", (PyCFunction)py_abi, METH_NOARGS,

@@ -279,7 +279,7 @@ class Worker:
         """The native spin (``ucp_spin``, csrc/ucp.c) on this worker, looking
         for messages matching ``tag``/``mask``: ``spin(wake_fd, budget_s,
         late_s)``, for :class:`..loop.progress.ProgressThread`."""
-        return functools.partial(self._ucp.spin, self.raw.progress, self._handle, tag, mask)
+        return functools.partial(self._ucp.spin, self._handle, tag, mask)
 
     def arm(self) -> bool:
         """True when armed (sleep is safe); False when events are pending."""
