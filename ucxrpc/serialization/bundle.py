@@ -161,7 +161,8 @@ def _holds_run(x: Any, depth: int) -> bool:
     if depth < _SCAN_DEPTH:
         for v in values:
             cls = type(v)
-            if (cls is tuple or cls is list or cls is dict) and _holds_run(v, depth + 1):
+            # (An empty container holds nothing: most calls' args or kwargs.)
+            if (cls is tuple or cls is list or cls is dict) and v and _holds_run(v, depth + 1):
                 return True
     return False
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import FrameError
 
@@ -31,11 +31,15 @@ class MsgKind(enum.IntEnum):
 _KINDS = {int(k): k for k in MsgKind}
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     kind: MsgKind
     msg_id: int
     flags: int = 0
+
+
+# Builds a Header without its Python __new__: every message's header is
+# decoded on the way to its handler (issue 52).
+_new_header = tuple.__new__
 
 
 def encode(kind: MsgKind, msg_id: int, body: bytes | memoryview, flags: int = 0) -> bytes:
@@ -56,7 +60,7 @@ def decode(payload: memoryview) -> tuple[Header, memoryview]:
     k = _KINDS.get(kind)
     if k is None:
         raise FrameError(f"unknown message kind {kind}")
-    return Header(k, msg_id, flags), payload[HEAD_SIZE:]
+    return _new_header(Header, (k, msg_id, flags)), payload[HEAD_SIZE:]
 
 
 def hint(kind: MsgKind, msg_id: int) -> int:

@@ -664,7 +664,8 @@ class Serializer:
             raise SerializationError(f"cannot unpickle message: {type(exc).__name__}: {exc}") from exc
         finally:
             _LOCAL.loader = outer
-        loader.finish()
+        if buffers:  # (without any, none is left unused: a call fewer a no-op)
+            loader.finish()
         return obj
 
     def _acquire_pickler(self) -> _MessagePickler:

@@ -214,6 +214,7 @@ class Transport:
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
                                   host_timeout=host_timeout, pipes=shared.pipes,
                                   fail=self._lifeline_verdict, back=self._came_back)
+        self._queue_check = self._liveness.queue_check
         #: What peers need to watch this process's lifeline (published).
         self.lifeline = self._liveness.address
         self._loop = progress.ProgressThread(
@@ -446,13 +447,14 @@ class Transport:
         by-address acknowledgement is due.  The loop then spins natively
         (:meth:`.loop.progress.ProgressThread._spun`) instead of turning."""
         return not (self._watch or self._inflight or self._tasks or self._rx.frames
-                    or self._liveness.checking or self._by_address.due)
+                    or self._queue_check.waiting or self._by_address.due)
 
     def _contended(self) -> bool:
         """Whether the loop may not poll now (a contended core, or the
         blocking mode): every frame then costs its receiver a wake-up,
         likely a scheduler slice, and every copy a share of a core."""
-        return not self._loop.strategy.may_poll(time.monotonic())
+        # (may_poll, inline: every frame sent asks)
+        return time.monotonic() < self._loop.strategy.blocked_until
 
     # --------------------------------------------------------------- peers
 
@@ -527,7 +529,8 @@ class Transport:
         busy = self._rx.poll() or busy
         if self._watch or self._inflight:
             busy = self._poll_requests() or busy
-        busy = self._liveness.poll() or busy
+        if self._queue_check.waiting:  # (a plain attribute: no call a turn)
+            busy = self._liveness.poll() or busy
         if self._by_address.due and not busy:
             self._by_address.send_due()
         if self._retired and not busy:

@@ -69,8 +69,10 @@ class Liveness:
         self._lifelines = Lifelines(host_timeout)
         #: What peers need to watch this process's lifeline (published).
         self.address = self._lifelines.address.encode()
-        self._queue = canary.QueueCheck(worker, transports, kind_base(CANARY, my_id),
-                                        self._queue_stuck)
+        #: The check of our shared-memory receive queue; while its
+        #: ``waiting`` holds, the loop's turns :meth:`poll` for its canary.
+        self.queue_check = self._queue = canary.QueueCheck(
+            worker, transports, kind_base(CANARY, my_id), self._queue_stuck)
 
     def start(self) -> None:
         self._lifelines.start()
@@ -156,12 +158,6 @@ class Liveness:
     def stuck(self) -> str | None:
         """Why our receive queue is stuck, or None."""
         return self._queue.stuck
-
-    @property
-    def checking(self) -> bool:
-        """Whether a check of our queue waits for its canary (the loop's
-        turns then look for it)."""
-        return self._queue.state is canary.CheckState.WAITING
 
     def poll(self) -> bool:
         """Look for the canary while a check waits for it (on the loop);

@@ -40,7 +40,9 @@ class SigintGuard:
         self._lock = threading.Lock()
         self._users = 0
         self._previous: Callable[[int, FrameType | None], Any] | None = None
-        self._held: tuple[int, FrameType | None] | None = None
+        #: The SIGINT held back (its handler's arguments), or None: a plain
+        #: attribute, tested between every two turns of a drive.
+        self.held: tuple[int, FrameType | None] | None = None
 
     def install(self) -> bool:
         """Take over SIGINT's Python handler if this is the main thread and
@@ -75,17 +77,13 @@ class SigintGuard:
     def deliver(self) -> None:
         """Hand a held SIGINT to the replaced handler (which raises
         ``KeyboardInterrupt`` by default); cheap when none is held."""
-        held, self._held = self._held, None
+        held, self.held = self.held, None
         if held is not None and self._previous is not None:
             self._previous(*held)
 
-    @property
-    def held(self) -> bool:
-        return self._held is not None
-
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self._holding():
-            self._held = (signum, frame)
+            self.held = (signum, frame)
             return
         previous = self._previous
         if previous is not None:

@@ -108,7 +108,7 @@ def guard() -> bool:
 def unguard(outer: bool) -> None:
     """Leave the section; the outermost one raises a Ctrl-C held meanwhile."""
     _turning.on = outer
-    if not outer:
+    if not outer and _sigint.held is not None:  # (a call fewer a send)
         _sigint.deliver()
 
 
@@ -212,6 +212,7 @@ class ProgressThread:
         #: The last answer of :meth:`decide` (for debug info; read unlocked).
         self.last_why = Why.QUIET
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ident: int | None = None  # the thread's, set as it starts (current)
         self._release_on_exit = False
         self._sigint_counted = False
         self.turns = 0
@@ -224,7 +225,7 @@ class ProgressThread:
     @property
     def current(self) -> bool:
         """Whether the caller runs on this thread."""
-        return threading.current_thread() is self._thread
+        return threading.get_ident() == self._ident
 
     @property
     def owner(self) -> Owner:
@@ -254,7 +255,7 @@ class ProgressThread:
         ``awaited`` says); then the strategy, which may refuse to poll what
         is expected.  The answer is kept in :attr:`last_why`."""
         why = self._expected(idle_s)
-        if why in POLLS and not self.strategy.may_poll(now):
+        if why in POLLS and now < self.strategy.blocked_until:  # (may_poll, inline)
             why = self.strategy.refusal
         self.last_why = why
         return why
@@ -338,7 +339,8 @@ class ProgressThread:
         drive between two turns and raises ``KeyboardInterrupt`` from here
         (interrupts.py).
         """
-        if self._stopping or self.current or getattr(_turning, "on", False):
+        # (current, inline: a drive starts once a call made or served)
+        if self._stopping or threading.get_ident() == self._ident or getattr(_turning, "on", False):
             return False
         _turning.on = True  # first: nothing below may be cut short by Ctrl-C
         try:
@@ -362,7 +364,8 @@ class ProgressThread:
                     self._unpark()
         finally:
             _turning.on = False
-            _sigint.deliver()
+            if _sigint.held is not None:
+                _sigint.deliver()
 
     def _drive(self, done: Callable[[], bool]) -> bool:
         """Turn until ``done()`` (True) or nothing is expected (False).
@@ -375,13 +378,19 @@ class ProgressThread:
         """
         last_event = time.monotonic()
         while not done():
-            if self._stopping or _sigint.held:
+            if self._stopping or _sigint.held is not None:
                 return False
             busy = False
             if self._baton.acquire(blocking=False):
+                # _one_turn, inline: a driver turns two or three times a
+                # call made or served, and a call is most of a turn's cost.
                 try:
                     self.driven_turns += 1
-                    busy = self._one_turn()
+                    self._progress()
+                    busy = self._turn()
+                except Exception:
+                    logger.exception("progress loop error (continuing)")
+                    busy = True
                 finally:
                     self._baton.release()
             now = time.monotonic()
@@ -409,6 +418,7 @@ class ProgressThread:
         return True
 
     def _run(self) -> None:
+        self._ident = threading.get_ident()
         try:
             if self._on_start is not None:
                 self._on_start()

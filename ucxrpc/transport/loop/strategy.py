@@ -29,6 +29,7 @@ nothing of who turns the loop, so it lives apart from the thread that does.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -89,9 +90,15 @@ class Strategy:
     #: What :meth:`may_poll` saying no means.
     refusal = Why.CONTENDED
 
+    #: Until when (``time.monotonic()``) polling is refused: a plain
+    #: attribute, which the loop and every frame sent read without a call
+    #: (issue 52).  Never for the polling strategy, always for the blocking
+    #: one, a back-off's end for the adaptive one.
+    blocked_until = -math.inf
+
     def may_poll(self, now: float) -> bool:
         """Whether to poll the next turn, given that a message is expected."""
-        raise NotImplementedError
+        return now >= self.blocked_until
 
     #: A yield longer than this is one to report (:meth:`spun`): the
     #: native spin returns on it.  Only the adaptive strategy has one.
@@ -114,16 +121,11 @@ class Strategy:
 class Blocking(Strategy):
     mode = Mode.BLOCKING
     refusal = Why.BLOCKING
-
-    def may_poll(self, now: float) -> bool:
-        return False
+    blocked_until = math.inf
 
 
 class Polling(Strategy):
     mode = Mode.POLLING
-
-    def may_poll(self, now: float) -> bool:
-        return True
 
 
 class Adaptive(Strategy):
@@ -151,11 +153,8 @@ class Adaptive(Strategy):
         self.late_s = contended_s
         self._seen = 0  # yields in the current window
         self._late = 0  # late ones among them
-        self._blocked_until = 0.0
+        self.blocked_until = 0.0
         self.contended = 0  # times contention was seen
-
-    def may_poll(self, now: float) -> bool:
-        return now >= self._blocked_until
 
     def yielded(self, now: float, took: float) -> None:
         self._seen += 1
@@ -181,13 +180,13 @@ class Adaptive(Strategy):
         self._seen = self._late = 0
         # Contention again soon after the last back-off: it lasts, so the
         # probing (a few lost slices each time) becomes rarer.
-        recent = now - self._blocked_until < self._backoff
+        recent = now - self.blocked_until < self._backoff
         self._backoff = min(self._backoff * 2, self._max) if recent else self._first
-        self._blocked_until = now + self._backoff
+        self.blocked_until = now + self._backoff
 
     def info(self) -> dict[str, Any]:
         return {"mode": self.mode.value, "contended": self.contended,
-                "blocking_for_s": round(max(0.0, self._blocked_until - time.monotonic()), 3)}
+                "blocking_for_s": round(max(0.0, self.blocked_until - time.monotonic()), 3)}
 
 
 def mode_of(name: Mode | str) -> Mode:

@@ -117,6 +117,9 @@ class QueueCheck:
         self._canary: Canary | None = None
         self._rx: list[Request] = []
         self.state = CheckState.IDLE
+        #: state is WAITING, kept by _move: a plain attribute, as the loop
+        #: tests it every turn (issue 52).
+        self.waiting = False
         self._since = 0.0  # when the canary went out
         self._cause = ""
         self.stuck: str | None = None  # why no local peer can reach us, once so
@@ -127,6 +130,7 @@ class QueueCheck:
         if to not in _MOVES[self.state]:
             raise RuntimeError(f"queue check: no move from {self.state.value} to {to.value}")
         self.state = to
+        self.waiting = to is CheckState.WAITING
 
     def start(self, cause: str) -> None:
         """Send a canary because ``cause`` failed; no-op unless IDLE."""
