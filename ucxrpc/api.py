@@ -204,7 +204,9 @@ def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = N
     what :func:`rpc_async` raises or its future fails with (the remote
     exception with its own type, the remote traceback in its message).
     ``timeout`` as :func:`rpc_async`'s."""
-    agent = _current()
+    agent = _agent  # (_current, inline: a call fewer a call)
+    if agent is None:
+        raise RpcError(_NOT_INITIALIZED)
     return agent.wait(_call(agent, to, func, args, kwargs, timeout, waited=True))
 
 

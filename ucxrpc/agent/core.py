@@ -329,9 +329,10 @@ class RpcAgent:
         self.calls.add(msg_id, fut, to.id, waited)
         try:
             remote = to.id != self.info.id
+            # (cuda_targets is None without CUDA buffers: not asked then)
             self.send_message(to.id, envelope.MsgKind.REQUEST, msg_id, pickled.payload,
-                              pickled.buffers,
-                              self.members.cuda_targets(to.id, pickled) if remote else None)
+                              pickled.buffers, self.members.cuda_targets(to.id, pickled)
+                              if remote and pickled.cuda else None)
             if remote and not waited:
                 self.transport.wake()  # to poll for the reply (see _spin_while)
         except BaseException:

@@ -157,7 +157,7 @@ class Server:
                 f"{type(exc).__name__}: {exc}"))
             return
         targets = None
-        if peer != agent.info.id:
+        if pickled.cuda and peer != agent.info.id:  # (host buffers only: no targets)
             try:
                 targets = agent.members.cuda_targets(peer, pickled, replying=True)
             except RpcError as exc:

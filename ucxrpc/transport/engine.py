@@ -225,6 +225,10 @@ class Transport:
             arm=self._worker.arm, fd=self._worker.fd, strategy=strategy.strategy(progress_mode),
             on_stall=self._liveness.excuse_stall, on_start=self._progress_started,
             spin=self._worker.spinner(*FRAMES), quiet=self._quiet)
+        if self._cuda.device is None:
+            # The host's path (see drive): the loop's own drive, bound over
+            # the method, a call fewer every wait (issue 52).
+            self.drive = self._loop.drive  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ API
 
@@ -553,7 +557,7 @@ class Transport:
         context has one current while it drives
         (:meth:`.cuda.side.CudaSide.drive`); where it cannot, the progress
         thread keeps the work (False)."""
-        if self._cuda.device is None:  # the host's path: no call more per wait
+        if self._cuda.device is None:  # (the host's path, bound over this in __init__)
             return self._loop.drive(done)
         return self._cuda.drive(self._loop.drive, done)
 
