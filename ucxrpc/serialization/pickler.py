@@ -296,6 +296,11 @@ class _MessagePickler(pickle.Pickler):
 
     def __init__(self, serializer: Serializer) -> None:
         self._chunks: list[bytes] = []
+        # The pickler is its own file, and pickle reads ``write`` once, in
+        # __init__ below: the chunk list's own append (C), so a dump's
+        # write is no Python call (issue 52).  The list is therefore kept,
+        # emptied after each dump, never replaced.
+        self.write = self._chunks.append  # type: ignore[method-assign,assignment]
         self._dispatch = serializer._dispatch
         self._hook = serializer._hook
         self._bundling = serializer.bundle
@@ -319,7 +324,8 @@ class _MessagePickler(pickle.Pickler):
 
     def write(self, data: bytes) -> Any:
         # The pickler is its own file: it writes once per dump except for very
-        # large streams, so keeping the chunks avoids a BytesIO copy.
+        # large streams, so keeping the chunks avoids a BytesIO copy.  (Bound
+        # over by the list's append in __init__; here for pickle's protocol.)
         self._chunks.append(data)
 
     def run(self, obj: object) -> tuple[bytes, list[Buffer], bool]:
@@ -335,7 +341,7 @@ class _MessagePickler(pickle.Pickler):
                 buffers = buffers + bundles if buffers else bundles
         finally:
             self.clear_memo()  # do not keep the message's objects alive
-            self._chunks = []
+            self._chunks.clear()  # (the same list: write is its append)
             self._pack = None
             self._inband_left, self._inband_room = self._inband
             self._lone = self._first_alone
