@@ -17,13 +17,13 @@ class _Pool:
     def __init__(self) -> None:
         self.busy = False
 
-    def computing(self) -> bool:
-        return self.busy
+    @property
+    def running(self) -> int:  # WorkerPool's: > 0 while a pool thread runs code
+        return int(self.busy)
 
 
 class _NoCalls:
-    def __bool__(self) -> bool:
-        return False
+    by_id: dict = {}  # CallTable's: no call in flight
 
     def pop(self, msg_id: int) -> None:
         return None  # a reply to a call that timed out: dropped

@@ -208,7 +208,11 @@ class CallTable:
         # outstanding call that outlives the young collections is one more
         # the cyclic garbage collector walks in full collections (see
         # Server.accept); a future is the only one each call needs.
-        self._calls: dict[int, torch.futures.Future | SyncReply] = {}
+        #: The outstanding calls by message id: read it, never write it (the
+        #: table's lock guards writes).  Its truth is "a call is in flight",
+        #: which the loop's polling policy reads every idle turn, without a
+        #: call (issue 52).
+        self.by_id: dict[int, torch.futures.Future | SyncReply] = {}
         self._meta: dict[int, int] = {}
         self._by_peer: dict[int, set[int]] = {}
         self._lock = threading.Lock()
@@ -222,7 +226,7 @@ class CallTable:
         self.timeouts = 0
 
     def __len__(self) -> int:
-        return len(self._calls)
+        return len(self.by_id)
 
     def start(self) -> None:
         self._timer.start()
@@ -230,7 +234,7 @@ class CallTable:
     def add(self, msg_id: int, future: torch.futures.Future | SyncReply, peer: int,
             waited: bool = False) -> None:
         with self._lock:
-            self._calls[msg_id] = future
+            self.by_id[msg_id] = future
             self._meta[msg_id] = peer << 1 | waited
             self._by_peer.setdefault(peer, set()).add(msg_id)
 
@@ -273,7 +277,7 @@ class CallTable:
     def pop(self, msg_id: int) -> Call | None:
         """Take call ``msg_id`` out (None: answered, failed or timed out)."""
         with self._lock:
-            future = self._calls.pop(msg_id, None)
+            future = self.by_id.pop(msg_id, None)
             if future is None:
                 return None
             meta = self._meta.pop(msg_id)
@@ -301,7 +305,7 @@ class CallTable:
         self._closed = True
         with self._timer_cv:
             self._timer_cv.notify()
-        for msg_id in list(self._calls):
+        for msg_id in list(self.by_id):
             self.fail(msg_id, exc)
         self._callbacks.close()
 
@@ -319,7 +323,7 @@ class CallTable:
             with self._timer_cv:
                 now = time.monotonic()
                 wait = 1.0
-                calls = self._calls
+                calls = self.by_id
                 for timeout, q in list(self._deadlines.items()):
                     while q and (q[0][0] <= now or q[0][1] not in calls):
                         _, msg_id = q.popleft()

@@ -360,9 +360,11 @@ class RpcAgent:
         pool thread runs code and a message is likely soon: a reply to a call
         in flight, or the next request of a peer that is calling us.
         """
-        if self._pool.computing():
+        # (computing() and the table's length, read as plain attributes:
+        # the loop asks before every spin and as every drive ends; issue 52)
+        if self._pool.running > 0:
             return Why.COMPUTING
-        if self.calls or time.monotonic() - self._requested_at < CALLED_WITHIN_S:
+        if self.calls.by_id or time.monotonic() - self._requested_at < CALLED_WITHIN_S:
             return Why.AWAITED
         return Why.NOTHING_DUE
 
@@ -525,7 +527,7 @@ class RpcAgent:
     def debug_info(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters, peer_failures=self.members.failures,
                                    timeouts=self.calls.timeouts)
-        out.update({"outstanding_calls": len(self.calls), "pending_requests": self._pool.pending(),
+        out.update({"outstanding_calls": len(self.calls.by_id), "pending_requests": self._pool.pending(),
                     "broken_peers": sorted(self.members.broken()), "state": self.state.value,
                     "armed_deadlines": self.calls.armed()})
         out.update(self.transport.stats())

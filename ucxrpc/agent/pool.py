@@ -145,6 +145,11 @@ class WorkerPool:
         self._waking = 0    # threads woken or started and not yet at the queue
         self._blocked = 0
         self._active = 0  # tasks submitted and not finished
+        #: _active less _blocked, kept beside them under the lock: above 0
+        #: while Python code runs or is about to run on a pool thread
+        #: (:meth:`computing`).  A plain attribute, which the loop's
+        #: polling policy reads every idle turn (issue 52).
+        self.running = 0
         self._closed = False
         self._taken_at = 0.0  # when a thread last took a task
         self._watchdog: threading.Thread | None = None
@@ -163,6 +168,7 @@ class WorkerPool:
             _local.task = (fn, args)
             with self._lock:
                 self._active += 1
+                self.running += 1
                 self._taken_at = time.monotonic()
                 # A second request landing in the same turn is queued: this
                 # thread takes it next, or the watchdog starts another if
@@ -172,6 +178,7 @@ class WorkerPool:
         with self._lock:
             self._tasks.append((fn, args))
             self._active += 1
+            self.running += 1
             if self._active - len(self._tasks) <= self._blocked:
                 self._wake_one()  # no thread runs a task: none would come for it
             else:
@@ -281,6 +288,7 @@ class WorkerPool:
             del item, fn, args
             with self._lock:
                 self._active -= 1
+                self.running -= 1
                 quiet = self._active == self._blocked
             # A thread about to wait in idle_wait polls (or wakes the
             # transport) itself.
@@ -326,7 +334,7 @@ class WorkerPool:
     def computing(self) -> bool:
         """Whether Python code is running or about to run on a pool thread
         (counted from submit: the thread taking a task needs the GIL too)."""
-        return self._active > self._blocked
+        return self.running > 0
 
     def _quiet(self) -> None:
         hook = self.on_quiet
@@ -345,6 +353,7 @@ class WorkerPool:
             return
         with self._lock:
             self._blocked += 1
+            self.running -= 1
             if self._tasks:
                 self._wake_one()  # work queued behind this thread goes on
             quiet = self._active == self._blocked
@@ -355,6 +364,7 @@ class WorkerPool:
         finally:
             with self._lock:
                 self._blocked -= 1
+                self.running += 1
 
     def pending(self) -> int:
         return len(self._tasks)

@@ -211,6 +211,7 @@ class Transport:
                             by_address=self._by_address, grants=self._grants,
                             bounce=self._bounce)
         self._closing = False
+        self._spin_while = spin_while
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
                                   host_timeout=host_timeout, pipes=shared.pipes,
                                   fail=self._lifeline_verdict, back=self._came_back)
@@ -219,9 +220,7 @@ class Transport:
         self.lifeline = self._liveness.address
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
-            in_flight=lambda: bool(self._watch or self._rx.frames),
-            awaited=functools.partial(self._awaited, spin_while),
-            spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
+            expected=self._expected, spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
             arm=self._worker.arm, fd=self._worker.fd, strategy=strategy.strategy(progress_mode),
             on_stall=self._liveness.excuse_stall, on_start=self._progress_started,
             spin=self._worker.spinner(*FRAMES), quiet=self._quiet)
@@ -430,20 +429,29 @@ class Transport:
 
     # ---------------------------------------------------------- the loop's
 
-    def _awaited(self, spin_while: Callable[[], strategy.Why] | None) -> strategy.Why:
-        """Whether polling for a message pays (:attr:`.loop.strategy.Why.AWAITED`),
-        or why not: not while a peer copies what we sent it by address in
-        two halves, on two threads (a polling thread here would take a core
-        that copy runs on: 16 MiB one-way on a quiet host, p50 2.0-4.0 ms
-        polling, 1.7-2.5 ms not).  A read in one call leaves the peer's
-        other core free, and its reply (which says the read is done) is then
-        taken at once.  Nor while a peer may write into our memory in two
-        halves (grants.py), for the same reason.  Then the agent's word
-        (``spin_while``)."""
+    def _expected(self, overdue: bool) -> strategy.Why:
+        """What the loop may expect (:class:`.loop.progress.ProgressThread`'s
+        ``expected``): data in flight (our sends and receives, frames
+        being received) keeps it polling; otherwise nothing once
+        ``overdue``.  Then whether polling for a message pays
+        (:attr:`.loop.strategy.Why.AWAITED`), or why not: not while a peer
+        copies what we sent it by address in two halves, on two threads (a
+        polling thread here would take a core that copy runs on: 16 MiB
+        one-way on a quiet host, p50 2.0-4.0 ms polling, 1.7-2.5 ms not).
+        A read in one call leaves the peer's other core free, and its reply
+        (which says the read is done) is then taken at once.  Nor while a
+        peer may write into our memory in two halves (grants.py), for the
+        same reason.  Then the agent's word (``spin_while``).  One call for
+        all of it: the loop asks before every spin and as every drive ends
+        (issue 52)."""
+        if self._watch or self._rx.frames:
+            return strategy.Why.IN_FLIGHT
+        if overdue:
+            return strategy.Why.QUIET
         if self._sender.holding_split or (self._grants.split_until
                                           and self._grants.split_write_due()):
             return strategy.Why.PEER_COPYING
-        return strategy.Why.AWAITED if spin_while is None else spin_while()
+        return strategy.Why.AWAITED if self._spin_while is None else self._spin_while()
 
     def _quiet(self) -> bool:
         """Whether a turn would only look for a frame: nothing sent or

@@ -30,7 +30,7 @@ from tests.workers import run_workers
 from ucxrpc.transport.loop import progress
 from ucxrpc.transport.loop import strategy as strategies
 from ucxrpc.transport.loop.progress import ProgressThread
-from ucxrpc.transport.loop.strategy import Adaptive, Blocking, Mode, Polling
+from ucxrpc.transport.loop.strategy import Adaptive, Blocking, Mode, Polling, Why
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,12 +132,22 @@ class _Loop:
         self.stalls: list[float] = []  # what on_stall was told
         self.loop = ProgressThread(
             name="test-progress", progress=lambda: None, turn=self._turn,
-            in_flight=lambda: self.expect, awaited=awaited, spin_s=spin_s,
+            expected=self._expected, spin_s=spin_s,
             pending=lambda: self.pending, arm=lambda: True, fd=self.fd,
             strategy=strategy, on_stall=lambda s, now: self.stalls.append(s),
             on_start=self._started,
             spin=spin, quiet=quiet)
         self.started_on: tuple[str, int] | None = None  # thread, turns before it
+        self._awaited = awaited
+
+    def _expected(self, overdue: bool) -> Why:
+        # As the transport answers (Transport._expected): data in flight,
+        # else nothing once overdue, else what ``awaited`` says.
+        if self.expect:
+            return Why.IN_FLIGHT
+        if overdue:
+            return Why.QUIET
+        return Why.AWAITED if self._awaited is None else self._awaited()
 
     def _started(self) -> None:
         self.started_on = (threading.current_thread().name, self.loop.turns)

@@ -15,10 +15,10 @@ whether polling pays, and a driver that may not poll returns to block as
 before while the progress thread takes over again.
 
 The loop itself knows nothing of frames or pipes: the transport hands it a
-``turn`` (one round of work; True if anything happened), ``in_flight``
-(data is moving: poll), ``awaited`` (whether a reply or request is likely
-soon, as a :class:`Why`: poll for up to ``spin_s`` after the last event) and
-``pending`` (work queued for the loop: do not sleep).  UCX progress and
+``turn`` (one round of work; True if anything happened), ``expected``
+(what to expect, as a :class:`Why`: data moving, so poll; else, for up to
+``spin_s`` after the last event, whether a reply or request is likely soon)
+and ``pending`` (work queued for the loop: do not sleep).  UCX progress and
 epoll waits run without the GIL.
 
 A driver's idle turns, while a message is awaited and the transport has
@@ -141,10 +141,14 @@ class ProgressThread:
         name: the thread's name.
         progress: ``worker.progress`` (called first in every turn).
         turn: the rest of a turn; returns True if it handled anything.
-        in_flight: whether data is moving (sends or receives incomplete).
-        awaited: whether a message is likely soon (a reply to a call in
-            flight, say), so that polling for ``spin_s`` after the last
-            event pays: :attr:`Why.AWAITED`, or why not; None: always.
+        expected: ``expected(overdue)``, what the loop may expect:
+            :attr:`Why.IN_FLIGHT` while data is moving (sends or receives
+            incomplete), whatever ``overdue`` says; else :attr:`Why.QUIET`
+            when ``overdue`` (``spin_s`` passed since the last event); else
+            :attr:`Why.AWAITED` where a message is likely soon (a reply to
+            a call in flight, say), so that polling pays, or why not.  One
+            callable, not one per question: the loop asks before every
+            spin and as every drive ends (issue 52).
         spin_s: how long after the last event an awaited message is polled for.
         pending: whether work waits for the loop, so it must not sleep.
         arm: arms the worker's event fd; False if events are already there.
@@ -167,8 +171,7 @@ class ProgressThread:
     """
 
     def __init__(self, *, name: str, progress: Callable[[], None], turn: Callable[[], bool],
-                 in_flight: Callable[[], bool], awaited: Callable[[], Why] | None,
-                 spin_s: float, pending: Callable[[], bool],
+                 expected: Callable[[bool], Why], spin_s: float, pending: Callable[[], bool],
                  arm: Callable[[], bool], fd: int, strategy: Strategy,
                  on_stall: Callable[[float, float], None],
                  on_start: Callable[[], object] | None = None,
@@ -180,8 +183,7 @@ class ProgressThread:
         self._on_start = on_start
         self._progress = progress
         self._turn = turn
-        self._in_flight = in_flight
-        self._awaited = awaited
+        self._expected = expected
         self._spin_s = spin_s
         self._pending = pending
         self._arm = arm
@@ -251,22 +253,13 @@ class ProgressThread:
 
     def decide(self, now: float, idle_s: float) -> Why:
         """Whether the next turn may poll, and why (:data:`POLLS` poll):
-        data in flight; else a message due (idle under ``spin_s``, and what
-        ``awaited`` says); then the strategy, which may refuse to poll what
-        is expected.  The answer is kept in :attr:`last_why`."""
-        why = self._expected(idle_s)
+        what ``expected`` says, idle over ``spin_s`` making it overdue; then
+        the strategy, which may refuse to poll what is expected.  The answer is kept in :attr:`last_why`."""
+        why = self._expected(idle_s >= self._spin_s)
         if why in POLLS and now < self.strategy.blocked_until:  # (may_poll, inline)
             why = self.strategy.refusal
         self.last_why = why
         return why
-
-    def _expected(self, idle_s: float) -> Why:
-        """Whether a message is expected (in flight or due), and why not."""
-        if self._in_flight():
-            return Why.IN_FLIGHT
-        if idle_s >= self._spin_s:
-            return Why.QUIET
-        return Why.AWAITED if self._awaited is None else self._awaited()
 
     def start(self) -> None:
         self._sigint_counted = _sigint.install()
@@ -350,7 +343,7 @@ class ProgressThread:
             handed_back = True
             try:
                 reached = self._drive(done)
-                handed_back = (not reached or self._expected(0.0) in POLLS
+                handed_back = (not reached or self._expected(False) in POLLS
                                or self._pending())
                 return reached
             finally:
