@@ -141,6 +141,10 @@ class Endpoint:
         self._ucp = ucp()
         self._device_ucp = worker.device_ucp
         self._handle = int(self._ep.handle)  # 0 once closed: never sent on after
+        # send_frame bound to the handle, a C call (every message but the
+        # largest leaves through it; issue 52); _end puts back the method,
+        # which refuses, before the handle goes.
+        self.send_frame = functools.partial(self._ucp.send, self._handle)  # type: ignore[method-assign]
         self._ep.set_close_callback(self._closed, cb_args=(on_error,))
 
     @staticmethod
@@ -168,7 +172,8 @@ class Endpoint:
     def send_frame(self, frame: np.ndarray, tag: int) -> Request:
         """Send a frame as :func:`..wire.frame.encode` made it (a fresh,
         writable host byte array) with ``tag``: :meth:`tag_send`'s direct
-        path, without its look at what the buffer is.  Only while open."""
+        path, without its look at what the buffer is.  Only while open: an
+        open endpoint's is libucp's call itself, bound in ``__init__``."""
         if not self._handle:
             raise endpoint_closed()
         return self._ucp.send(self._handle, frame, tag)
@@ -199,6 +204,7 @@ class Endpoint:
         self._end(force=True)
 
     def _end(self, force: bool) -> None:
+        self.__dict__.pop("send_frame", None)  # the method again: it refuses
         self._handle = 0
         try:
             self._ep.remove_close_callback()
