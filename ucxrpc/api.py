@@ -194,8 +194,10 @@ def _call(agent: RpcAgent, to: Any, func: Callable[..., Any], args: tuple[Any, .
         return profiling.call(agent, agent.members.resolve(to), func, tuple(args or ()),
                               dict(kwargs or {}), timeouts.for_call(timeout, agent.default_timeout),
                               waited)
+    # (for_call's commonest answer, inline: a call fewer a call)
     return agent.call(agent.members.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
-                      timeouts.for_call(timeout, agent.default_timeout), waited=waited)
+                      agent.default_timeout if timeout == timeouts.UNSET
+                      else timeouts.for_call(timeout, agent.default_timeout), waited=waited)
 
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,

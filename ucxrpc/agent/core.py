@@ -311,7 +311,7 @@ class RpcAgent:
         Pickling errors raise here with their own type; transport errors
         raise as :class:`RpcError`.
         """
-        if self.closed:
+        if self.state is AgentState.CLOSED:  # (closed, inline: once a call)
             raise ClosedError("RPC agent is shut down")
         finish = None
         if self.hooks.wrap_call is not None:
