@@ -128,20 +128,20 @@ def _capture_sends() -> list[tuple[int, bytes]]:
     """Record every frame this process sends (tag, bytes): an eavesdropper's view."""
     import numpy as np
 
-    from ucxrpc.transport.ucx import binding as ucx
+    from ucxrpc.transport.ucx.ucp import ucp
 
     sent: list[tuple[int, bytes]] = []
+    bindings = ucp()
+    original = bindings.send
 
-    def recording(original):
-        def send(self, buf, tag):
-            if isinstance(buf, np.ndarray) and len(sent) < 32:
-                sent.append((tag if isinstance(tag, int) else int(tag.value), buf.tobytes()))
-            return original(self, buf, tag)
-        return send
+    def send(handle, buf, tag):
+        if isinstance(buf, np.ndarray) and len(sent) < 32:
+            sent.append((tag, buf.tobytes()))
+        return original(handle, buf, tag)
 
-    # Frames with buffers go by tag_send, frames alone by send_frame.
-    ucx.Endpoint.tag_send = recording(ucx.Endpoint.tag_send)
-    ucx.Endpoint.send_frame = recording(ucx.Endpoint.send_frame)
+    # Every host frame leaves through libucp's send, bound per endpoint as
+    # it opens (binding.Endpoint): before the first call to worker1 opens it.
+    bindings.send = send
     return sent
 
 
