@@ -527,7 +527,7 @@ class RpcAgent:
     def debug_info(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters, peer_failures=self.members.failures,
                                    timeouts=self.calls.timeouts)
-        out.update({"outstanding_calls": len(self.calls.by_id), "pending_requests": self._pool.pending(),
+        out.update({"outstanding_calls": len(self.calls), "pending_requests": self._pool.pending(),
                     "broken_peers": sorted(self.members.broken()), "state": self.state.value,
                     "armed_deadlines": self.calls.armed()})
         out.update(self.transport.stats())

@@ -101,7 +101,7 @@ class Server:
         agent.counters["calls_served"] += 1
         try:
             # (annotated, not cast(): typing.cast is a Python call a request)
-            request: tuple[Any, Any, Any] = agent.serializer.loads(body, buffers)  # type: ignore[assignment]
+            request: Any = agent.serializer.loads(body, buffers)
             func, args, kwargs = request
         except Exception as exc:
             self._reply_error(peer, msg_id, undecodable_request(exc, agent.info.name,

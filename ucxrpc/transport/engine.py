@@ -220,7 +220,8 @@ class Transport:
         self.lifeline = self._liveness.address
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
-            expected=self._expected, spin_s=spin_s, pending=lambda: bool(self._tasks or self._inflight),
+            expected=self._expected, spin_s=spin_s,
+            pending=lambda: bool(self._tasks or self._inflight),
             arm=self._worker.arm, fd=self._worker.fd, strategy=strategy.strategy(progress_mode),
             on_stall=self._liveness.excuse_stall, on_start=self._progress_started,
             spin=self._worker.spinner(*FRAMES), quiet=self._quiet)

@@ -254,7 +254,8 @@ class ProgressThread:
     def decide(self, now: float, idle_s: float) -> Why:
         """Whether the next turn may poll, and why (:data:`POLLS` poll):
         what ``expected`` says, idle over ``spin_s`` making it overdue; then
-        the strategy, which may refuse to poll what is expected.  The answer is kept in :attr:`last_why`."""
+        the strategy, which may refuse to poll what is expected.  The
+        answer is kept in :attr:`last_why`."""
         why = self._expected(idle_s >= self._spin_s)
         if why in POLLS and now < self.strategy.blocked_until:  # (may_poll, inline)
             why = self.strategy.refusal
@@ -333,7 +334,8 @@ class ProgressThread:
         (interrupts.py).
         """
         # (current, inline: a drive starts once a call made or served)
-        if self._stopping or threading.get_ident() == self._ident or getattr(_turning, "on", False):
+        if (self._stopping or threading.get_ident() == self._ident
+                or getattr(_turning, "on", False)):
             return False
         _turning.on = True  # first: nothing below may be cut short by Ctrl-C
         try:

@@ -144,7 +144,8 @@ class Endpoint:
         # send_frame bound to the handle, a C call (every message but the
         # largest leaves through it; issue 52); _end puts back the method,
         # which refuses, before the handle goes.
-        self.send_frame = functools.partial(self._ucp.send, self._handle)  # type: ignore[method-assign]
+        self.send_frame = functools.partial(  # type: ignore[method-assign]
+            self._ucp.send, self._handle)
         self._ep.set_close_callback(self._closed, cb_args=(on_error,))
 
     @staticmethod
