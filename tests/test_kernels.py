@@ -60,6 +60,7 @@ def test_unpack_refuses_a_short_buffer():
 
 
 @pytest.mark.gpu
+@pytest.mark.processes  # CuPy's first compile runs `ldconfig -p` (found on an H200)
 def test_pack_unpack_on_the_gpu_matches_the_cpu():
     buf, specs = _roundtrip("cuda")
     cpu_buf, cpu_specs = _roundtrip("cpu")

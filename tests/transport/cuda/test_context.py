@@ -63,8 +63,9 @@ def test_a_transport_without_a_gpu_says_why_it_has_no_context() -> None:
 
 
 class _FakeDriver:
-    """The three driver calls a lent context makes, on a stack of current
-    contexts as the driver keeps one per thread (one thread here)."""
+    """The three driver calls a lent context makes (the ``_v2`` entry points
+    cuda.h names: the bare ones are the pre-CUDA-4 ABI), on a stack of
+    current contexts as the driver keeps one per thread (one thread here)."""
 
     def __init__(self, own: int | None, refuse: bool = False) -> None:
         self.stack = [own] if own else []
@@ -77,13 +78,13 @@ class _FakeDriver:
         ref._obj.value = self.current()
         return 0
 
-    def cuCtxPushCurrent(self, ctx) -> int:
+    def cuCtxPushCurrent_v2(self, ctx) -> int:
         if self.refuse:
             return 201  # CUDA_ERROR_INVALID_CONTEXT
         self.stack.append(ctx)
         return 0
 
-    def cuCtxPopCurrent(self, ref) -> int:
+    def cuCtxPopCurrent_v2(self, ref) -> int:
         self.stack.pop()
         return 0
 

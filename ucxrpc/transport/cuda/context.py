@@ -94,6 +94,20 @@ def _lib() -> ctypes.CDLL:
     return _driver
 
 
+def _push(ctx: ctypes.c_void_p) -> int:
+    """cuCtxPushCurrent as cuda.h names it: the ``_v2`` entry point.  The
+    bare symbol is the pre-CUDA-4 ABI, which the 580 driver (CUDA 13.0)
+    answers with CUDA_ERROR_INVALID_CONTEXT (201) for a primary context:
+    every borrowed context failed on the first GPU run of this code (an
+    H200, 2026-11-29)."""
+    return int(_lib().cuCtxPushCurrent_v2(ctx))
+
+
+def _pop() -> int:
+    """cuCtxPopCurrent_v2, as cuda.h names it (see :func:`_push`)."""
+    return int(_lib().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())))
+
+
 def _primary(device: int) -> ctypes.c_void_p:
     """``device``'s primary context, retained (once per process and device:
     it lives as long as the process, as torch's does)."""
@@ -141,7 +155,7 @@ class Borrowed:
 
     def __enter__(self) -> None:
         if self._always or not self._own():
-            code = _lib().cuCtxPushCurrent(_primary(self._device))
+            code = _push(_primary(self._device))
             if code != 0:
                 raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {code} for "
                                    f"cuda:{self._device}")
@@ -160,7 +174,7 @@ class Borrowed:
     def __exit__(self, *exc: object) -> None:
         if self._pushed:
             self._pushed = False
-            _lib().cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
+            _pop()
 
 
 def private_stream(device: int) -> int:
@@ -173,13 +187,13 @@ def private_stream(device: int) -> int:
         RuntimeError: the CUDA driver refused, naming the call and its code.
     """
     lib, stream = _lib(), ctypes.c_void_p()
-    code = lib.cuCtxPushCurrent(_primary(device))
+    code = _push(_primary(device))
     if code != 0:
         raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {code} for cuda:{device}")
     try:
         code = lib.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING)
     finally:
-        lib.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
+        _pop()
     if code != 0:
         raise RuntimeError(f"cuStreamCreate failed with CUDA error {code} on cuda:{device}")
     return int(stream.value or 0)
