@@ -71,7 +71,7 @@ class Liveness:
         self.address = self._lifelines.address.encode()
         #: The check of our shared-memory receive queue; while its
         #: ``waiting`` holds, the loop's turns :meth:`poll` for its canary.
-        self.queue_check = self._queue = canary.QueueCheck(
+        self.queue_check = canary.QueueCheck(
             worker, transports, kind_base(CANARY, my_id), self._queue_stuck)
 
     def start(self) -> None:
@@ -157,20 +157,20 @@ class Liveness:
     @property
     def stuck(self) -> str | None:
         """Why our receive queue is stuck, or None."""
-        return self._queue.stuck
+        return self.queue_check.stuck
 
     def poll(self) -> bool:
         """Look for the canary while a check waits for it (on the loop);
         whether one does (the loop keeps turning until it comes)."""
-        if self._queue.state is not canary.CheckState.WAITING:
+        if not self.queue_check.waiting:
             return False
-        self._queue.poll()
+        self.queue_check.poll()
         return True
 
     def check_queue(self, cause: str) -> None:
         """A peer may have died mid-copy into our queue: check it (on the loop)."""
         if not self._closing:
-            self._queue.start(cause)
+            self.queue_check.start(cause)
 
     def excuse_stall(self, seconds: float, now: float) -> None:
         """Move the canary's clock on by ``seconds`` we were not listening,
@@ -178,7 +178,7 @@ class Liveness:
         log = logger.warning if seconds > canary.WAIT_S / 2 else logger.debug
         log("progress thread stalled for %.1f s (machine overloaded, or the GIL or a "
             "callback held it)", seconds)
-        self._queue.excuse(seconds, now)
+        self.queue_check.excuse(seconds, now)
 
     def _queue_stuck(self, reason: str) -> None:
         for pipe in list(self._pipes.values()):
@@ -199,9 +199,9 @@ class Liveness:
 
     def close(self) -> None:
         self._closing = True
-        self._queue.close()
+        self.queue_check.close()
 
     def stats(self) -> dict[str, object]:
-        return {"fifo_checks": self._queue.checks, "fifo_stuck": self._queue.stuck,
+        return {"fifo_checks": self.queue_check.checks, "fifo_stuck": self.queue_check.stuck,
                 "lifeline_cuts": self._lifelines.cuts, "lifelines_lost": self._lifelines.losses,
                 "lifelines_back": self._lifelines.returns}
