@@ -841,6 +841,14 @@ def test_a_misaligned_cuda_buffer_is_copied_before_it_is_read(monkeypatch):
 
     def loaded_behind_a_spin() -> float:
         wire = _wire(pickled, offset=1)  # misaligned: loads copies it
+        # The copy's block would otherwise be the last run's copy, freed with
+        # the right values still in it: an unwaited read would see them and
+        # the control could not race (as on an H200, 2026-11-29).  Every free
+        # block of the copy's size is made garbage first (0xFF: NaN).
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        poison = torch.full((wire[0].numel(),), 0xFF, dtype=torch.uint8, device="cuda")
+        del poison
         torch.cuda.synchronize()         # the buffers as the transport hands them up
         torch.cuda._sleep(200_000_000)   # the current stream busy for ~100 ms
         got = loads(pickled.payload, wire)

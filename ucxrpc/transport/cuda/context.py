@@ -220,10 +220,18 @@ def ipc_shareable(device: int) -> tuple[bool, str]:
     probe tensor asks the driver, so a setting made at run time
     (``torch.cuda.memory._set_allocator_settings``) counts as well as
     PYTORCH_CUDA_ALLOC_CONF.  In a worker that never touched CUDA itself the
-    probe is torch's first CUDA allocation there.
+    probe is torch's first CUDA allocation there.  It is made with
+    ``device``'s context pushed, and popped after: the caller is the
+    transport's start, on the user's ``init_rpc`` thread, where torch's lazy
+    initialisation would otherwise bind a context for good (the first GPU
+    run of this code, an H200, 2026-11-29).
+
+    Raises:
+        RuntimeError: the CUDA driver refused to push the context.
     """
     lib = ctypes.CDLL("libcuda.so.1")
-    probe = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", device))
+    with Borrowed(device, always=True):
+        probe = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", device))
     flag = ctypes.c_int(0)
     code = lib.cuPointerGetAttribute(ctypes.byref(flag), _IS_LEGACY_CUDA_IPC_CAPABLE,
                                      ctypes.c_uint64(probe.data_ptr()))
