@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""Where a no-op ``rpc_sync``'s wall time goes, stage by stage, on both sides.
+
+Two processes on this host; rank 0 calls ``rpc_sync(noop)`` ``--calls``
+times after a warm-up.  Both stamp ``time.perf_counter_ns()`` (the same
+CLOCK_MONOTONIC in every process of a host) at the seams of one call:
+
+    caller  rpc_sync entered            (the loop, around the call)
+    caller  request frame sent          Sender._frame_alone entered
+    callee  frame taken off UCX         the Receiver's take returned frames
+    callee  frame handled               Receiver.on_frame entered
+    callee  message to the agent        RpcAgent._on_message entered
+    callee  request served              Server._serve entered (a pool thread)
+    callee  user function               noop entered
+    callee  reply made                  Server._reply entered
+    callee  reply frame sent            Sender._frame_alone entered
+    caller  frame taken, handled, to the agent (as the callee's)
+    caller  reply completed             CallTable.complete entered
+    caller  rpc_sync returned
+
+and prints, per stage (the time from one seam to the next), p10 / p50 /
+p90 in µs over the calls whose every seam was seen in order.  Each seam is a
+wrapper of a method (about 0.5-1 µs each on the project's VM, so the total
+is ~8 µs over an unwrapped call's): compare stages with one another and
+runs of one tree with another, not the total with ``ucxrpc bench``'s
+no-op.  "wire + detect" is UCX's latency plus the waiting side's detection
+(its native spin, then a loop turn up to the take): the stage a faster
+poll could shorten.  The profile before an optimisation, as docs/style.md
+asks; ``calls_per_rpc.py`` counts the calls, this times them.
+
+    python benchmarks/stages.py                  # 3,000 calls, a table
+    python benchmarks/stages.py --calls 500 --json stages.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ucxrpc._launch import free_port, start  # noqa: E402  (after the path)
+
+_ns = time.perf_counter_ns
+#: seam name -> stamps (ns), in this process.
+_STAMPS: dict[str, list[int]] = {k: [] for k in (
+    "take", "frame", "message", "serve", "user", "reply", "send", "complete")}
+
+#: (label, from seam, to seam, side of each seam): the table's rows, in
+#: the order a call passes them.  Sides: "c" caller, "e" callee.
+STAGES = (
+    ("caller: rpc_sync -> request frame sent", ("c", "start"), ("c", "send")),
+    ("wire + callee detects the frame", ("c", "send"), ("e", "take")),
+    ("callee: take -> on_frame", ("e", "take"), ("e", "frame")),
+    ("callee: on_frame -> agent's _on_message", ("e", "frame"), ("e", "message")),
+    ("callee: _on_message -> _serve (pool)", ("e", "message"), ("e", "serve")),
+    ("callee: _serve -> user function", ("e", "serve"), ("e", "user")),
+    ("callee: user function -> _reply", ("e", "user"), ("e", "reply")),
+    ("callee: _reply -> reply frame sent", ("e", "reply"), ("e", "send")),
+    ("wire + caller detects the reply", ("e", "send"), ("c", "take")),
+    ("caller: take -> on_frame", ("c", "take"), ("c", "frame")),
+    ("caller: on_frame -> agent's _on_message", ("c", "frame"), ("c", "message")),
+    ("caller: _on_message -> reply completed", ("c", "message"), ("c", "complete")),
+    ("caller: completed -> rpc_sync returned", ("c", "complete"), ("c", "end")),
+)
+
+
+def noop() -> None:
+    _STAMPS["user"].append(_ns())
+
+
+def _clear() -> None:
+    for stamps in _STAMPS.values():
+        stamps.clear()
+
+
+def _stamps() -> dict[str, list[int]]:
+    return _STAMPS
+
+
+def _stamp_entry(cls: type, name: str, seam: str) -> None:
+    inner = getattr(cls, name)
+    stamps = _STAMPS[seam]
+
+    def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stamps.append(_ns())
+        return inner(self, *args, **kwargs)
+
+    setattr(cls, name, stamped)
+
+
+def _install() -> None:
+    """Wrap the seams, in this process, before the agent starts."""
+    from ucxrpc.agent import calls, core, serving
+    from ucxrpc.transport import receive, send
+
+    _stamp_entry(receive.Receiver, "on_frame", "frame")
+    _stamp_entry(core.RpcAgent, "_on_message", "message")
+    _stamp_entry(serving.Server, "_serve", "serve")
+    _stamp_entry(serving.Server, "_reply", "reply")
+    _stamp_entry(send.Sender, "_frame_alone", "send")
+    _stamp_entry(calls.CallTable, "complete", "complete")
+    # The take is an attribute each Receiver binds (a native call): wrapped
+    # as each one is made.
+    init = receive.Receiver.__init__
+    taken = _STAMPS["take"]
+
+    def init_stamped(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        take = self._take
+
+        def take_stamped() -> Any:
+            got = take()
+            if got is not None:
+                taken.append(_ns())
+            return got
+
+        self._take = take_stamped
+
+    setattr(receive.Receiver, "__init__", init_stamped)
+
+
+def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:
+    import ucxrpc as rpc
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    _install()
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    out = None
+    if rank == 0:
+        for _ in range(warmup):
+            rpc.rpc_sync("worker1", noop)
+        rpc.rpc_sync("worker1", _clear)
+        _clear()
+        begun, ended = [], []
+        for _ in range(calls):
+            begun.append(_ns())
+            rpc.rpc_sync("worker1", noop)
+            ended.append(_ns())
+        caller = {k: list(v) for k, v in _STAMPS.items()}
+        caller.update(start=begun, end=ended)
+        out = {"caller": caller, "callee": rpc.rpc_sync("worker1", _stamps)}
+    rpc.shutdown()
+    return out
+
+
+def stage_times(caller: dict[str, list[int]], callee: dict[str, list[int]]
+                ) -> list[list[int]]:
+    """Per stage, the ns each call spent in it, for the calls whose every
+    seam was found in order: each seam is the first stamp of its kind at
+    or after the previous seam (within the call's own start and end)."""
+    sides = {"c": caller, "e": callee}
+    seams = [STAGES[0][1]] + [stage[2] for stage in STAGES]
+    per_stage: list[list[int]] = [[] for _ in STAGES]
+    for t0, t_end in zip(caller["start"], caller["end"]):
+        at = [t0]
+        for side, seam in seams[1:-1]:
+            stamps = sides[side][seam]
+            i = bisect.bisect_left(stamps, at[-1])
+            if i == len(stamps) or stamps[i] > t_end:
+                break
+            at.append(stamps[i])
+        else:
+            at.append(t_end)
+            for i in range(len(STAGES)):
+                per_stage[i].append(at[i + 1] - at[i])
+    return per_stage
+
+
+def _pct(values: list[int], p: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] / 1000, 1)
+
+
+def table(per_stage: list[list[int]]) -> dict:
+    rows = [{"stage": label, "p10_us": _pct(v, 10), "p50_us": _pct(v, 50), "p90_us": _pct(v, 90)}
+            for (label, _, _), v in zip(STAGES, per_stage) if v]
+    totals = [sum(call) for call in zip(*per_stage)]
+    return {"calls": len(totals), "stages": rows,
+            "total": {"p10_us": _pct(totals, 10), "p50_us": _pct(totals, 50),
+                      "p90_us": _pct(totals, 90)} if totals else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=3000, help="timed calls (default 3,000)")
+    parser.add_argument("--warmup", type=int, default=500, help="calls before (default 500)")
+    parser.add_argument("--json", default=None, help="also write the table here")
+    parser.add_argument("--timeout", type=float, default=300.0, help="whole run (default 300 s)")
+    args = parser.parse_args(argv)
+    port = free_port()
+    with start(_rank, [(r, port, args.calls, args.warmup) for r in range(2)]) as ranks:
+        outcomes = ranks.collect(timeout=args.timeout, failure_grace=10.0)
+    failed = [o for o in outcomes if o.error]
+    for o in failed:
+        print(o.error, file=sys.stderr)
+    value: Any = outcomes[0].value
+    if failed or value is None:
+        return 1
+    result = table(stage_times(value["caller"], value["callee"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"{result['calls']} of {args.calls} calls with every seam seen; µs")
+    print(f"{'stage':44s} {'p10':>7s} {'p50':>7s} {'p90':>7s}")
+    for row in result["stages"]:
+        print(f"{row['stage']:44s} {row['p10_us']:7.1f} {row['p50_us']:7.1f} {row['p90_us']:7.1f}")
+    if result["total"]:
+        t = result["total"]
+        print(f"{'total (wrapped)':44s} {t['p10_us']:7.1f} {t['p50_us']:7.1f} {t['p90_us']:7.1f}")
+    return 0 if result["calls"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
