@@ -181,7 +181,7 @@ class Transport:
         self._watch = shared.watch
         self._sender = Sender(my_id=my_id, limits=limits,
                               host_as_device=self._host_as_device, inflight=shared.inflight,
-                              wake=self.wake, failed=self._send_failed,
+                              wake=self._loop_nudge, failed=self._send_failed,
                               contended=self._contended, bounce=self._bounce)
         self._by_address = ByAddress(sender=self._sender, send=self._send_or_queue,
                                      endpoint=self._endpoint,
@@ -569,6 +569,11 @@ class Transport:
         if self._cuda.device is None:  # (the host's path, bound over this in __init__)
             return self._loop.drive(done)
         return self._cuda.drive(self._loop.drive, done)
+
+    def _loop_nudge(self) -> None:
+        """For a send left in flight (the sender's ``wake``): the loop's
+        :meth:`.loop.progress.ProgressThread.nudge`."""
+        self._loop.nudge()
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         self._tasks.append(fn)

@@ -64,7 +64,8 @@ class Sender:
         host_as_device: the debug switch that treats host buffers as device
             ones (staging.py).
         inflight: where requests still in flight go (the loop's queue).
-        wake: makes the loop turn, for requests left in flight.
+        wake: makes the loop turn, for requests left in flight (the loop's
+            ``nudge``: a progress thread lingering after a driver is left to it).
         failed: ``(pipe, error)`` for a send that failed at once (the pipe
             breaks; called later, not under its lock).
         contended: whether this worker's loop may not poll now (every

@@ -553,6 +553,56 @@ def test_the_progress_thread_takes_over_when_the_driver_leaves(reached):
         lp.close()
 
 
+def test_a_send_in_flight_nudges_the_loop_but_leaves_a_lingering_thread_parked(monkeypatch):
+    # A sender is the driver that just left more often than not, back at
+    # once: woken for its send, the progress thread took the loop and the
+    # GIL in between, once a call (benchmarks/runs/AR.md).  A lingering
+    # thread that long (5 s) shows the difference without timing anything.
+    monkeypatch.setattr(progress, "LINGER_S", 5.0)
+    answered, reached = threading.Event(), threading.Event()
+
+    def done() -> bool:
+        if answered.is_set():
+            reached.set()  # from here on nothing is awaited, as after a reply
+            return True
+        return False
+
+    # A reply awaited until the driver got it, then nothing: the driver
+    # leaves the progress thread lingering (Owner.LINGER), as a caller does.
+    lp = _Loop(Polling(), awaited=lambda: Why.NOTHING_DUE if reached.is_set() else Why.AWAITED,
+               spin_s=30.0)
+    lp.loop.start()
+    try:
+        t, out = _drive_on_thread(lp, done)
+        _wait_for(lambda: lp.loop._parked, "the progress thread to park")
+        answered.set()
+        t.join(10)
+        assert out.get("reached") is True, out
+        assert lp.loop._parked and lp.loop.owner is progress.Owner.LINGER
+        turns = lp.loop.turns
+        lp.loop.nudge()
+        time.sleep(0.2)
+        assert lp.loop._parked and lp.loop.turns == turns, "a nudge unparked the lingering thread"
+        lp.loop.wake()  # a caller that needs the loop turning now gets it
+        _wait_for(lambda: lp.loop.turns > turns, "wake to unpark the progress thread")
+        assert lp.loop.owner is progress.Owner.THREAD
+    finally:
+        lp.close()
+
+
+def test_a_nudge_wakes_a_progress_thread_asleep_in_epoll():
+    lp = _started(Polling(), expect=False)
+    try:
+        _wait_for(lambda: lp.loop.sleeps >= 1 and lp.loop._sleeping, "the loop to sleep")
+        sleeps = lp.loop.sleeps
+        lp.calls.append(lambda: None)  # work only a turn finds
+        lp.loop.nudge()
+        _wait_for(lambda: not lp.calls, "the nudged loop to turn")
+        assert lp.loop.sleeps <= sleeps + 1  # woken, not timed out sleep after sleep
+    finally:
+        lp.close()
+
+
 def test_ctrl_c_in_a_driving_main_thread_waits_for_the_turn_to_end():
     import signal
 
