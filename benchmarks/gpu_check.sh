@@ -18,7 +18,8 @@
 #             init_rpc's thread left as found (tests/rpc/test_cuda_rpc.py),
 #             a partition cutting a 1 GiB device transfer (tests/hosts/
 #             test_outage.py, two network namespaces: needs root, ip and
-#             iptables); percall below compares the two paths' cost
+#             iptables-legacy, carried in .whl/netns-tools where the machine
+#             lacks them); percall below compares the two paths' cost
 #   proto     what UCX picks for ucxrpc's own pipe (UCX_PROTO_INFO=y, probe 1)
 #   perftest  ucx_perftest between two processes, cuda memory, UCX_PROTO_INFO=y:
 #             sm,cuda_copy,cuda_ipc (expect cuda_ipc zero-copy) and
@@ -164,6 +165,9 @@ facts() {
     nvidia-smi
     nvidia-smi topo -m
     uname -a
+    # The Python speed beside every figure (README), and the partition test's tools.
+    "$PY" -m timeit "sum(range(10000))"
+    echo "uid $(id -u); ip: $(command -v ip || echo none); iptables-legacy: $(command -v iptables-legacy || echo none)"
     echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-}"
     "$PY" - <<'EOF'
 import sys
@@ -278,6 +282,13 @@ export -f facts perftest percall floor  # run_step runs them as `bash -c NAME`, 
 
 setup_python
 build_core
+# The partition test's ip and iptables-legacy, carried in .whl/netns-tools
+# (benchmarks/gpu_wheels.sh) for a machine without them (the GPU image has
+# neither, 2026-11-29): wrappers that find their own libraries.
+if ! command -v ip >/dev/null 2>&1 && [ -x "$REPO/.whl/netns-tools/bin/ip" ]; then
+    export PATH="$REPO/.whl/netns-tools/bin:$PATH"
+    echo "ip and iptables-legacy: the carried ones ($REPO/.whl/netns-tools/bin)"
+fi
 echo "report: $REPORT; python: $PY; steps: ${STEPS[*]}"
 for step in "${STEPS[@]}"; do
     case $step in

@@ -10,6 +10,13 @@
 # Then carry ".whl" (the device tool's `carry`); gpu_check.sh installs the
 # wheels offline with `pip --target` into $TMPDIR/ucxrpc-gpu-site when ucxx
 # does not import, and finds py-spy in its bin/.
+#
+# Also, in .whl/netns-tools/ (~5 MB, where apt-get and dpkg-deb are here):
+# iproute2 and iptables-legacy, which the GPU image (Ubuntu 24.04) lacks and
+# the partition test needs (tests/hosts/test_outage.py, two network
+# namespaces).  Debian 12's packages and the libraries they link are unpacked
+# there, behind wrappers in its bin/ that set the library path for
+# themselves alone; gpu_check.sh puts bin/ on PATH where `ip` is missing.
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
@@ -25,3 +32,40 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 # py-spy is one static binary in a py3-none wheel.
 python3 -m pip download -q --no-deps --only-binary=:all: "${platforms[@]}" -d .whl 'py-spy>=0.4'
 du -sh .whl
+
+# The partition test's tools (see above).  Debian 12 binaries run on a newer
+# glibc (Ubuntu 24.04's 2.39); every library they link beyond glibc's own is
+# carried, so nothing of the machine's is assumed but the kernel's netns,
+# veth and legacy iptables support (the check says which is missing).
+tools=.whl/netns-tools
+if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
+  rm -rf "$tools"
+  mkdir -p "$tools/debs" "$tools/root" "$tools/bin"
+  # iproute2's ip and iptables' legacy binary, and what `ldd` shows they
+  # link beyond glibc (libbsd and libmd too: not in every minimal image).
+  (cd "$tools/debs" && apt-get download -q iproute2 iptables libbpf1 libelf1 libmnl0 libcap2 \
+     zlib1g libbsd0 libmd0 libxtables12 libip4tc2 libip6tc2 >/dev/null 2>&1)
+  for deb in "$tools"/debs/*.deb; do dpkg-deb -x "$deb" "$tools/root"; done
+  rm -rf "$tools/debs"
+  # Only the two programs, the libraries and iptables' extensions travel
+  # (the device tool carries 64 MiB in all; the wheels take ~54).
+  (cd "$tools/root" && find . \( -type f -o -type l \) \
+     ! -path ./bin/ip ! -path ./usr/sbin/xtables-legacy-multi ! -path ./usr/sbin/iptables-legacy \
+     ! -path './usr/lib/x86_64-linux-gnu/*' ! -path './lib/x86_64-linux-gnu/*' -delete
+   find . -depth -type d -empty -delete)
+  for name in ip:bin/ip iptables-legacy:usr/sbin/iptables-legacy; do
+    cat >"$tools/bin/${name%%:*}" <<WRAP
+#!/bin/sh
+# ${name%%:*} from Debian 12, with the libraries carried beside it (gpu_wheels.sh).
+root=\$(cd "\$(dirname "\$0")/../root" && pwd)
+lib=\$root/usr/lib/x86_64-linux-gnu:\$root/lib/x86_64-linux-gnu
+LD_LIBRARY_PATH=\$lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} \\
+XTABLES_LIBDIR=\$root/usr/lib/x86_64-linux-gnu/xtables \\
+exec "\$root/${name#*:}" "\$@"
+WRAP
+    chmod +x "$tools/bin/${name%%:*}"
+  done
+  du -sh "$tools"
+else
+  echo "no apt-get/dpkg-deb here: $tools not made (the partition test stays unrun on a GPU machine without ip)"
+fi
