@@ -503,8 +503,8 @@ enum { SPIN_FRAME = 0, SPIN_LATE = 1, SPIN_BUDGET = 2, SPIN_WOKEN = 3 };
  * ucxx's call and one for the rest): ucxx's adds only its delayed
  * submissions (ucxrpc makes none) and the requests of its own it was asked
  * to cancel, under a mutex and a hash table's clear every call (Run AP:
- * 2.2% of a no-op's samples, its mutex besides).  The loop's turns still call ucxx's, so those
- * wait at most one budget.  A callback UCX runs from its progress (an
+ * 2.2% of a no-op's samples, its mutex besides).  The loop's turns still
+ * call ucxx's, so those wait at most one budget.  A callback UCX runs from its progress (an
  * endpoint's error callback into ucxx) takes the GIL itself, as it does on
  * ucxx's progress thread. */
 static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

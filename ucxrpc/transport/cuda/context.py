@@ -186,14 +186,9 @@ def private_stream(device: int) -> int:
     Raises:
         RuntimeError: the CUDA driver refused, naming the call and its code.
     """
-    lib, stream = _lib(), ctypes.c_void_p()
-    code = _push(_primary(device))
-    if code != 0:
-        raise RuntimeError(f"cuCtxPushCurrent failed with CUDA error {code} for cuda:{device}")
-    try:
-        code = lib.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING)
-    finally:
-        _pop()
+    stream = ctypes.c_void_p()
+    with Borrowed(device, always=True):
+        code = _lib().cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING)
     if code != 0:
         raise RuntimeError(f"cuStreamCreate failed with CUDA error {code} on cuda:{device}")
     return int(stream.value or 0)
@@ -229,7 +224,7 @@ def ipc_shareable(device: int) -> tuple[bool, str]:
     Raises:
         RuntimeError: the CUDA driver refused to push the context.
     """
-    lib = ctypes.CDLL("libcuda.so.1")
+    lib = _lib()
     with Borrowed(device, always=True):
         probe = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", device))
     flag = ctypes.c_int(0)
