@@ -35,6 +35,10 @@ def _traced(rank, world_size, init_method):
     agent_log = logging.getLogger("ucxrpc.agent")
     agent_log.addHandler(records)
     agent_log.setLevel(logging.INFO)
+    if rank == 1:
+        # Before init_rpc: w0's calls can be served while w1's init_rpc is
+        # still returning, and _lines must find the handler then.
+        _HANDLER.append(records)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size,
                  rpc_backend_options=rpc.UcxRpcBackendOptions(init_method=init_method))
     if rank == 0:
@@ -53,7 +57,6 @@ def _traced(rank, world_size, init_method):
         theirs = rpc.rpc_sync("w1", _lines)
         out = (quiet, traced, theirs)
     else:
-        _HANDLER.append(records)
         out = None
     rpc.shutdown()
     return out
