@@ -18,6 +18,9 @@ int core_parse(const char *func, const char *const *names, Py_ssize_t nnames,
 extern PyMethodDef core_frame_methods[];
 int core_frame_init(PyObject *module);
 
+/* timer.c */
+extern PyMethodDef core_timer_methods[];
+
 /* ucp.c */
 extern PyMethodDef core_ucp_methods[];
 int core_ucp_init(PyObject *module);

@@ -50,7 +50,8 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module_def);
     if (!m) return NULL;
-    if (PyModule_AddFunctions(m, core_ucp_methods) < 0 || core_frame_init(m) < 0 ||
+    if (PyModule_AddFunctions(m, core_ucp_methods) < 0 ||
+        PyModule_AddFunctions(m, core_timer_methods) < 0 || core_frame_init(m) < 0 ||
         core_ucp_init(m) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -553,6 +553,46 @@ def test_the_progress_thread_takes_over_when_the_driver_leaves(reached):
         lp.close()
 
 
+def test_the_parked_thread_sleeps_through_a_drive_and_its_linger_timer_resumes_it(monkeypatch):
+    # The parked thread used to wake every LINGER_S to look: three to four
+    # times a 16 MiB call across two hosts, each wake-up preempting a thread
+    # that moved the data (benchmarks/runs/AS.md).  Now only the linger
+    # timer, armed as the driver leaves, ends its wait; with the safety net
+    # out of reach (30 s), nothing else could.
+    monkeypatch.setattr(progress, "PARK_CHECK_S", 30.0)
+    answered, reached = threading.Event(), threading.Event()
+
+    def done() -> bool:
+        if answered.is_set():
+            reached.set()  # from here on nothing is awaited, as after a reply
+            return True
+        return False
+
+    # Data in flight while the driver drives; then nothing at all once it
+    # has its answer: it leaves the progress thread lingering.  (Nothing
+    # expected before the driver saw its answer would end its drive there.)
+    lp = _Loop(Polling(), awaited=lambda: Why.NOTHING_DUE if reached.is_set() else Why.AWAITED,
+               spin_s=30.0)
+    lp.expect = True
+    lp.loop.start()
+    try:
+        t, out = _drive_on_thread(lp, done)
+        _wait_for(lambda: lp.loop._parked, "the progress thread to park")
+        wakes = lp.loop.park_wakes
+        time.sleep(0.2)  # a hundred LINGER_S
+        assert lp.loop.park_wakes == wakes, "the parked thread woke while the driver drove"
+        lp.expect = False
+        answered.set()
+        t.join(10)
+        assert out.get("reached") is True, out
+        assert lp.loop.owner in (progress.Owner.LINGER, progress.Owner.THREAD)
+        lp.fire()
+        assert lp.seen.wait(10), "the linger timer did not resume the progress thread"
+        assert lp.seen_on == "test-progress" and lp.loop.owner is progress.Owner.THREAD
+    finally:
+        lp.close()
+
+
 def test_a_send_in_flight_nudges_the_loop_but_leaves_a_lingering_thread_parked(monkeypatch):
     # A sender is the driver that just left more often than not, back at
     # once: woken for its send, the progress thread took the loop and the

@@ -53,6 +53,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..._core import timer_arm, timer_new
 from ..._states import StateEnum
 from .interrupts import SigintGuard
 from .strategy import POLLS, Strategy, Why
@@ -80,7 +81,12 @@ IDLE_AFTER_S = 2.0
 #: it waited for): the same thread is likely back within microseconds, and
 #: waking the progress thread in between would take the core and the GIL
 #: from it.  Also the longest a message nobody waits for can wait then.
+#: A one-shot timer measures it (``timer_arm`` in csrc/timer.c): the parked
+#: thread sleeps through a drive however long it lasts.
 LINGER_S = 0.002
+#: The parked thread's longest wait all the same: a safety net only (the
+#: linger timer or a wake-up ends every wait that matters).
+PARK_CHECK_S = 0.1
 #: A turn longer than this means the loop was not listening (an overloaded
 #: machine, the GIL held elsewhere, a slow callback).
 STALL_S = 0.5
@@ -202,6 +208,15 @@ class ProgressThread:
         self._park_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._park_poll = select.epoll()
         self._park_poll.register(self._park_fd, select.EPOLLIN)
+        # Armed as a driver leaves the loop to linger, disarmed as the next
+        # one takes it (_hand): it ends the parked thread's wait when the
+        # lingering ran out, so the thread need not wake to look meanwhile.
+        # It used to wake every LINGER_S: three to four times a 16 MiB call
+        # across two hosts on each side, each wake-up preempting the thread
+        # that moved the data, ~25% of the call (benchmarks/runs/AS.md).
+        self._linger_fd = timer_new()
+        self._linger_armed = False
+        self._park_poll.register(self._linger_fd, select.EPOLLIN)
         self._baton = threading.Lock()  # held for a turn, by whoever turns
         self._owner_lock = threading.Lock()  # held to move _owner (_hand)
         self._owner = Owner.THREAD
@@ -223,6 +238,7 @@ class ProgressThread:
         self.drives = 0
         self.driven_turns = 0
         self.spins = 0
+        self.park_wakes = 0
 
     @property
     def current(self) -> bool:
@@ -246,6 +262,14 @@ class ProgressThread:
                 return False
             if was is Owner.DRIVER:
                 self._driver_left = time.monotonic()
+            if to is Owner.LINGER:
+                timer_arm(self._linger_fd, LINGER_S)
+                self._linger_armed = True
+            elif self._linger_armed:
+                # (A timer that fires anyway only costs the parked thread a
+                # look; one that never fires would leave it parked.)
+                timer_arm(self._linger_fd, 0.0)
+                self._linger_armed = False
             self._driver = driver if to is Owner.DRIVER else None
             self._owner = to
             self._stopping = to is Owner.STOPPED
@@ -295,6 +319,7 @@ class ProgressThread:
             self._park_poll.close()
             os.close(self._wake_fd)
             os.close(self._park_fd)
+            os.close(self._linger_fd)
 
     def wake(self, force: bool = False) -> None:
         """Make the loop turn again now if it sleeps (a few flag tests when
@@ -338,7 +363,8 @@ class ProgressThread:
         return {**self.strategy.info(), "owner": self._owner.value,
                 "poll_decision": self.last_why.value, "turns": self.turns,
                 "sleeps": self.sleeps, "arm_busy": self.arm_busy, "drives": self.drives,
-                "driven_turns": self.driven_turns, "spins": self.spins}
+                "driven_turns": self.driven_turns, "spins": self.spins,
+                "park_wakes": self.park_wakes}
 
     def drive(self, done: Callable[[], bool]) -> bool:
         """Turn the loop on the calling thread until ``done()`` holds, or
@@ -494,14 +520,21 @@ class ProgressThread:
 
     def _park(self) -> None:
         """Wait while another thread drives, and for :data:`LINGER_S` after
-        it left, unless woken."""
+        it left (the linger timer), unless woken."""
         self._parked = True
         try:
             while self._owner is Owner.DRIVER or (
                     self._owner is Owner.LINGER
                     and time.monotonic() - self._driver_left < LINGER_S):
-                if self._park_poll.poll(LINGER_S):
+                events = self._park_poll.poll(PARK_CHECK_S)
+                self.park_wakes += 1
+                if any(fd == self._park_fd for fd, _ in events):
                     break  # woken: work for the loop
+                if events:  # the linger timer: look again
+                    try:
+                        os.read(self._linger_fd, 8)
+                    except BlockingIOError:
+                        pass
         finally:
             self._parked = False
             try:
