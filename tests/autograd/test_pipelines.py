@@ -77,7 +77,7 @@ def test_every_pipeline_of_the_matrix_trains_as_local_math_on_ucxrpc() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fairscale") is None,
-                    reason="needs fairscale: pip install --no-deps fairscale==0.4.13")
+                    reason="needs fairscale (in the test extra): pip install fairscale==0.4.13")
 def test_fairscales_pipelines_train_as_local_math_where_torch_can() -> None:
     cells = _cells("--fairscale")
     assert len(cells) == 3 * 4 * 3 * 2
