@@ -1,11 +1,12 @@
-/* A one-shot timer the progress thread, parked while another thread
- * drives, waits on beside its wake-up descriptor (transport/loop/
- * progress.py, `_park`): a driver that leaves arms it for the lingering
- * time, the next driver disarms it, and the parked thread wakes only when
- * the lingering time ran out with no driver, or when woken.  It used to
- * wake every LINGER_S to look: three to four wake-ups of a 16 MiB call
- * across two hosts on each side, each one preempting a thread moving the
- * data (issue 48).  Python's os module has timerfd from 3.13 only. */
+/* A one-shot timer the progress thread, parked deep while other threads
+ * drive long (a drive outlasted one of its looks), waits on beside its
+ * wake-up descriptor (transport/loop/progress.py, `_park`): a driver that
+ * leaves arms it for the lingering time, the next driver disarms it, and
+ * the parked thread wakes only when the lingering ran out with no driver,
+ * or when woken.  Looking every LINGER_S instead woke it three to four
+ * times a 16 MiB call across two hosts on each side, each wake-up
+ * preempting a thread moving the data (issue 48).  Python's os module has
+ * timerfd from 3.13 only. */
 #include "core.h"
 
 #include <errno.h>

@@ -556,9 +556,9 @@ def test_the_progress_thread_takes_over_when_the_driver_leaves(reached):
 def test_the_parked_thread_sleeps_through_a_drive_and_its_linger_timer_resumes_it(monkeypatch):
     # The parked thread used to wake every LINGER_S to look: three to four
     # times a 16 MiB call across two hosts, each wake-up preempting a thread
-    # that moved the data (benchmarks/runs/AS.md).  Now only the linger
-    # timer, armed as the driver leaves, ends its wait; with the safety net
-    # out of reach (30 s), nothing else could.
+    # that moved the data (benchmarks/runs/AS.md).  Once a drive outlasts a
+    # look, only the linger timer, armed as the driver leaves, ends its
+    # wait; with the safety net out of reach (30 s), nothing else could.
     monkeypatch.setattr(progress, "PARK_CHECK_S", 30.0)
     answered, reached = threading.Event(), threading.Event()
 
@@ -577,7 +577,8 @@ def test_the_parked_thread_sleeps_through_a_drive_and_its_linger_timer_resumes_i
     lp.loop.start()
     try:
         t, out = _drive_on_thread(lp, done)
-        _wait_for(lambda: lp.loop._parked, "the progress thread to park")
+        # One look (LINGER_S) sees the same drive: the thread parks deep.
+        _wait_for(lambda: lp.loop._park_deep, "the progress thread to park deep")
         wakes = lp.loop.park_wakes
         time.sleep(0.2)  # a hundred LINGER_S
         assert lp.loop.park_wakes == wakes, "the parked thread woke while the driver drove"
@@ -589,6 +590,34 @@ def test_the_parked_thread_sleeps_through_a_drive_and_its_linger_timer_resumes_i
         lp.fire()
         assert lp.seen.wait(10), "the linger timer did not resume the progress thread"
         assert lp.seen_on == "test-progress" and lp.loop.owner is progress.Owner.THREAD
+    finally:
+        lp.close()
+
+
+def test_short_drives_leave_the_linger_timer_alone(monkeypatch):
+    # A caller's no-op calls drive for microseconds each: arming the timer
+    # as each left and disarming it as the next came cost two syscalls a
+    # call on each side, ~2 µs each on a VM, one on the call's critical
+    # path (Run AS).  While drives come and go, the parked thread looks
+    # every LINGER_S instead, and the timer is not touched.
+    arms: list[float] = []
+    real = progress.timer_arm
+    monkeypatch.setattr(progress, "timer_arm", lambda fd, s: (arms.append(s), real(fd, s)))
+    lp = _Loop(Polling(), awaited=lambda: Why.NOTHING_DUE)  # each drive leaves it lingering
+    lp.loop.start()
+    try:
+        drives = 0
+        end = time.monotonic() + 0.3  # ~150 looks
+        while time.monotonic() < end:
+            assert lp.loop.drive(lambda: True)
+            drives += 1
+            time.sleep(0.0002)
+        assert lp.loop.drives == drives > 100
+        # (A drive preempted for a whole look may park it deep once: far
+        # from the two a drive of a timer per drive.)
+        assert len(arms) <= drives // 10, (len(arms), drives)
+        lp.fire()
+        assert lp.seen.wait(10), "the progress thread did not resume after the drives"
     finally:
         lp.close()
 

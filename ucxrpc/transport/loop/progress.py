@@ -81,10 +81,11 @@ IDLE_AFTER_S = 2.0
 #: it waited for): the same thread is likely back within microseconds, and
 #: waking the progress thread in between would take the core and the GIL
 #: from it.  Also the longest a message nobody waits for can wait then.
-#: A one-shot timer measures it (``timer_arm`` in csrc/timer.c): the parked
-#: thread sleeps through a drive however long it lasts.
+#: The parked thread looks every LINGER_S while drives come and go; once one
+#: drive lasted a whole look, it sleeps through the drives (a one-shot timer,
+#: ``timer_arm`` in csrc/timer.c, measures the lingering then: see _park).
 LINGER_S = 0.002
-#: The parked thread's longest wait all the same: a safety net only (the
+#: A deep-parked thread's longest wait all the same: a safety net only (the
 #: linger timer or a wake-up ends every wait that matters).
 PARK_CHECK_S = 0.1
 #: A turn longer than this means the loop was not listening (an overloaded
@@ -208,14 +209,19 @@ class ProgressThread:
         self._park_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._park_poll = select.epoll()
         self._park_poll.register(self._park_fd, select.EPOLLIN)
-        # Armed as a driver leaves the loop to linger, disarmed as the next
-        # one takes it (_hand): it ends the parked thread's wait when the
-        # lingering ran out, so the thread need not wake to look meanwhile.
-        # It used to wake every LINGER_S: three to four times a 16 MiB call
-        # across two hosts on each side, each wake-up preempting the thread
-        # that moved the data, ~25% of the call (benchmarks/runs/AS.md).
+        # The linger timer, for a thread parked deep (_park): armed as a
+        # driver leaves the loop to linger, disarmed as the next one takes
+        # it (_hand), it ends the wait when the lingering ran out, so the
+        # thread need not wake to look during long drives.  Looking every
+        # LINGER_S through them woke it three to four times a 16 MiB call
+        # across two hosts on each side, each wake-up preempting a thread
+        # that moved the data, ~25% of the call; arming it for every drive
+        # cost a no-op call two timerfd_settime on each side, ~2 µs each
+        # on a VM, one on its critical path (benchmarks/runs/AS.md).
         self._linger_fd = timer_new()
         self._linger_armed = False
+        self._park_deep = False      # the parked thread waits for the timer
+        self._drive_started = 0.0    # when the current drive took the loop
         self._park_poll.register(self._linger_fd, select.EPOLLIN)
         self._baton = threading.Lock()  # held for a turn, by whoever turns
         self._owner_lock = threading.Lock()  # held to move _owner (_hand)
@@ -262,14 +268,21 @@ class ProgressThread:
                 return False
             if was is Owner.DRIVER:
                 self._driver_left = time.monotonic()
-            if to is Owner.LINGER:
-                timer_arm(self._linger_fd, LINGER_S)
-                self._linger_armed = True
-            elif self._linger_armed:
-                # (A timer that fires anyway only costs the parked thread a
-                # look; one that never fires would leave it parked.)
-                timer_arm(self._linger_fd, 0.0)
-                self._linger_armed = False
+            if self._park_deep:  # (the parked thread sleeps through drives)
+                if to is Owner.LINGER:
+                    # The timer ends its linger.
+                    timer_arm(self._linger_fd, LINGER_S)
+                    self._linger_armed = True
+                    if self._driver_left - self._drive_started < LINGER_S:
+                        # A short drive: back to looks, once the timer has
+                        # woken it (no later driver disarms it: not deep).
+                        self._park_deep = False
+                elif to is Owner.DRIVER and self._linger_armed:
+                    # (One that fires anyway costs the thread a look.)
+                    timer_arm(self._linger_fd, 0.0)
+                    self._linger_armed = False
+            if to is Owner.DRIVER:
+                self._drive_started = time.monotonic()
             self._driver = driver if to is Owner.DRIVER else None
             self._owner = to
             self._stopping = to is Owner.STOPPED
@@ -520,22 +533,40 @@ class ProgressThread:
 
     def _park(self) -> None:
         """Wait while another thread drives, and for :data:`LINGER_S` after
-        it left (the linger timer), unless woken."""
+        it left, unless woken.
+
+        While drives come and go (a caller's no-op calls), the thread looks
+        every LINGER_S, as a timer per drive would cost each call two
+        syscalls; once one drive has lasted a whole look (a large transfer),
+        it parks *deep*: it sleeps until the linger timer, armed as a driver
+        leaves (_hand), says the lingering ran out, or until woken, and
+        looks again after a short drive."""
         self._parked = True
+        seen = self.drives
         try:
             while self._owner is Owner.DRIVER or (
                     self._owner is Owner.LINGER
                     and time.monotonic() - self._driver_left < LINGER_S):
-                events = self._park_poll.poll(PARK_CHECK_S)
+                events = self._park_poll.poll(PARK_CHECK_S if self._park_deep else LINGER_S)
                 self.park_wakes += 1
                 if any(fd == self._park_fd for fd, _ in events):
                     break  # woken: work for the loop
-                if events:  # the linger timer: look again
+                if events:  # the linger timer: look again, as before
                     try:
                         os.read(self._linger_fd, 8)
                     except BlockingIOError:
                         pass
+                    with self._owner_lock:
+                        self._linger_armed = False
+                        self._park_deep = False
+                elif not self._park_deep:
+                    with self._owner_lock:  # (a driver leaving reads it under it)
+                        if self._owner is Owner.DRIVER and self.drives == seen:
+                            self._park_deep = True  # one drive lasted a look
+                    seen = self.drives
         finally:
+            with self._owner_lock:
+                self._park_deep = False
             self._parked = False
             try:
                 os.eventfd_read(self._park_fd)
