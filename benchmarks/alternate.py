@@ -147,24 +147,12 @@ def main() -> None:
         return
     import tempfile
 
-    from ucxrpc.bench import simhosts
-    from ucxrpc.bench.netns import Hosts
+    from _twohosts import run_ranks
 
-    with tempfile.TemporaryDirectory() as tmp, Hosts(tag="ucxl") as hosts:
+    with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "calls.json")
-        doc = {"kind": "netns", "machine": os.uname().nodename, "command": "alternate",
-               "link": "veth", "hosts": []}
-        procs = []
-        for host in hosts.hosts:
-            env = simhosts.rank_env(hosts, host, doc)
-            env.pop(simhosts.ENV, None)  # not a bench rank
-            procs.append(hosts.popen(host, [sys.executable, os.path.abspath(__file__), "--rank",
-                                            "--size", str(size), "--calls", str(args.calls),
-                                            "--out", out_path], env=env))
-        for p in procs:
-            p.wait(timeout=600)
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"a rank failed ({[p.returncode for p in procs]})")
+        run_ranks("ucxl", [sys.executable, os.path.abspath(__file__), "--rank", "--size",
+                           str(size), "--calls", str(args.calls), "--out", out_path])
         with open(out_path) as f:
             result = json.load(f)
     raw, ours = result["raw_s"], result["ucxrpc_s"]

@@ -158,24 +158,12 @@ def _size(text: str) -> int:
 
 
 def _one(impl: str, size: int, calls: int, tmp: str) -> dict[str, Any]:
-    from ucxrpc.bench import simhosts
-    from ucxrpc.bench.netns import Hosts
+    from _twohosts import run_ranks
 
     out_path = os.path.join(tmp, f"{impl.replace(' ', '_')}.json")
-    with Hosts(tag="ucxw") as hosts:
-        doc = {"kind": "netns", "machine": os.uname().nodename, "command": "switches",
-               "link": "veth", "hosts": []}
-        procs = []
-        for host in hosts.hosts:
-            env = simhosts.rank_env(hosts, host, doc)
-            env.pop(simhosts.ENV, None)  # not a bench rank
-            argv = [sys.executable, os.path.abspath(__file__), "--rank-of", impl,
-                    "--size", str(size), "--calls", str(calls), "--out", out_path]
-            procs.append(hosts.popen(host, argv, env=env))
-        for p in procs:
-            p.wait(timeout=300)
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"{impl}: a rank failed ({[p.returncode for p in procs]})")
+    run_ranks("ucxw", [sys.executable, os.path.abspath(__file__), "--rank-of", impl,
+                       "--size", str(size), "--calls", str(calls), "--out", out_path],
+              timeout_s=300)
     with open(out_path) as f:
         return json.load(f)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Callable
 
 import pytest
 
@@ -553,13 +554,12 @@ def test_the_progress_thread_takes_over_when_the_driver_leaves(reached):
         lp.close()
 
 
-def test_the_parked_thread_sleeps_through_a_drive_and_its_linger_timer_resumes_it(monkeypatch):
-    # The parked thread used to wake every LINGER_S to look: three to four
-    # times a 16 MiB call across two hosts, each wake-up preempting a thread
-    # that moved the data (benchmarks/runs/AS.md).  Once a drive outlasts a
-    # look, only the linger timer, armed as the driver leaves, ends its
-    # wait; with the safety net out of reach (30 s), nothing else could.
-    monkeypatch.setattr(progress, "PARK_CHECK_S", 30.0)
+def _answered_loop() -> tuple[_Loop, threading.Event, Callable[[], bool]]:
+    """A loop, the event that answers its driver, and the driver's ``done``:
+    a reply is awaited until the driver itself saw the answer, nothing after
+    it, so the driver leaves the progress thread lingering (Owner.LINGER),
+    as a caller does.  (Nothing awaited before the driver saw its answer
+    would end its drive there.)"""
     answered, reached = threading.Event(), threading.Event()
 
     def done() -> bool:
@@ -568,12 +568,20 @@ def test_the_parked_thread_sleeps_through_a_drive_and_its_linger_timer_resumes_i
             return True
         return False
 
-    # Data in flight while the driver drives; then nothing at all once it
-    # has its answer: it leaves the progress thread lingering.  (Nothing
-    # expected before the driver saw its answer would end its drive there.)
     lp = _Loop(Polling(), awaited=lambda: Why.NOTHING_DUE if reached.is_set() else Why.AWAITED,
                spin_s=30.0)
-    lp.expect = True
+    return lp, answered, done
+
+
+def test_the_parked_thread_sleeps_through_a_drive_and_its_linger_timer_resumes_it(monkeypatch):
+    # The parked thread used to wake every LINGER_S to look: three to four
+    # times a 16 MiB call across two hosts, each wake-up preempting a thread
+    # that moved the data (benchmarks/runs/AS.md).  Once a drive outlasts a
+    # look, only the linger timer, armed as the driver leaves, ends its
+    # wait; with the safety net out of reach (30 s), nothing else could.
+    monkeypatch.setattr(progress, "PARK_CHECK_S", 30.0)
+    lp, answered, done = _answered_loop()
+    lp.expect = True  # data in flight while the driver drives
     lp.loop.start()
     try:
         t, out = _drive_on_thread(lp, done)
@@ -628,18 +636,7 @@ def test_a_send_in_flight_nudges_the_loop_but_leaves_a_lingering_thread_parked(m
     # GIL in between, once a call (benchmarks/runs/AR.md).  A lingering
     # thread that long (5 s) shows the difference without timing anything.
     monkeypatch.setattr(progress, "LINGER_S", 5.0)
-    answered, reached = threading.Event(), threading.Event()
-
-    def done() -> bool:
-        if answered.is_set():
-            reached.set()  # from here on nothing is awaited, as after a reply
-            return True
-        return False
-
-    # A reply awaited until the driver got it, then nothing: the driver
-    # leaves the progress thread lingering (Owner.LINGER), as a caller does.
-    lp = _Loop(Polling(), awaited=lambda: Why.NOTHING_DUE if reached.is_set() else Why.AWAITED,
-               spin_s=30.0)
+    lp, answered, done = _answered_loop()
     lp.loop.start()
     try:
         t, out = _drive_on_thread(lp, done)
