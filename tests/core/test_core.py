@@ -129,3 +129,27 @@ def test_the_core_is_the_only_codec():
     assert module.encode is _core.frame_encode
     assert module.decode is _core.frame_decode
     assert module.mac is _core.mac
+
+
+def test_the_linger_timer_fires_once_and_disarms():
+    # The progress thread's linger timer (csrc/timer.c): one expiry after
+    # the time given, none once disarmed; bad arguments named.
+    import select
+
+    fd = _core.timer_new()
+    try:
+        poll = select.epoll()
+        poll.register(fd, select.EPOLLIN)
+        _core.timer_arm(fd, 0.01)
+        assert poll.poll(10)  # it fired
+        assert int.from_bytes(os.read(fd, 8), sys.byteorder) == 1
+        _core.timer_arm(fd, 0.01)
+        _core.timer_arm(fd, 0.0)  # disarmed before it fires
+        assert not poll.poll(0.05)
+        poll.close()
+        with pytest.raises(ValueError, match="seconds must be >= 0"):
+            _core.timer_arm(fd, -1.0)
+        with pytest.raises(TypeError, match="takes 2 arguments"):
+            _core.timer_arm(fd)  # type: ignore[call-arg]
+    finally:
+        os.close(fd)
