@@ -74,10 +74,6 @@ def consume(t: Any) -> None:
     return None
 
 
-def snapshot() -> dict:
-    return threads()
-
-
 def _ucxrpc_rank(rank: int, size: int, calls: int) -> dict[str, Any] | None:
     import torch
 
@@ -89,12 +85,12 @@ def _ucxrpc_rank(rank: int, size: int, calls: int) -> dict[str, Any] | None:
         x = torch.ones(size, dtype=torch.uint8)
         for _ in range(WARMUP):
             rpc.rpc_sync("worker1", consume, (x,))
-        theirs0, mine0 = rpc.rpc_sync("worker1", snapshot), threads()
+        theirs0, mine0 = rpc.rpc_sync("worker1", threads), threads()
         start = time.perf_counter()
         for _ in range(calls):
             rpc.rpc_sync("worker1", consume, (x,))
         wall = (time.perf_counter() - start) / calls
-        mine1, theirs1 = threads(), rpc.rpc_sync("worker1", snapshot)
+        mine1, theirs1 = threads(), rpc.rpc_sync("worker1", threads)
         out = {"impl": "ucxrpc", "ms_per_call": wall * 1e3,
                "caller": per_call(mine0, mine1, calls), "callee": per_call(theirs0, theirs1, calls)}
     rpc.shutdown()
