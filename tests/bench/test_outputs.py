@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from ucxrpc.bench import _write_files, build_parser
+
+# The first plot of a process builds matplotlib's font cache, which runs
+# fontconfig's `fc-list` where it is installed (a fresh machine with
+# fontconfig: CI's once failed here for it).  Whichever of these tests
+# draws first starts it.
+pytestmark = pytest.mark.processes
 
 DOC = {"machine": {"hostname": "h"}, "config": {"device": "cpu"}, "implementations": ["ucxrpc"],
        "results": {"ucxrpc": [{"one_way": [{"bytes": 4096, "gbps": 1.0, "median_s": 1e-5}],
