@@ -14,6 +14,9 @@ int core_parse(const char *func, const char *const *names, Py_ssize_t nnames,
                Py_ssize_t required, PyObject *const *args, Py_ssize_t nargs,
                PyObject *kwnames, PyObject **out);
 
+/* calls.c */
+int core_calls_init(PyObject *module);
+
 /* frame.c */
 extern PyMethodDef core_frame_methods[];
 int core_frame_init(PyObject *module);

@@ -37,7 +37,7 @@ RANKS: dict[str, int] = {
     "ucxrpc._torch_futures": 0,  # torch.futures.wait_all / collect_all that fail fast
     "ucxrpc._launch": 0,  # starts/stops rank processes for tests, bench, examples: stdlib only
     "ucxrpc._states": 0,  # the base of the state and reason enums (identity hash)
-    "ucxrpc._core": 0,  # the native core (csrc/, C): frames and their MAC; imports nothing of ucxrpc
+    "ucxrpc._core": 0,  # the native core (csrc/, C): frames, libucp calls, the call table; imports nothing of ucxrpc
     # The transport, bottom up (docs/architecture.md, "Layers").
     "ucxrpc.transport.wire": 1,  # frames, tags, auth, batches, gathers: pure codecs
     "ucxrpc.transport.loop": 1,  # who turns the progress loop, and whether it may poll

@@ -1,8 +1,11 @@
 """The calls this worker made and waits for: their futures, by message id
 and by peer, and their deadlines.
 
-Thread-safety: every method may be called from any thread.  A future is
-completed outside the table's locks, since its callbacks may make calls.
+Thread-safety: every method may be called from any thread.  The table
+itself is native and has no lock (``_core.Calls``, csrc/calls.c: each of
+its calls is one step under the GIL; of several threads taking one call
+out, one gets it).  A future is completed outside the timer's condition,
+since its callbacks may make calls.
 
 Where a future completes: completing one runs its callbacks on the
 completing thread, and replies land inside a transport turn (the progress
@@ -26,12 +29,12 @@ import functools
 import sys
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from .. import _torch_futures
+from .._core import Calls
 from .pool import WorkerPool
 from .remote_errors import timeout_error
 
@@ -189,11 +192,12 @@ class Call(NamedTuple):
     waited: bool = False
 
 
-_new_tuple = tuple.__new__
-
-
 class CallTable:
     """Outstanding calls, and the thread that fails them at their deadline.
+
+    The table itself is native (``_core.Calls``, csrc/calls.c: one C call
+    to add a call with its deadline, one to take it out, issue 52); here is
+    what it means: completing futures, the timer thread, the callback pool.
 
     Args:
         name: the worker's name, for thread names.
@@ -203,22 +207,19 @@ class CallTable:
 
     def __init__(self, name: str, callback_threads: int = 16) -> None:
         self._callbacks = WorkerPool(callback_threads, name=f"ucxrpc-callbacks-{name}")
-        # A call's future, and its peer and whether it is waited for as one
-        # int (peer << 1 | waited).  Not a Call per entry: an object per
-        # outstanding call that outlives the young collections is one more
-        # the cyclic garbage collector walks in full collections (see
-        # Server.accept); a future is the only one each call needs.
-        #: The outstanding calls by message id: read it, never write it (the
-        #: table's lock guards writes).  Its truth is "a call is in flight",
-        #: which the loop's polling policy reads every idle turn, without a
-        #: call (issue 52).
-        self.by_id: dict[int, torch.futures.Future | SyncReply] = {}
-        self._meta: dict[int, int] = {}
-        self._by_peer: dict[int, set[int]] = {}
-        self._lock = threading.Lock()
-        # One FIFO per timeout value keeps deadlines sorted for free: a
-        # deque append per call instead of a heap push.
-        self._deadlines: dict[float, deque[tuple[float, int]]] = {}
+        # A call's future, and its peer and whether it is waited for, by
+        # message id; its id in its peer's set; its deadline in the FIFO of
+        # its timeout value (sorted for free: a deque append per call
+        # instead of a heap push, now an array's in C).  No Call object per
+        # entry: an object per outstanding call that outlives the young
+        # collections is one more the cyclic garbage collector walks in full
+        # collections (see Server.accept); a future is the only one each
+        # call needs.
+        self._table = Calls(Call)
+        #: The outstanding calls by message id: read it, never write it.
+        #: Its truth is "a call is in flight", which the loop's polling
+        #: policy reads every idle turn, without a call (issue 52).
+        self.by_id: dict[int, torch.futures.Future | SyncReply] = self._table.by_id
         self._timer_cv = threading.Condition()
         self._closed = False
         self._timer = threading.Thread(target=self._expire, name=f"ucxrpc-timeouts-{name}",
@@ -232,11 +233,51 @@ class CallTable:
         self._timer.start()
 
     def add(self, msg_id: int, future: torch.futures.Future | SyncReply, peer: int,
-            waited: bool = False) -> None:
-        with self._lock:
-            self.by_id[msg_id] = future
-            self._meta[msg_id] = peer << 1 | waited
-            self._by_peer.setdefault(peer, set()).add(msg_id)
+            waited: bool = False, timeout: float | None = None) -> None:
+        """Put call ``msg_id`` in the table, failed with torch's timeout
+        error in ``timeout`` s unless answered first (None: never)."""
+        if self._table.add(msg_id, future, peer, waited, timeout):
+            self._tell_timer()
+
+    def arm(self, msg_id: int, timeout: float) -> None:
+        """Fail call ``msg_id``, added without a timeout, with torch's
+        timeout error in ``timeout`` s, unless it is answered first."""
+        if self._table.arm(msg_id, timeout):
+            self._tell_timer()
+
+    def _tell_timer(self) -> None:
+        # A deadline went into an empty FIFO: the timer thread may be
+        # waiting up to a second with nothing queued.
+        with self._timer_cv:
+            self._timer_cv.notify()
+
+    def armed(self) -> int:
+        """Deadlines held (answered calls' entries included until dropped)."""
+        return self._table.armed()
+
+    def pop(self, msg_id: int) -> Call | None:
+        """Take call ``msg_id`` out (None: answered, failed or timed out);
+        of several threads taking one call out, one gets it."""
+        return self._table.pop(msg_id)
+
+    def fail(self, msg_id: int, exc: BaseException) -> None:
+        call = self._table.pop(msg_id)
+        if call is not None:
+            self.complete(call, exc=exc)
+
+    def fail_peer(self, peer: int, exc: BaseException) -> None:
+        """Fail every call waiting on ``peer``."""
+        for msg_id in self._table.take_peer(peer):
+            self.fail(msg_id, exc)
+
+    def close(self, exc: BaseException) -> None:
+        """Stop the timer and fail what is left with ``exc``; idempotent."""
+        self._closed = True
+        with self._timer_cv:
+            self._timer_cv.notify()
+        for msg_id in list(self.by_id):
+            self.fail(msg_id, exc)
+        self._callbacks.close()
 
     def complete(self, call: Call, value: Any = None, exc: BaseException | None = None) -> None:
         """Complete ``call``'s future with ``value``, or fail it with ``exc``:
@@ -256,91 +297,21 @@ class CallTable:
         else:
             fut.set_exception(exc)
 
-    def arm(self, msg_id: int, timeout: float) -> None:
-        """Fail call ``msg_id`` with torch's timeout error in ``timeout`` s,
-        unless it is answered first."""
-        # Under the timer's lock, which the timer thread takes to compact a
-        # queue (see _expire).
-        entry = (time.monotonic() + timeout, msg_id)
-        with self._timer_cv:
-            q = self._deadlines.get(timeout)
-            if q is None:
-                q = self._deadlines[timeout] = deque()
-            q.append(entry)
-            if len(q) == 1:
-                self._timer_cv.notify()
-
-    def armed(self) -> int:
-        """Deadlines held (answered calls' entries included until dropped)."""
-        return sum(len(q) for q in list(self._deadlines.values()))
-
-    def pop(self, msg_id: int) -> Call | None:
-        """Take call ``msg_id`` out (None: answered, failed or timed out)."""
-        with self._lock:
-            future = self.by_id.pop(msg_id, None)
-            if future is None:
-                return None
-            meta = self._meta.pop(msg_id)
-            peer_calls = self._by_peer.get(meta >> 1)
-            if peer_calls is not None:
-                peer_calls.discard(msg_id)
-        # tuple.__new__ builds the NamedTuple without its Python __new__
-        # (a call fewer on every reply; issue 52).
-        return _new_tuple(Call, (future, meta >> 1, bool(meta & 1)))
-
-    def fail(self, msg_id: int, exc: BaseException) -> None:
-        call = self.pop(msg_id)
-        if call is not None:
-            self.complete(call, exc=exc)
-
-    def fail_peer(self, peer: int, exc: BaseException) -> None:
-        """Fail every call waiting on ``peer``."""
-        with self._lock:
-            ids = list(self._by_peer.pop(peer, ()))
-        for msg_id in ids:
-            self.fail(msg_id, exc)
-
-    def close(self, exc: BaseException) -> None:
-        """Stop the timer and fail what is left with ``exc``; idempotent."""
-        self._closed = True
-        with self._timer_cv:
-            self._timer_cv.notify()
-        for msg_id in list(self.by_id):
-            self.fail(msg_id, exc)
-        self._callbacks.close()
-
     def _expire(self) -> None:
-        """Fail calls whose deadline passed; forget answered ones.
-
-        An answered call's entry would otherwise stay until its deadline:
-        at 20k calls/s with the 60 s default, over a million entries.  So
-        answered entries at a queue's head go at once, and a queue that
-        holds far more entries than calls are outstanding (answered calls
-        queued behind a slow one) is rebuilt without them.
-        """
+        """Fail calls whose deadline passed (the native table finds them,
+        and forgets answered ones' entries: at 20k calls/s with the 60 s
+        default, over a million would wait for their deadline)."""
         while not self._closed:
-            expired: list[tuple[int, float]] = []
             with self._timer_cv:
-                now = time.monotonic()
-                wait = 1.0
-                calls = self.by_id
-                for timeout, q in list(self._deadlines.items()):
-                    while q and (q[0][0] <= now or q[0][1] not in calls):
-                        _, msg_id = q.popleft()
-                        if msg_id in calls:
-                            expired.append((msg_id, timeout))
-                    if len(q) > 2 * len(calls) + 1024:
-                        q = self._deadlines[timeout] = deque(e for e in q if e[1] in calls)
-                    if q:
-                        # Capped: answered entries are dropped soon too.
-                        wait = min(wait, q[0][0] - now, 0.1)
+                expired, wait = self._table.expire(time.monotonic())
                 if not expired:
-                    self._timer_cv.wait(max(wait, 0.0))
+                    self._timer_cv.wait(wait)
             # Failed outside the lock: a future's callbacks may make calls.
             for msg_id, timeout in expired:
-                if msg_id in calls:
+                call = self._table.pop(msg_id)
+                if call is not None:
                     self.timeouts += 1
-                    self.fail(msg_id, timeout_error(timeout))
+                    self.complete(call, exc=timeout_error(timeout))
 
 
 def _settle(fut: torch.futures.Future | SyncReply, value: Any,

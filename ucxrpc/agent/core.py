@@ -326,7 +326,8 @@ class RpcAgent:
         self.counters["calls_sent"] += 1
         if self.members.is_broken(to.id):
             raise self.members.peer_error(to.id)
-        self.calls.add(msg_id, fut, to.id, waited)
+        # With its deadline, before it is sent: the reply may come first.
+        self.calls.add(msg_id, fut, to.id, waited, timeout)
         try:
             remote = to.id != self.info.id
             # (cuda_targets is None without CUDA buffers: not asked then)
@@ -338,8 +339,6 @@ class RpcAgent:
         except BaseException:
             self.calls.pop(msg_id)
             raise
-        if timeout is not None:
-            self.calls.arm(msg_id, timeout)
         if logger.isEnabledFor(logging.DEBUG):  # the per-message trace (docs/style.md)
             logger.debug("%s: call %d to %s: %s (%d buffers, timeout %s)", self.info.name,
                          msg_id, to.name, getattr(func, "__qualname__", func),
