@@ -97,6 +97,27 @@ def _noop() -> None:
     return None
 
 
+class _Hooked(Serializer):
+    def reducer_override(self, obj):
+        return NotImplemented
+
+
+@pytest.mark.parametrize("serializer", [Serializer(), Serializer(bundle=False), _Hooked()],
+                         ids=["default", "no-bundles", "hooked"])
+def test_none_travels_as_pickle_writes_it_whatever_the_serializer(serializer):
+    """A reply of None (every function that returns nothing) skips the
+    pickler and the loader: its bytes must be pickle's own, and a None
+    payload that came with buffers is refused as any payload would be."""
+    pickled = serializer.dumps(None)
+    assert pickled == Pickled(pickle.dumps(None, protocol=5), [], False)
+    assert serializer.loads(memoryview(pickled.payload), []) is None
+    assert serializer.loads(pickled.payload, []) is None
+    with pytest.raises(SerializationError, match="message has 1 buffers but its pickle uses 0"):
+        serializer.loads(pickled.payload, [torch.zeros(4, dtype=torch.uint8)])
+    # Not the same object each time: a sender may keep what it was given.
+    assert serializer.dumps(None) is not pickled
+
+
 def test_noop_message_has_no_buffers():
     pickled = dumps((_noop, (), {}))
     assert pickled.buffers == []
