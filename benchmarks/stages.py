@@ -8,7 +8,7 @@ CLOCK_MONOTONIC in every process of a host) at the seams of one call:
     caller  rpc_sync entered            (the loop, around the call)
     caller  request frame sent          Sender._frame_alone entered
     callee  frame taken off UCX         the Receiver's take returned frames
-    callee  frame handled               Receiver.on_frame entered
+    callee  frame handled               Receiver._message entered
     callee  message to the agent        RpcAgent._on_message entered
     callee  request served              Server._serve entered (a pool thread)
     callee  user function               noop entered
@@ -55,15 +55,15 @@ _STAMPS: dict[str, list[int]] = {k: [] for k in (
 STAGES = (
     ("caller: rpc_sync -> request frame sent", ("c", "start"), ("c", "send")),
     ("wire + callee detects the frame", ("c", "send"), ("e", "take")),
-    ("callee: take -> on_frame", ("e", "take"), ("e", "frame")),
-    ("callee: on_frame -> agent's _on_message", ("e", "frame"), ("e", "message")),
+    ("callee: take -> _message", ("e", "take"), ("e", "frame")),
+    ("callee: _message -> agent's _on_message", ("e", "frame"), ("e", "message")),
     ("callee: _on_message -> _serve (pool)", ("e", "message"), ("e", "serve")),
     ("callee: _serve -> user function", ("e", "serve"), ("e", "user")),
     ("callee: user function -> _reply", ("e", "user"), ("e", "reply")),
     ("callee: _reply -> reply frame sent", ("e", "reply"), ("e", "send")),
     ("wire + caller detects the reply", ("e", "send"), ("c", "take")),
-    ("caller: take -> on_frame", ("c", "take"), ("c", "frame")),
-    ("caller: on_frame -> agent's _on_message", ("c", "frame"), ("c", "message")),
+    ("caller: take -> _message", ("c", "take"), ("c", "frame")),
+    ("caller: _message -> agent's _on_message", ("c", "frame"), ("c", "message")),
     ("caller: _on_message -> reply completed", ("c", "message"), ("c", "complete")),
     ("caller: completed -> rpc_sync returned", ("c", "complete"), ("c", "end")),
 )
@@ -98,7 +98,7 @@ def _install() -> None:
     from ucxrpc.agent import calls, core, serving
     from ucxrpc.transport import receive, send
 
-    _stamp_entry(receive.Receiver, "on_frame", "frame")
+    _stamp_entry(receive.Receiver, "_message", "frame")
     _stamp_entry(core.RpcAgent, "_on_message", "message")
     _stamp_entry(serving.Server, "_serve", "serve")
     _stamp_entry(serving.Server, "_reply", "reply")

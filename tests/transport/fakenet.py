@@ -3,7 +3,8 @@ one process, their UCX worker and endpoint replaced by in-memory ones (the
 transport takes them as arguments), so a test drives every frame by hand.
 
 Frames (handshake and message tags) are queued per destination and handed
-to the receiver's real ``on_frame`` by :meth:`Pair.deliver_one`; data
+to the receiver's real ``on_frame`` by :meth:`Pair.deliver_one`, or put
+where its real ``poll`` takes them by :meth:`Pair.queue_for_poll`; data
 buffers are queued too but never delivered, so a receive posted for one
 stays in flight until the test ends it.  ``probe`` matches tags as UCX does;
 ``cancel`` completes a receive as cancelled.
@@ -29,6 +30,7 @@ from ucxrpc.errors import BrokenError
 from ucxrpc.transport.engine import Transport
 from ucxrpc.transport.pipe import Peer as PeerRecord
 from ucxrpc.transport.ucx.binding import Probe
+from ucxrpc.transport.ucx.ucp import DONE
 from ucxrpc.transport.wire import tags
 from ucxrpc.transport.wire.frame import Limits
 
@@ -102,6 +104,12 @@ class FakeWorker:
             if found.length <= small:
                 buf = np.empty(found.length, dtype=np.uint8)
                 self.received.append(buf.nbytes)
+                if isinstance(found.raw, bytes):
+                    # A frame Pair.queue_for_poll put here: received whole at
+                    # once, as ucp_take gives one (UCP_DONE).
+                    buf[:] = np.frombuffer(found.raw, dtype=np.uint8)
+                    out.append((found.sender_tag, found.length, DONE, buf))
+                    continue
                 out.append((found.sender_tag, found.length, Request(), buf))
             else:
                 out.append((found.sender_tag, found.length, None, found))
@@ -199,6 +207,17 @@ class Pair:
                 peer.tr._rx.on_frame(tag, as_array(data))
                 return True
         return False
+
+    def queue_for_poll(self, peer: Peer) -> int:
+        """Move the frames sent to ``peer`` where its ``Receiver.poll``
+        takes them (its worker's unexpected queue), data buffers dropped;
+        how many."""
+        queue = self.net.queues[peer.address]
+        frames = [(tag, data) for tag, data in queue
+                  if tag >> tags.KIND_SHIFT in (tags.HANDSHAKE, tags.FRAME)]
+        queue.clear()
+        peer.tr._worker.probes.extend(Probe(tag, len(data), data) for tag, data in frames)
+        return len(frames)
 
     def step(self) -> bool:
         busy = False

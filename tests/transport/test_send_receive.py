@@ -108,3 +108,50 @@ def test_small_messages_queued_behind_a_frame_in_flight_go_as_one_batch(pair: Pa
     assert len(frames) < 5  # fewer frames than messages
     pair.settle()
     assert [p for p, _ in got] == [b"m%d" % i for i in range(5)]  # in order, once each
+
+
+def test_frames_taken_in_one_turn_are_handled_in_the_order_sent(pair: Pair) -> None:
+    """Whole frames of an authenticated peer are handled as they are taken,
+    one by one (none queued behind another): each message once, in order,
+    a bufferless one and one with a buffer inline alike."""
+    pair.open()
+    for i in range(4):
+        pair.w0.tr.send(1, b"m%d" % i, [torch.full((8,), i, dtype=torch.uint8)] if i % 2 else [])
+    # One frame in flight holds the rest back into one BATCH (batch.py):
+    # here every frame leaves alone, as each send completed at once.
+    assert pair.queue_for_poll(pair.w1) == 4
+    assert pair.w1.tr._rx.poll()
+    assert pair.w1.messages == [(0, b"m0"), (0, b"m1"), (0, b"m2"), (0, b"m3")]
+    assert pair.w1.tr._rx.frames == []
+
+
+class _Stop(BaseException):
+    """What a handler may let through ``except Exception`` (from unpickling)."""
+
+
+def test_a_handler_that_raises_ends_the_turn_and_the_rest_is_kept(pair: Pair) -> None:
+    """The second message's handler raises a BaseException: the turn ends
+    there, and the frames taken behind it are neither lost nor handled
+    twice; the next turn hands them on, in order."""
+    pair.open()
+    seen: list[bytes] = []
+
+    def on_message(peer: int, payload: Any, bufs: list) -> None:
+        seen.append(bytes(payload))
+        if bytes(payload) == b"m1" and seen.count(b"m1") == 1:
+            raise _Stop()
+
+    pair.w1.tr._rx._on_message = on_message
+    for i in range(4):
+        pair.w0.tr.send(1, b"m%d" % i, [])
+    assert pair.queue_for_poll(pair.w1) == 4
+    try:
+        pair.w1.tr._rx.poll()
+        raise AssertionError("the handler's BaseException was swallowed")
+    except _Stop:
+        pass
+    assert seen == [b"m0", b"m1"]
+    assert len(pair.w1.tr._rx.frames) == 2  # received, kept for the next turn
+    assert pair.w1.tr._rx.poll()
+    assert seen == [b"m0", b"m1", b"m2", b"m3"]
+    assert pair.w1.tr._rx.frames == []

@@ -39,6 +39,7 @@ from .hostmem.pool import PAGE
 from .wire.tags import (HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT, data_tag,
                         epoch_base, epoch_mask, kind_of, sender_of)
 from .ucx.binding import Request, Worker
+from .ucx.ucp import DONE
 
 __all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
 
@@ -145,23 +146,37 @@ class Receiver:
         if taken is not None:
             busy = True
             max_frame = self.limits.max_frame_bytes
-            for tag, length, req, got in taken:
-                # (tags.py's sender_of, inline: once a frame, not four calls)
-                sender = (tag >> ID_SHIFT) & ID_MASK
-                pipe = self._pipes.get(sender)
-                # unwanted()'s common answer inline, a call fewer a frame: an
-                # authenticated peer's message within the limit is wanted.
-                if (pipe is not None and length <= max_frame and tag >> KIND_SHIFT != HANDSHAKE
-                        and pipe.auth.in_key is not None):
-                    drop = None
-                else:
-                    drop = self.unwanted(tag, length, sender)
-                if req is None:
-                    buf = np.empty(1 if drop else length, dtype=np.uint8)
-                    req = self._worker.recv_taken(buf, got)
-                else:
-                    buf = got
-                self.frames.append((req, buf, tag, length, drop, pipe, sender))
+            seen = 0
+            try:
+                for tag, length, req, got in taken:
+                    seen += 1
+                    # (tags.py's sender_of, inline: once a frame, not four calls)
+                    sender = (tag >> ID_SHIFT) & ID_MASK
+                    pipe = self._pipes.get(sender)
+                    # unwanted()'s common answer inline, a call fewer a frame:
+                    # an authenticated peer's message within the limit is wanted.
+                    if (pipe is not None and length <= max_frame
+                            and tag >> KIND_SHIFT != HANDSHAKE and pipe.auth.in_key is not None):
+                        if req is DONE and not self.frames:
+                            # Most frames: wanted, whole already, and nothing
+                            # of an earlier turn to wait behind: handled now,
+                            # not queued and looked at again below (a call
+                            # and a pass fewer a frame; issue 52).
+                            self._message(pipe, got, tag)
+                            continue
+                        drop = None
+                    else:
+                        drop = self.unwanted(tag, length, sender)
+                    self._queue_frame(tag, length, req, got, drop, pipe, sender)
+            finally:
+                # A handler that raised (a BaseException from unpickling, which
+                # _deliver's ``except Exception`` lets through) ends the turn:
+                # what was taken and not looked at is received and kept.
+                for tag, length, req, got in taken[seen:]:
+                    sender = (tag >> ID_SHIFT) & ID_MASK
+                    pipe = self._pipes.get(sender)
+                    self._queue_frame(tag, length, req, got, self.unwanted(tag, length, sender),
+                                      pipe, sender)
         if self.frames:
             # A large frame (rendezvous) completes after a small one sent
             # behind it; frames are delivered in the order each sender sent
@@ -191,6 +206,18 @@ class Receiver:
                 # what was not looked at stays watched.
                 self.frames[:0] = still + frames[seen:]
         return busy
+
+    def _queue_frame(self, tag: int, length: int, req: Request | None, got: Any,
+                     drop: str | None, pipe: Pipe | None, sender: int) -> None:
+        """A taken frame into :attr:`frames`, received into memory of its
+        own where ``ucp_take`` left it (``req`` None: a large one) and
+        ``drop`` does not say it is to go (then one byte: UCX truncates)."""
+        if req is None:
+            buf = np.empty(1 if drop else length, dtype=np.uint8)
+            req = self._worker.recv_taken(buf, got)
+        else:
+            buf = got
+        self.frames.append((req, buf, tag, length, drop, pipe, sender))
 
     def unwanted(self, tag: int, length: int, sender: int | None = None) -> str | None:
         """Why a probed frame is not worth receiving, judged before a byte of
@@ -239,26 +266,39 @@ class Receiver:
             self.refused += 1
             logger.warning("refused a frame from unknown worker id %d", sender)
             return
+        if kind != HANDSHAKE and pipe.auth.in_key is not None:
+            self._message(pipe, buf, tag)
+            return
         try:
             if kind == HANDSHAKE:
                 self._handshake.on_frame(pipe, decode(buf, None, self.limits))
-            elif pipe.auth.in_key is None:
+            else:
                 self.refused += 1
                 logger.warning("refused an unauthenticated frame claiming to be from %s "
                                "(seq %s)", pipe.name, peek_seq(buf))
-            else:
-                self._message_frame(pipe, buf, tag & HINT_MASK)
-        except AuthenticationError as exc:
+        except (AuthenticationError, FrameError) as exc:
+            self._judged_bad(pipe, exc)
+
+    def _message(self, pipe: Pipe, buf: np.ndarray, tag: int) -> None:
+        """A message frame of an authenticated peer's pipe: acted on, or
+        counted as why not."""
+        try:
+            self._message_frame(pipe, buf, tag & HINT_MASK)
+        except (AuthenticationError, FrameError) as exc:
+            self._judged_bad(pipe, exc)
+
+    def _judged_bad(self, pipe: Pipe, exc: AuthenticationError | FrameError) -> None:
+        if isinstance(exc, AuthenticationError):
             self.refused += 1
             logger.warning("%s", exc)
-        except FrameError as exc:
-            self.frame_errors += 1
-            # A pipe of a later generation may still see a frame its
-            # predecessor's connection delivers late (TCP retransmitting
-            # after an outage): its MAC, made with the old key, fails.
-            logger.warning("dropped a frame from %s: %s%s", pipe.name, exc,
-                           " (maybe one of its pipe's earlier generation, delivered late)"
-                           if pipe.gen else "")
+            return
+        self.frame_errors += 1
+        # A pipe of a later generation may still see a frame its
+        # predecessor's connection delivers late (TCP retransmitting after an
+        # outage): its MAC, made with the old key, fails.
+        logger.warning("dropped a frame from %s: %s%s", pipe.name, exc,
+                       " (maybe one of its pipe's earlier generation, delivered late)"
+                       if pipe.gen else "")
 
     # ----------------------------------------------------------- messages
 
@@ -283,6 +323,18 @@ class Receiver:
         # (the limit tested here first: _too_big is a call a message)
         if frame.total > self.limits.max_message_bytes and self._too_big(pipe, frame, hint):
             self._drain(pipe, frame)
+            return
+        if not frame.buffers:
+            # Most messages (a no-op's request, most replies): nothing to
+            # post, read or lend, delivered as _deliver would without an
+            # Incoming (issue 52).
+            if pipe.inbound.abandoned:
+                return
+            pipe.inbound.received += 1
+            try:
+                self._on_message(pipe.peer_id, frame.payload, [])
+            except Exception:
+                logger.exception("message handler failed for a message from %s", pipe.name)
             return
         bufs: list[Any] = []
         msg = Incoming(pipe, frame, bufs, hint)
