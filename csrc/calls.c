@@ -108,16 +108,21 @@ static Fifo *fifo_for(Calls *self, double timeout) {
     return f;
 }
 
-/* Queue a deadline; 1 when its FIFO was empty (the timer thread, which
- * may wait up to a second with nothing queued, is to be told), 0 if not,
- * -1 on error. */
-static int push_deadline(Calls *self, long long id, PyObject *timeout) {
-    double t = PyFloat_AsDouble(timeout);
-    if (t == -1.0 && PyErr_Occurred()) return -1;
-    if (!(t >= 0.0)) { /* also NaN */
+/* A call's timeout in seconds, checked: 0, or -1 with ValueError set. */
+static int timeout_of(PyObject *timeout, double *t) {
+    *t = PyFloat_AsDouble(timeout);
+    if (*t == -1.0 && PyErr_Occurred()) return -1;
+    if (!(*t >= 0.0)) { /* also NaN */
         PyErr_Format(PyExc_ValueError, "a call's timeout must be >= 0, not %R", timeout);
         return -1;
     }
+    return 0;
+}
+
+/* Queue a deadline; 1 when its FIFO was empty (the timer thread, which
+ * may wait up to a second with nothing queued, is to be told), 0 if not,
+ * -1 on error. */
+static int push_deadline(Calls *self, long long id, double t) {
     Fifo *f = fifo_for(self, t);
     if (!f) return -1;
     if (f->len == f->cap) {
@@ -158,6 +163,10 @@ static PyObject *calls_add(Calls *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred()) return NULL;
     int waited = PyObject_IsTrue(args[3]);
     if (waited < 0) return NULL;
+    /* The timeout checked before anything goes in: a refused one leaves no
+     * call behind that nobody would take out. */
+    double t = 0.0;
+    if (timeout != Py_None && timeout_of(timeout, &t) < 0) return NULL;
     /* What may start a collection first (see the top): the peer's set. */
     PyObject *set = PyDict_GetItemWithError(self->by_peer, peer);
     if (!set) {
@@ -181,7 +190,7 @@ static PyObject *calls_add(Calls *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(meta);
     if (rc < 0) return NULL;
     if (timeout == Py_None) Py_RETURN_FALSE;
-    int tell = push_deadline(self, id, timeout);
+    int tell = push_deadline(self, id, t);
     if (tell < 0) return NULL;
     return PyBool_FromLong(tell);
 }
@@ -194,7 +203,9 @@ static PyObject *calls_arm(Calls *self, PyObject *const *args, Py_ssize_t nargs)
     }
     long long id = PyLong_AsLongLong(args[0]);
     if (id == -1 && PyErr_Occurred()) return NULL;
-    int tell = push_deadline(self, id, args[1]);
+    double t;
+    if (timeout_of(args[1], &t) < 0) return NULL;
+    int tell = push_deadline(self, id, t);
     if (tell < 0) return NULL;
     return PyBool_FromLong(tell);
 }
@@ -215,14 +226,11 @@ static PyObject *calls_pop(Calls *self, PyObject *key) {
     Py_INCREF(future);
     PyObject *m = PyDict_GetItemWithError(self->meta, key);
     long long meta = m ? PyLong_AsLongLong(m) : 0;
-    if (PyDict_DelItem(self->by_id, key) < 0 || (m && PyDict_DelItem(self->meta, key) < 0)) {
-        Py_DECREF(future);
-        Py_DECREF(call);
-        return NULL;
-    }
-    long long peer = meta >> 1;
-    PyObject *peer_obj = PyLong_FromLongLong(peer);
-    if (!peer_obj) {
+    /* (an int: not tracked, so made here; failing, nothing has changed) */
+    PyObject *peer_obj = PyLong_FromLongLong(meta >> 1);
+    if (!peer_obj || PyDict_DelItem(self->by_id, key) < 0 ||
+        (m && PyDict_DelItem(self->meta, key) < 0)) {
+        Py_XDECREF(peer_obj);
         Py_DECREF(future);
         Py_DECREF(call);
         return NULL;

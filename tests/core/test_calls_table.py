@@ -123,6 +123,11 @@ def test_bad_arguments_are_refused_by_name():
         t.add(1, "a", 0, False, -1.0)
     with pytest.raises(ValueError, match="timeout must be >= 0"):
         t.add(1, "a", 0, False, math.nan)
+    assert len(t) == 0 and t.take_peer(0) == []  # a refused call is not left in
+    t.add(1, "a", 0, False, None)
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        t.arm(1, -0.5)
+    assert t.armed() == 0 and t.pop(1) == ("a", 0, False)
     with pytest.raises(TypeError):
         t.add("one", "a", 0, False, None)
     with pytest.raises(TypeError, match="takes 5 arguments"):
