@@ -326,15 +326,8 @@ class Receiver:
             return
         if not frame.buffers:
             # Most messages (a no-op's request, most replies): nothing to
-            # post, read or lend, delivered as _deliver would without an
-            # Incoming (issue 52).
-            if pipe.inbound.abandoned:
-                return
-            pipe.inbound.received += 1
-            try:
-                self._on_message(pipe.peer_id, frame.payload, [])
-            except Exception:
-                logger.exception("message handler failed for a message from %s", pipe.name)
+            # post, read or lend, so no Incoming to wait on (issue 52).
+            self._hand_on(pipe, hint, frame.payload, [])
             return
         bufs: list[Any] = []
         msg = Incoming(pipe, frame, bufs, hint)
@@ -560,21 +553,27 @@ class Receiver:
         return taken
 
     def _deliver(self, msg: Incoming) -> None:
-        if msg.pipe.inbound.abandoned:  # its calls were failed when the pipe ended
-            logger.debug("a message from %s's ended pipe dropped", msg.pipe.name)
-            return
-        msg.pipe.inbound.received += 1
         buffers = msg.buffers
-        if msg.error is None and msg.frame.delivered >= 0:
+        if msg.error is None and msg.frame.delivered >= 0 and not msg.pipe.inbound.abandoned:
             try:
                 buffers = staging.finish(buffers, msg.frame.buffers, msg.frame.delivered,
                                          self._alloc)
             except Exception as exc:
                 msg.error = exc
+        self._hand_on(msg.pipe, msg.hint, msg.frame.payload, buffers, msg.error)
+
+    def _hand_on(self, pipe: Pipe, hint: int, payload: memoryview, buffers: list[Any],
+                 error: BaseException | None = None) -> None:
+        """A whole message to the agent, or why it could not be taken;
+        nothing where its pipe ended (its calls were failed then)."""
+        if pipe.inbound.abandoned:
+            logger.debug("a message from %s's ended pipe dropped", pipe.name)
+            return
+        pipe.inbound.received += 1
         try:
-            if msg.error is not None:
-                self._on_frame_error(msg.pipe.peer_id, msg.hint, msg.error)
+            if error is not None:
+                self._on_frame_error(pipe.peer_id, hint, error)
             else:
-                self._on_message(msg.pipe.peer_id, msg.frame.payload, buffers)
+                self._on_message(pipe.peer_id, payload, buffers)
         except Exception:
-            logger.exception("message handler failed for a message from %s", msg.pipe.name)
+            logger.exception("message handler failed for a message from %s", pipe.name)
