@@ -13,9 +13,9 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["csrc/module.c", "csrc/frame.c", "csrc/blake2b.c", "csrc/ucp.c", "csrc/timer.c",
+SOURCES = ["csrc/module.c", "csrc/frame.c", "csrc/siphash.c", "csrc/ucp.c", "csrc/timer.c",
            "csrc/calls.c"]
-HEADERS = ["csrc/core.h", "csrc/blake2b.h", "csrc/ucp_abi.h"]
+HEADERS = ["csrc/core.h", "csrc/siphash.h", "csrc/ucp_abi.h"]
 
 HINT = ("ucxrpc builds its native core (ucxrpc._core) with the system C compiler and "
         "Python's headers. Install them and retry, on Debian or Ubuntu: "

@@ -2,12 +2,13 @@
 noise cannot move (this VM's latency figures move 10-20% from one invocation
 to the next; a count of calls does not).
 
-    python benchmarks/calls_per_rpc.py PORT N noop|dict OUT.json
+    python benchmarks/calls_per_rpc.py PORT N noop|dict|consume|echo OUT.json
 
 Two processes; after 300 warm-up calls, ``sys.setprofile`` (and
 ``threading.setprofile``) count every Python and C function called on every
-thread of both, over N calls of ``rpc_sync(noop)`` or of an echo of 100
-4 KiB tensors in a dict.  OUT.json holds the counts per side and N.  To
+thread of both, over N calls of ``rpc_sync(noop)``, of an echo of 100
+4 KiB tensors in a dict (``dict``), or of one 4 KiB tensor sent
+(``consume``) or echoed (``echo``).  OUT.json holds the counts per side and N.  To
 compare two trees, run it from each (``PYTHONPATH=<tree>``) and divide by N
 (Run AK did so against 0c6b5a9).  The loop's own functions (polling, yields)
 vary with timing; the rest is the work per message.
@@ -21,6 +22,9 @@ def noop():
 
 def echo(x):
     return x
+
+def consume(x):
+    return None
 
 COUNTS = collections.Counter()
 
@@ -45,7 +49,11 @@ def run(rank, port, n, what, out):
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
     if rank == 0:
         d = {f"t{i}": torch.randn(1024) for i in range(100)}
-        call = (lambda: rpc.rpc_sync("w1", noop)) if what == "noop" else (lambda: rpc.rpc_sync("w1", echo, (d,)))
+        t = torch.ones(1024)  # 4 KiB, as the bench's 4K figures
+        call = {"noop": lambda: rpc.rpc_sync("w1", noop),
+                "dict": lambda: rpc.rpc_sync("w1", echo, (d,)),
+                "consume": lambda: rpc.rpc_sync("w1", consume, (t,)),
+                "echo": lambda: rpc.rpc_sync("w1", echo, (t,))}[what]
         for _ in range(300): call()
         rpc.rpc_sync("w1", start); start()
         for _ in range(n): call()

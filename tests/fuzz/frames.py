@@ -178,8 +178,10 @@ class Spec(NamedTuple):
     packs: list[tuple[int, bool, list[int]]]  # (device, staged, member sizes)
 
 
-def build(spec: Spec, key: bytes, limits: Limits = Limits()) -> np.ndarray:
-    """Encode ``spec`` the way the engine does (``ways`` when flags are used)."""
+def build(spec: Spec, key: bytes | None, limits: Limits = Limits()) -> np.ndarray:
+    """Encode ``spec`` the way the engine does (``ways`` when flags are
+    used), sealed with ``key`` (16 bytes), or unsealed (a zero MAC) for
+    None."""
     buffers: list[tuple[int, memoryview | None, int]] = []
     ways: list[tuple[int, int, int]] = []
     for n, device in spec.plain:
@@ -203,8 +205,8 @@ def build(spec: Spec, key: bytes, limits: Limits = Limits()) -> np.ndarray:
         buffers.append((nbytes, None, device))
         ways.append(way)
     flagged = any(w[0] for w in ways)
-    frame, _ = encode(FrameKind(spec.kind), spec.seq, spec.payload, buffers, key, limits,
-                      ways if flagged else None)
+    frame, _ = encode(FrameKind(spec.kind), spec.seq, spec.payload, buffers, key or b"", limits,
+                      ways if flagged else None, seal=key is not None)
     return frame
 
 
@@ -289,7 +291,7 @@ def random_mutation(raw: np.ndarray, rng: random.Random) -> np.ndarray:
 
 
 def handshake_frame(kind: FrameKind, payload: bytes) -> bytes:
-    frame, _ = encode(kind, 0, payload, [], b"", Limits())
+    frame, _ = encode(kind, 0, payload, [], b"", Limits(), seal=False)
     return frame.tobytes()
 
 
@@ -311,7 +313,7 @@ def rogue_corpus(seed: int, count: int, real_id: int, limits: Limits) -> list[Sh
         if what == 0:
             data = rng.randbytes(rng.randrange(300))
         elif what in (1, 2, 3):
-            key = rng.choice([b"", b"wrong-key", rng.randbytes(32)])
+            key = rng.choice([None, b"wrong-key-16byte", rng.randbytes(16)])
             data = random_mutation(build(_random_spec(rng), key), rng).tobytes()
         elif what == 4:  # truncated or padded HELLO, sometimes claiming the real peer
             claimed = rng.choice([real_id, real_id, real_id + 1, 0xFFFF_FFFF])
@@ -326,13 +328,14 @@ def rogue_corpus(seed: int, count: int, real_id: int, limits: Limits) -> list[Sh
         elif what == 6:  # a CHALLENGE nobody asked for
             data = handshake_frame(FrameKind.CHALLENGE, rng.randbytes(rng.choice([100, 99, 0])))
         elif what == 7:  # well formed, wrong MAC
-            data = build(_random_spec(rng)._replace(kind=FrameKind.MESSAGE), b"guess").tobytes()
+            data = build(_random_spec(rng)._replace(kind=FrameKind.MESSAGE),
+                         b"guess-a-16-b-key").tobytes()
             kind = FRAME
         elif what == 8:  # truncated anywhere, the prefix included
-            frame = build(_random_spec(rng), b"")
+            frame = build(_random_spec(rng), None)
             data = frame[:rng.randrange(frame.nbytes)].tobytes()
         else:  # a valid frame with one descriptor or prefix field at an extreme
-            frame = build(_random_spec(rng), b"")
+            frame = build(_random_spec(rng), None)
             for _ in range(rng.randrange(1, 3)):
                 frame = random_mutation(frame, rng)
             data = frame.tobytes()

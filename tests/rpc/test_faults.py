@@ -123,7 +123,7 @@ def _rogue(address_hex, claimed_id, store_port):
         np.frombuffer(os.urandom(200), dtype=np.uint8).copy(),        # random bytes
         np.frombuffer(b"UX\x01\x00" + b"\x00" * 8, dtype=np.uint8).copy(),  # truncated
     ]
-    frame, _ = encode(FrameKind.MESSAGE, 1, b"\x80\x05N.", [], b"wrong-key", Limits())
+    frame, _ = encode(FrameKind.MESSAGE, 1, b"\x80\x05N.", [], b"wrong-key-16byte", Limits())
     garbage.append(frame)  # well formed but unauthenticated
     reqs = []
     for g in garbage:

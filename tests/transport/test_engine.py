@@ -150,7 +150,8 @@ def test_a_stale_hello_is_dropped_and_counted(pair: Pair) -> None:
     pair.settle()
     counted = pair.w1.counted()
     stale = Pipe(1, "worker1", b"x")  # generation 0, as before the outage
-    frame, _ = encode(FrameKind.HELLO, 0, handshake.hello(stale, 0), [], b"", pair.w1.tr.limits)
+    frame, _ = encode(FrameKind.HELLO, 0, handshake.hello(stale, 0), [], b"", pair.w1.tr.limits,
+                      seal=False)
     pair.w1.tr._rx.on_frame(tags.kind_base(tags.HANDSHAKE, 0), frame)
     assert pair.w1.counted() == counted + 1
     assert _pipe(pair.w1, 0).gen == 1
@@ -162,7 +163,8 @@ def test_a_stale_hello_is_dropped_and_counted(pair: Pair) -> None:
 def test_a_forged_hello_of_a_higher_generation_replaces_nothing(pair: Pair) -> None:
     pair.open()
     forger = Pipe(1, "worker1", b"x", gen=5)
-    frame, _ = encode(FrameKind.HELLO, 0, handshake.hello(forger, 0), [], b"", pair.w1.tr.limits)
+    frame, _ = encode(FrameKind.HELLO, 0, handshake.hello(forger, 0), [], b"", pair.w1.tr.limits,
+                      seal=False)
     pair.w1.tr._rx.on_frame(tags.kind_base(tags.HANDSHAKE, 0), frame)
     pair.settle()
     assert 0 in pair.w1.tr._handshake.tentative  # answered, kept aside

@@ -175,17 +175,17 @@ def test_a_malformed_grant_frame_is_refused_naming_what_is_wrong(payload, match)
 
 def test_written_descriptors_count_toward_the_message_and_name_host_memory_only():
     limits = Limits()
-    frame, separate = encode(FrameKind.MESSAGE, 1, b"p", [(5 * MIB, None, -1)], b"k" * 32, limits,
+    frame, separate = encode(FrameKind.MESSAGE, 1, b"p", [(5 * MIB, None, -1)], b"k" * 16, limits,
                              ways=[(WRITTEN, 3, 0)])
     assert separate == []
-    got = decode(frame, b"k" * 32, limits)
+    got = decode(frame, b"k" * 16, limits)
     assert got.buffers[0].flags == WRITTEN and got.buffers[0].arg == 3
     assert got.total >= 5 * MIB
-    bad, _ = encode(FrameKind.MESSAGE, 1, b"p", [(5 * MIB, None, 0)], b"k" * 32, limits,
+    bad, _ = encode(FrameKind.MESSAGE, 1, b"p", [(5 * MIB, None, 0)], b"k" * 16, limits,
                     ways=[(WRITTEN, 3, 0)])
     with pytest.raises(FrameError, match="written into host memory here, but its descriptor "
                                          "names device 0"):
-        decode(bad, b"k" * 32, limits)
+        decode(bad, b"k" * 16, limits)
 
 
 def test_lending_for_a_split_write_keeps_the_loop_from_polling_for_a_while(monkeypatch):

@@ -244,7 +244,9 @@ class Handshake:
         self._accepted(pipe)
 
     def _send(self, pipe: Pipe, kind: FrameKind, payload: bytes) -> None:
-        frame, _ = encode(kind, 0, payload, [], b"", self._limits)
+        # Unsealed: no key exists yet, and the receiver checks a handshake
+        # by its contents (auth.py), never by a MAC.
+        frame, _ = encode(kind, 0, payload, [], b"", self._limits, seal=False)
         req = self._endpoint(pipe).tag_send(frame, self._tag)
         self._watch.append((req, pipe))
 

@@ -13,7 +13,7 @@ from ucxrpc.errors import FrameError
 from ucxrpc.transport.wire import batch
 from ucxrpc.transport.wire.frame import ALIGN, PREFIX, FrameKind, Limits, decode, encode
 
-KEY = b"k" * 32
+KEY = b"k" * 16
 L = Limits()
 
 

@@ -12,7 +12,7 @@ from ucxrpc.errors import FrameError
 from ucxrpc.transport.wire.frame import (BUSY, DESC, MAC_LEN, NOT_INLINE, PREFIX, FrameKind, Limits,
                                          check_limits, decode, encode, mac)
 
-KEY = b"k" * 32
+KEY = b"k" * 16
 
 
 def _bufs(*sizes: int, device: int = -1):
@@ -95,7 +95,7 @@ def _set(a: np.ndarray, i: int, v: int) -> np.ndarray:
 
 @pytest.mark.parametrize("count", [1, 20])  # the per-struct and the numpy coders
 def test_wheres_outside_the_frame_are_refused(count):
-    frame, _ = encode(FrameKind.MESSAGE, 3, b"p", _bufs(*([8] * count)), b"", Limits())
+    frame, _ = encode(FrameKind.MESSAGE, 3, b"p", _bufs(*([8] * count)), KEY, Limits())
     off = PREFIX.size + DESC.size * (count - 1) + 8  # the last descriptor's where field
     bad = frame.copy()
     bad[off:off + 8] = np.frombuffer((10**6).to_bytes(8, "little"), np.uint8)
@@ -105,7 +105,7 @@ def test_wheres_outside_the_frame_are_refused(count):
 
 
 def test_unknown_kind_and_lying_sizes_without_mac():
-    frame, _ = encode(FrameKind.MESSAGE, 3, b"hello", [], b"", Limits())
+    frame, _ = encode(FrameKind.MESSAGE, 3, b"hello", [], KEY, Limits())
     with pytest.raises(FrameError, match="unknown frame kind 77"):
         decode(_set(frame, 3, 77), None, Limits())
     with pytest.raises(FrameError, match="truncated frame: header declares"):

@@ -7,8 +7,9 @@ authenticated on its own::
     Y -> X  CHALLENGE  y_id, nonce_x, nonce_y, HMAC(secret, "resp"|x|y|gen|nx|ny)
     X -> Y  PROOF      HMAC(secret, "init"|x|y|gen|nx|ny)
 
-Both sides then MAC every frame of that direction with
-``HMAC(secret, "key"|x|y|gen|nx|ny)``.  Fresh nonces on both sides make a
+Both sides then MAC every frame of that direction with the first 16 bytes
+of ``HMAC(secret, "key"|x|y|gen|nx|ny)`` (the frame MAC's key:
+:data:`.frame.KEY_LEN`).  Fresh nonces on both sides make a
 replayed handshake useless; the worker id inside the tag is only a claim
 until a frame's MAC proves it.  Handshake payloads are fixed-size structs,
 never pickles.
@@ -30,6 +31,7 @@ import os
 import struct
 
 from ...errors import AuthenticationError, FrameError
+from .frame import KEY_LEN
 
 NONCE_LEN = 32
 _HELLO = struct.Struct(f"<I{NONCE_LEN}sI")
@@ -123,4 +125,6 @@ def proof_matches(secret: bytes, payload: memoryview, x: int, y: int,
 
 
 def session_key(secret: bytes, x: int, y: int, nx: bytes, ny: bytes, gen: int = 0) -> bytes:
-    return _mac(secret, b"key", x, y, gen, nx, ny)
+    """The frame MAC's key for direction x -> y: HMAC-SHA256's output cut to
+    the 16 bytes SipHash takes (a cut of a pseudorandom output is one)."""
+    return _mac(secret, b"key", x, y, gen, nx, ny)[:KEY_LEN]
