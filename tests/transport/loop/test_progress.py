@@ -137,7 +137,7 @@ class _Loop:
             pending=lambda: self.pending, arm=lambda: True, fd=self.fd,
             strategy=strategy, on_stall=lambda s, now: self.stalls.append(s),
             on_start=self._started,
-            spin=spin, quiet=quiet)
+            spin=spin, quiet=quiet, on_taken=self._taken)
         self.started_on: tuple[str, int] | None = None  # thread, turns before it
         self._awaited = awaited
 
@@ -153,14 +153,19 @@ class _Loop:
     def _started(self) -> None:
         self.started_on = (threading.current_thread().name, self.loop.turns)
 
+    def _taken(self, taken: list[int]) -> None:
+        # What a spin took (the events it read), handed on as a turn would.
+        self.events += sum(taken)
+        self.seen_on = threading.current_thread().name
+        self.seen.set()
+
     def _turn(self) -> bool:
         try:
-            self.events += os.eventfd_read(self.fd)
+            taken = [os.eventfd_read(self.fd)]
         except BlockingIOError:
             pass
         else:
-            self.seen_on = threading.current_thread().name
-            self.seen.set()
+            self._taken(taken)
             return True
         while self.calls:
             self.calls.pop()()
@@ -429,8 +434,8 @@ def test_wake_reaches_a_sleeping_driver_not_the_parked_thread():
 
 class _Spin:
     """What the native spin does, in Python, on the loop's test descriptor:
-    returns 0 when an event waits (left for the turn), 3 when woken (the
-    wake-up consumed), 2 when its budget ran out."""
+    returns 0 when an event waits (taken: read, its count the frames), 3
+    when woken (the wake-up consumed), 2 when its budget ran out."""
 
     def __init__(self, lp_fd: list[int]) -> None:
         self.fd = lp_fd
@@ -439,7 +444,8 @@ class _Spin:
         self.quiet = True
         self.raises = 0  # calls left that raise, as UCX's progress may
 
-    def __call__(self, wake_fd: int, budget: float, late: float) -> tuple[int, int, float]:
+    def __call__(self, wake_fd: int, budget: float,
+                 late: float) -> tuple[int, int, float, list[int] | None]:
         self.calls.append((budget, late))
         if self.raises:
             self.raises -= 1
@@ -448,7 +454,7 @@ class _Spin:
         quick = 0
         while time.monotonic() < end:
             if _readable(self.fd[0]):
-                return 0, quick, 0.0
+                return 0, quick, 0.0, [os.eventfd_read(self.fd[0])]
             try:
                 os.eventfd_read(wake_fd)
             except BlockingIOError:
@@ -456,8 +462,8 @@ class _Spin:
                 os.sched_yield()
                 continue
             self.woken += 1
-            return 3, quick, 0.0
-        return 2, quick, 0.0
+            return 3, quick, 0.0, None
+        return 2, quick, 0.0, None
 
 
 def _readable(fd: int) -> bool:
@@ -479,7 +485,8 @@ def test_a_driver_awaiting_a_message_on_a_quiet_transport_spins_natively():
     """While a message is awaited and nothing else is in flight, the
     driver's idle turns are the transport's native spin, a chunk at a time
     (its own checks in between), with the strategy's limit for a late
-    yield; the event it finds is taken by the driver's next turn."""
+    yield; the event it finds is taken there and handed on by the driver,
+    under the baton, without another turn."""
     lp, spin = _spinning()
     try:
         t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
