@@ -501,6 +501,43 @@ def test_a_driver_awaiting_a_message_on_a_quiet_transport_spins_natively():
         lp.close()
 
 
+def _unstarted_spinning(why: Why) -> tuple[_Loop, _Spin]:
+    """A loop whose progress thread never runs (nobody but the driver can
+    take an event), the transport quiet, ``expected`` answering ``why``."""
+    box: list[int] = []
+    spin = _Spin(box)
+    lp = _Loop(Polling(), awaited=lambda: why, spin_s=30.0, spin=spin, quiet=lambda: True)
+    box.append(lp.fd)
+    return lp, spin
+
+
+def test_a_drive_on_a_quiet_transport_opens_with_the_spin_not_a_turn():
+    """What already waits is taken by the spin (Run AU: the opening turn
+    was a call to ucxx's progress and three Python calls a drive)."""
+    lp, spin = _unstarted_spinning(strategies.Why.AWAITED)
+    try:
+        lp.fire()
+        assert lp.loop.drive(lambda: lp.events >= 1) is True
+        assert lp.loop.driven_turns == 0 and lp.loop.spins == 1 and len(spin.calls) == 1
+    finally:
+        lp.loop.close()
+
+
+def test_a_driver_that_will_not_spin_turns_before_it_leaves():
+    """A driver that may not poll (here a pool thread computes) leaves the
+    loop at once, but only after one turn: what already waited is handled
+    by it, not left for a progress thread that may be asleep."""
+    lp, spin = _unstarted_spinning(strategies.Why.COMPUTING)
+    try:
+        lp.fire()
+        assert lp.loop.drive(lambda: lp.events >= 1) is True
+        assert lp.loop.driven_turns == 1 and not spin.calls
+        assert lp.loop.drive(lambda: lp.events >= 2) is False  # nothing waits: it leaves
+        assert lp.loop.driven_turns == 2 and not spin.calls
+    finally:
+        lp.loop.close()
+
+
 def test_a_spin_that_raises_is_logged_and_the_driver_waits_on(caplog):
     """As a turn's error: the caller that happened to drive is not failed."""
     lp, spin = _spinning()

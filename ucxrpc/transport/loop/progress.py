@@ -26,8 +26,9 @@ nothing else in flight (``quiet``), are the transport's native ``spin``
 (csrc/ucp.c): UCX progress, a look for a frame and a timed yield, repeated
 without a Python call until something happens, a chunk
 (:data:`SPIN_CHUNK_S`) at a time.  The frames it finds come taken and are
-handed on (``on_taken``) without another turn, and a drive that starts on
-a quiet transport goes to the spin without an opening turn.
+handed on (``on_taken``) without another turn; a drive that starts on a
+quiet transport, or whose spin just handed frames on, spins again without
+a turn where it will spin (``_drive`` says why).
 
 Two pieces of state say everything about the loop at a glance, both in
 ``_get_debug_info()["progress"]``:
@@ -439,39 +440,54 @@ class ProgressThread:
         """
         last_event = time.monotonic()
         # A quiet transport (nothing in flight, due or queued) gives a turn
-        # nothing to do that the native spin does not: it goes straight to
-        # the spin, which takes whatever already waits.  The opening turn
-        # cost a call to ucxx's progress and three Python calls a drive,
-        # one drive a call on each side (Run AU).
-        opening = self._spin is not None and self._quiet()
+        # nothing to do that the native spin does not, where the driver will
+        # spin: as a drive opens, and after a spin that handed frames on,
+        # it goes straight to the spin, which takes whatever already waits.
+        # Each such turn cost a call to ucxx's progress and three Python
+        # calls, one a drive on each side of a call, one a reply or two in
+        # a burst of rpc_async (Run AU).  A driver that will not spin (a
+        # pool thread while another runs user code, say) turns first: it
+        # may leave at once, and what already waited would then wait for
+        # the progress thread.
+        spin_next = self._spin is not None
         while not done():
             if self._stopping or _sigint.held is not None:
                 return False
-            busy = False
-            if opening:
-                opening = False
-            elif self._baton.acquire(blocking=False):
-                # _one_turn, inline: a driver turns two or three times a
-                # call made or served, and a call is most of a turn's cost.
-                try:
-                    self.driven_turns += 1
-                    self._progress()
-                    busy = self._turn()
-                except Exception:
-                    logger.exception("progress loop error (continuing)")
-                    busy = True
-                finally:
-                    self._baton.release()
-            now = time.monotonic()
-            if busy:
-                last_event = now
-                continue
-            idle = now - last_event
-            why = self.decide(now, idle)
+            why = None
+            if spin_next:
+                spin_next = False
+                if self._quiet():
+                    now = time.monotonic()
+                    idle = now - last_event
+                    why = self.decide(now, idle)
+                    if why is not Why.AWAITED:
+                        why = None  # a turn first
+            quiet = why is not None
+            if why is None:
+                busy = False
+                if self._baton.acquire(blocking=False):
+                    # _one_turn, inline: a driver turns two or three times a
+                    # call made or served, and a call is most of a turn's cost.
+                    try:
+                        self.driven_turns += 1
+                        self._progress()
+                        busy = self._turn()
+                    except Exception:
+                        logger.exception("progress loop error (continuing)")
+                        busy = True
+                    finally:
+                        self._baton.release()
+                now = time.monotonic()
+                if busy:
+                    last_event = now
+                    continue
+                idle = now - last_event
+                why = self.decide(now, idle)
             if why in POLLS:
-                if why is Why.AWAITED and self._spin is not None and self._quiet():
+                if why is Why.AWAITED and self._spin is not None and (quiet or self._quiet()):
                     if self._spun(idle):
                         last_event = time.monotonic()
+                        spin_next = True
                 else:
                     self._yield(now)
                 continue
