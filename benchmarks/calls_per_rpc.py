@@ -2,14 +2,15 @@
 noise cannot move (this VM's latency figures move 10-20% from one invocation
 to the next; a count of calls does not).
 
-    python benchmarks/calls_per_rpc.py PORT N noop|dict|consume|echo OUT.json
+    python benchmarks/calls_per_rpc.py PORT N noop|dict|consume|echo|async OUT.json
 
 Two processes; after 300 warm-up calls, ``sys.setprofile`` (and
 ``threading.setprofile``) count every Python and C function called on every
 thread of both, over N calls of ``rpc_sync(noop)``, of an echo of 100
-4 KiB tensors in a dict (``dict``), or of one 4 KiB tensor sent
-(``consume``) or echoed (``echo``).  OUT.json holds the counts per side and N.  To
-compare two trees, run it from each (``PYTHONPATH=<tree>``) and divide by N
+4 KiB tensors in a dict (``dict``), of one 4 KiB tensor sent (``consume``)
+or echoed (``echo``), or of 100 ``rpc_async`` no-ops and their
+``wait_all`` (``async``: the counts are per 100 calls).  OUT.json holds
+the counts per side and N.  To compare two trees, run it from each (``PYTHONPATH=<tree>``) and divide by N
 (Run AK did so against 0c6b5a9).  The loop's own functions (polling, yields)
 vary with timing; the rest is the work per message.
 """
@@ -53,7 +54,10 @@ def run(rank, port, n, what, out):
         call = {"noop": lambda: rpc.rpc_sync("w1", noop),
                 "dict": lambda: rpc.rpc_sync("w1", echo, (d,)),
                 "consume": lambda: rpc.rpc_sync("w1", consume, (t,)),
-                "echo": lambda: rpc.rpc_sync("w1", echo, (t,))}[what]
+                "echo": lambda: rpc.rpc_sync("w1", echo, (t,)),
+                # a burst: N of these make 100 * N rpc_async calls
+                "async": lambda: torch.futures.wait_all(
+                    [rpc.rpc_async("w1", noop) for _ in range(100)])}[what]
         for _ in range(300): call()
         rpc.rpc_sync("w1", start); start()
         for _ in range(n): call()
