@@ -274,7 +274,9 @@ static int is_live(Calls *self, long long id) {
  * entries at a FIFO's head dropped on the way, and a FIFO holding far more
  * entries than calls are in the table (answered ones queued behind a slow
  * one) rebuilt without them.  wait: seconds until the next deadline, at
- * most 0.1 while any entry is queued (answered ones go soon too), else 1. */
+ * most 0.1 while any entry is queued (answered ones go soon too); None
+ * when none is: the caller waits until add() or arm() says a deadline went
+ * into an empty FIFO (an idle worker's timer thread then never wakes). */
 static PyObject *calls_expire(Calls *self, PyObject *now_obj) {
     double now = PyFloat_AsDouble(now_obj);
     if (now == -1.0 && PyErr_Occurred()) return NULL;
@@ -283,7 +285,8 @@ static PyObject *calls_expire(Calls *self, PyObject *now_obj) {
      * thread meanwhile); the result built after. */
     Py_ssize_t nfound = 0, room = 0;
     Entry *found = NULL;
-    double wait = 1.0;
+    double wait = 0.1; /* the longest while anything is queued */
+    int queued = 0;
     for (int i = 0; i < self->nfifos; i++) {
         Fifo *f = &self->fifos[i];
         while (f->head < f->len) {
@@ -319,9 +322,9 @@ static PyObject *calls_expire(Calls *self, PyObject *now_obj) {
         if (f->head == f->len) {
             f->head = f->len = 0;
         } else {
+            queued = 1;
             double left = f->items[f->head].deadline - now;
             if (left < wait) wait = left;
-            if (wait > 0.1) wait = 0.1;
         }
     }
     PyObject *out = PyList_New(nfound);
@@ -335,6 +338,7 @@ static PyObject *calls_expire(Calls *self, PyObject *now_obj) {
         PyList_SET_ITEM(out, k, item);
     }
     PyMem_Free(found);
+    if (!queued) return Py_BuildValue("(NO)", out, Py_None);
     return Py_BuildValue("(Nd)", out, wait > 0.0 ? wait : 0.0);
 fail:
     PyMem_Free(found);

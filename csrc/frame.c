@@ -168,6 +168,18 @@ static int read_limits(PyObject *limits) {
 /* The MAC: SipHash-2-4-128 (siphash.h says why) keyed with the pipe
  * direction's 16-byte key, over the head (prefix, descriptors, payload)
  * and the frame's total length, little endian. */
+/* SipHash-2-4-128 of head[:n] then size (8 bytes, little endian). */
+static void mac_run(const uint8_t *key, const uint8_t *head, size_t n, uint64_t size,
+                    uint8_t *out) {
+    siphash_state s;
+    siphash_init(&s, key);
+    uint8_t sz[8];
+    put64(sz, size);
+    siphash_update(&s, head, n);
+    siphash_update(&s, sz, 8);
+    siphash_final(&s, out);
+}
+
 static int mac_into(const Py_buffer *key, const uint8_t *head, size_t n, uint64_t size,
                     uint8_t *out) {
     if (key->len != SIPHASH_KEY_LEN) {
@@ -175,20 +187,12 @@ static int mac_into(const Py_buffer *key, const uint8_t *head, size_t n, uint64_
                      "takes %d", key->len, SIPHASH_KEY_LEN);
         return -1;
     }
-    siphash_state s;
-    siphash_init(&s, key->buf);
-    uint8_t sz[8];
-    put64(sz, size);
     if (n >= NOGIL_MAC_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        siphash_update(&s, head, n);
-        siphash_update(&s, sz, 8);
-        siphash_final(&s, out);
+        mac_run(key->buf, head, n, size, out);
         Py_END_ALLOW_THREADS
     } else {
-        siphash_update(&s, head, n);
-        siphash_update(&s, sz, 8);
-        siphash_final(&s, out);
+        mac_run(key->buf, head, n, size, out);
     }
     return 0;
 }
@@ -771,6 +775,7 @@ PyMethodDef core_frame_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 int core_frame_init(PyObject *module) {
-    (void)module;
-    return 0;
+    /* The MAC key's length, stated once: frame.KEY_LEN and the handshake
+     * (auth.py) read it from here. */
+    return PyModule_AddIntConstant(module, "MAC_KEY_LEN", SIPHASH_KEY_LEN);
 }

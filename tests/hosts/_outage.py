@@ -18,7 +18,11 @@ crossed to worker1.  The test cuts and heals the link; the files in ``CTL``:
 ``lost<R>``        the worker's first call failed as unreachable (worker)
 ``quiet``          stop calling (test); ``paused<R>`` (worker, with its
                    transport's debug info: nothing may be left watched)
-``resume``         call again (test)
+``resume<R>``      a FIFO (made by the worker before ``paused<R>``):
+                   call again once the test writes to it (:func:`tell`).
+                   The test measures the worker's CPU meanwhile, so its
+                   main thread sleeps in the kernel until then, rather
+                   than looking for a file every so often.
 ``done``           stop; then the spanning state is tried, both shut
                    down and write ``worker<R>.json`` (test, then worker)
 =================  ====================================================
@@ -34,8 +38,10 @@ Every wait has a deadline; SIGUSR1 dumps every thread's stack to the log.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import select
 import sys
 import threading
 import time
@@ -73,6 +79,37 @@ def wait_file(path: Path, timeout: float = STEP_TIMEOUT_S, every: float = 0.02) 
             raise TimeoutError(f"{path} did not appear within {timeout} s")
         time.sleep(every)
     return path.read_text()
+
+
+def wait_fifo(path: Path, timeout: float = STEP_TIMEOUT_S) -> None:
+    """Wait until :func:`tell` writes to the FIFO ``path``, which must
+    exist (no writer yet: poll reports nothing until one writes)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            raise TimeoutError(f"nothing written to {path} within {timeout} s")
+    finally:
+        os.close(fd)
+
+
+def tell(path: Path, timeout: float = STEP_TIMEOUT_S) -> None:
+    """Write to the FIFO ``path`` once its reader (:func:`wait_fifo`) has it
+    open."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.ENXIO, errno.ENOENT) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)  # no reader yet
+    try:
+        os.write(fd, b"1")
+    finally:
+        os.close(fd)
 
 
 def echo(x: Any) -> Any:
@@ -204,8 +241,9 @@ def run(ctl: Path, rank: int, init_method: str, device: str = "cpu") -> dict[str
         # cannot be cancelled: it ends when the old connection does, after
         # the heal (test_outage.py).
         out["quiet"].update(_settled(rpc, cuda, base, allowed=PAYLOAD.nbytes))
+        os.mkfifo(ctl / f"resume{rank}")
         write(ctl / f"paused{rank}", json.dumps(out["quiet"]))
-        wait_file(ctl / "resume", every=0.5)  # seldom: the test measures our CPU meanwhile
+        wait_fifo(ctl / f"resume{rank}")
         caller.calling.set()
         wait_file(ctl / "done")
         caller.stop.set()

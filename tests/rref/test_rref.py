@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.faults import _common as c
-from tests.workers import run_with_victim, worker_group
+from tests.workers import run_with_victim, run_workers, worker_group
 from ucxrpc.functions import async_execution
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
@@ -399,3 +399,29 @@ def _async_proxies():
 
 def test_async_execution_methods_through_proxies(trio):
     assert trio.run(_async_proxies) == [3, [3.0, 3.0], [4.0, 4.0]]
+
+
+def _threads_after_shutdown(rank, world_size, init_method):
+    import threading
+
+    import ucxrpc as rpc
+
+    _init(rank, world_size, init_method)
+    peer = f"worker{1 - rank}"
+    rref = rpc.remote(peer, Counter, args=(rank,))  # the RRef layer and its janitor
+    assert rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), 1), timeout=30).sum() == 4
+    mine = [t for t in threading.enumerate()
+            if t.name.startswith(("ucxrpc-rref-", "ucxrpc-timeouts-"))]
+    del rref
+    rpc.shutdown()
+    for t in mine:
+        t.join(5.0)
+    return sorted(t.name for t in mine), sorted(t.name for t in mine if t.is_alive())
+
+
+def test_the_janitor_and_the_call_timer_end_with_the_agent():
+    # Both wait without a timeout (an idle worker's threads wake for
+    # nothing, test_outage.py): only the agent's close ends their wait.
+    for started, alive in run_workers(_threads_after_shutdown, 2, timeout=60):
+        assert len(started) == 2, started
+        assert alive == [], f"still running after shutdown: {alive}"

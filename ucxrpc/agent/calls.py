@@ -247,7 +247,7 @@ class CallTable:
 
     def _tell_timer(self) -> None:
         # A deadline went into an empty FIFO: the timer thread may be
-        # waiting up to a second with nothing queued.
+        # waiting with nothing queued, for as long as it takes.
         with self._timer_cv:
             self._timer_cv.notify()
 
@@ -304,7 +304,9 @@ class CallTable:
         while not self._closed:
             with self._timer_cv:
                 expired, wait = self._table.expire(time.monotonic())
-                if not expired:
+                # (wait None: no deadline queued; add() or close() tells us.
+                # close() sets _closed before it takes the lock to notify.)
+                if not expired and not self._closed:
                     self._timer_cv.wait(wait)
             # Failed outside the lock: a future's callbacks may make calls.
             for msg_id, timeout in expired:

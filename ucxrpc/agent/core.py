@@ -286,6 +286,11 @@ class RpcAgent:
         self.transport.close()
         self._drop_store()
         self.calls.close(ClosedError(f"RPC agent {self.info.name} shut down"))
+        for hook in list(self.hooks.on_close):
+            try:
+                hook()
+            except Exception:
+                logger.exception("%s: close hook failed", self.info)
 
     # -------------------------------------------------------------- calling
 

@@ -36,6 +36,10 @@ class Hooks:
     #: (RRef forks and autograd contexts it held are dropped; ``error`` is
     #: what its calls fail with, so what is asked for later can say why).
     on_peer_failure: list[Callable[[int, BaseException], None]] = field(default_factory=list)
+    #: ``()`` once the agent closed, however it shut down: threads of the
+    #: layers above that wait for work without a timeout stop (an idle
+    #: worker's threads wake for nothing, issue 50).
+    on_close: list[Callable[[], None]] = field(default_factory=list)
     #: Each adds its counters to ``_get_debug_info()``.
     debug_sources: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
     #: Distributed autograd wraps calls made inside a context.

@@ -36,6 +36,7 @@ def _new_registry(agent: RpcAgent) -> Registry:
         agent.members.workers[owner], _owner_del_forks, (items,), {}, None))
     janitor.start()
     agent.hooks.before_shutdown.append(janitor.flush)
+    agent.hooks.on_close.append(janitor.stop)
     agent.hooks.on_peer_failure.append(reg.drop_forks_of)
     agent.hooks.debug_sources.append(reg.debug_info)
     return reg

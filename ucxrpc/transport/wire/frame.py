@@ -63,7 +63,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..._core import frame_bind, frame_decode, frame_encode
+from ..._core import MAC_KEY_LEN, frame_bind, frame_decode, frame_encode
 from ..._core import mac as _mac
 from ...errors import FrameError
 
@@ -75,7 +75,7 @@ VERSION = 8
 PREFIX = struct.Struct("<2sBBHHIQQ")
 DESC = struct.Struct("<QQhBxI")
 MAC_LEN = 16
-KEY_LEN = 16  # the MAC's key: SipHash-2-4 takes 128 bits
+KEY_LEN = MAC_KEY_LEN  # the MAC's key: SipHash-2-4 takes 128 bits (csrc/siphash.h)
 NOT_INLINE = 0xFFFF_FFFF_FFFF_FFFF
 ALIGN = 64
 STAGED, PACK, PACKED, REMOTE, WRITTEN = 1, 2, 4, 8, 16
