@@ -289,3 +289,18 @@ def test_the_launcher_imports_only_the_standard_library() -> None:
             assert node.level == 0, f"relative import in {LAUNCH.name}: line {node.lineno}"
             imported.add((node.module or "").split(".")[0])
     assert imported - set(sys.stdlib_module_names) == set()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_not_given_twice() -> None:
+    # Below it, no connect() gets one as its source port: a client of a
+    # store whose server was not yet listening once connected to itself
+    # there, and the server's bind failed (EADDRINUSE).
+    import socket
+
+    from ucxrpc._launch import _ephemeral_start, free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports), ports
+    assert all(20000 <= p < _ephemeral_start() for p in ports), ports
+    with socket.socket() as s:  # and it is free
+        s.bind(("127.0.0.1", ports[-1]))

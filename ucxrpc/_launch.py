@@ -60,6 +60,7 @@ import importlib
 import multiprocessing
 import os
 import pickle
+import random
 import queue as queue_module
 import select
 import signal
@@ -68,6 +69,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -102,14 +104,46 @@ _ERROR = "error"
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago, for a store or a
-    lifeline to bind: the kernel picks it (bind to port 0), so concurrent
-    callers get different ones; another process may still take it before
-    the caller binds it, a small race nobody papers over.  The one helper
-    the tests, the benchmarks and the examples use."""
+    lifeline to bind.  The one helper the tests, the benchmarks and the
+    examples use.
+
+    It is taken below the kernel's ephemeral range, where nothing is handed
+    out unasked: a port of that range (bind to port 0) may meanwhile become
+    another socket's, and a client connecting to it before its server
+    listens may even get it as its own source port and connect to itself
+    (TCP's simultaneous open), so that the server's bind then fails with
+    EADDRINUSE (``test_lifecycle_errors``, 2026-11-30).  Another process
+    may still bind the same port first, a small race nobody papers over."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    low, high = _LOW_PORTS[0], min(_LOW_PORTS[1], _ephemeral_start() - 1)
+    for port in random.sample(range(low, high + 1), min(64, high - low + 1)):
+        if port in _given:  # this process may not have bound it yet
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _given.append(port)
+        return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:  # a crowded host: the kernel's pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+#: Where :func:`free_port` looks: above the well-known and common service
+#: ports, below the ephemeral range (Linux's default starts at 32768).
+_LOW_PORTS = (20000, 32767)
+#: The ports :func:`free_port` gave this process lately: not given twice.
+_given: deque[int] = deque(maxlen=256)
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
