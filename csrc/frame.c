@@ -167,8 +167,8 @@ static int read_limits(PyObject *limits) {
 
 /* The MAC: SipHash-2-4-128 (siphash.h says why) keyed with the pipe
  * direction's 16-byte key, over the head (prefix, descriptors, payload)
- * and the frame's total length, little endian. */
-/* SipHash-2-4-128 of head[:n] then size (8 bytes, little endian). */
+ * and the frame's total length, little endian.  mac_run computes it;
+ * mac_into checks the key and releases the GIL for a long head. */
 static void mac_run(const uint8_t *key, const uint8_t *head, size_t n, uint64_t size,
                     uint8_t *out) {
     siphash_state s;
