@@ -25,6 +25,8 @@ crossed to worker1.  The test cuts and heals the link; the files in ``CTL``:
                    than looking for a file every so often.
 ``done``           stop; then the spanning state is tried, both shut
                    down and write ``worker<R>.json`` (test, then worker)
+``leaving<R>``     the worker is about to shut down; each waits for the
+                   other's (worker)
 =================  ====================================================
 
 With DEVICE ``cuda`` (a GPU test) the 256 MiB tensor lives on ``cuda:0``
@@ -273,11 +275,19 @@ def run(ctl: Path, rank: int, init_method: str, device: str = "cpu") -> dict[str
                 return bool(torch.equal(dist_autograd.get_gradients(ctx2)[y],
                                         torch.full((4,), 2.0)))
         out["backward_new"] = _attempt(fresh_backward)
+    settling = time.monotonic()
     out["after_heal"] = _settled(rpc, False, 0)
+    out["after_heal"]["settled_s"] = round(time.monotonic() - settling, 2)
     out["debug"] = {k: v for k, v in rpc._get_debug_info().items()
                     if k in ("lifelines_lost", "lifelines_back", "lifeline_cuts", "peer_failures",
                              "watched_requests", "retired_requests", "pipes_renewed",
                              "frame_errors", "refused_frames")}
+    # Both start their shutdown together, so that its time is the shutdown's
+    # own: one that got there first would wait in the shutdown barrier for
+    # the other's last steps (up to _settled's 10 s), the likely cause of a
+    # "shutdown" of 10.2 s in 2 of 44 runs (Run AU).
+    write(ctl / f"leaving{rank}")
+    wait_file(ctl / f"leaving{1 - rank}")
     out["shutdown_s"] = c.timed_shutdown()
     return out
 

@@ -11,7 +11,7 @@ failed switch drops them), then the link is back:
   256 MiB call is in flight: the calls across it fail as unreachable,
   naming the peer, within the bound a partition is given; once both sides
   know, nothing is left posted for the transfer that was cut and the
-  survivor idles (over 10 s its threads wake at most 7 times a second),
+  survivor idles (over 10 s its threads wake at most 8 times a second),
   and what the cut transfer's requests held is freed; once the link is
   back, both reach each other again within :data:`RECOVER_BOUND_S`, and
   every call made after that succeeds.  An RRef and a distributed autograd
@@ -50,10 +50,10 @@ RECOVER_BOUND_S = 3.0
 #: and a LOST lifeline's round of connections goes out every 0.5 s; nothing
 #: else is timed (the call timer, the RRef janitor and the worker's own
 #: main thread wait until told).  That is 4 wake-ups a second, and a few
-#: more where the two threads meet at the GIL: 5.0-5.2 measured; before
-#: 2026-11-30, 11-12, of which 6 for nothing.
+#: more where the two threads meet at the GIL: 5.0-5.3 measured, 6.0 once
+#: in 16 runs; before 2026-11-30, 11-12, of which 6 for nothing.
 QUIET_S = 10.0
-QUIET_WAKES_PER_S = 7.0
+QUIET_WAKES_PER_S = 8.0
 #: What those wake-ups cost is the host's: on the project's 2-vCPU VM a
 #: thread woken after 0.5 s asleep pays 0.3 ms of CPU for a C program that
 #: does nothing, and a lifeline round that costs 0.09 ms run back to back
@@ -169,7 +169,8 @@ def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path
         back = min(r["end"] for r in calls if r["start"] >= heal and r["ok"])
         print(f"  worker{rank}: blip, longest call {longest:.2f} s; partition found after "
               f"{first - cut:.2f} s ({len(failed)} calls failed, e.g. {failed[-1]['error']!r}); "
-              f"calls work again {back - heal:.2f} s after the heal; {res['debug']}")
+              f"calls work again {back - heal:.2f} s after the heal, nothing held "
+              f"{res['after_heal'].get('settled_s')} s later; {res['debug']}")
         assert back - heal < RECOVER_BOUND_S
         # Once both knew: nothing left posted (the 256 MiB call was cut).
         assert quiet[rank]["watched_requests"] == 0, quiet[rank]
@@ -184,7 +185,8 @@ def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path
         # UCX matched to its first fragments cannot be cancelled, and ends
         # when the old connection does (3 of 28 runs, 2026-11-29).
         assert quiet[rank]["retired_bytes"] <= PAYLOAD.nbytes, quiet[rank]
-        # After the heal nothing of the outage is held.
+        # After the heal nothing of the outage is held (settled_s: how long
+        # that took, of _settled's 10 s).
         assert res["after_heal"]["retired_requests"] == 0, res["after_heal"]
         if device == "cuda":
             assert quiet[rank]["cuda_leaked"] == 0, quiet[rank]
