@@ -57,10 +57,11 @@ QUIET_WAKES_PER_S = 8.0
 #: What those wake-ups cost is the host's: on the project's 2-vCPU VM a
 #: thread woken after 0.5 s asleep pays 0.3 ms of CPU for a C program that
 #: does nothing, and a lifeline round that costs 0.09 ms run back to back
-#: costs 2.5-6 ms (caches and TLB gone cold meanwhile): 0.6-1.7% of a core
+#: costs 2.5-6 ms (caches and TLB gone cold meanwhile): 0.6-1.8% of a core
 #: for the same 50 wake-ups, by the hour (2026-11-30).  So the CPU bound is
-#: there for a thread that spins or polls, which costs tens of percent.
-QUIET_CPU = 0.03  # of one core
+#: there for a thread that spins (most of a core); one that polls wakes
+#: often, which the bound above catches (a 10 ms poll: 100 a second).
+QUIET_CPU = 0.05  # of one core
 #: A failed call lasts at most this: found unreachable by keepalive.
 FAIL_BOUND_S = PEER_TIMEOUT + 10.0
 
