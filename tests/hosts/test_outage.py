@@ -66,32 +66,21 @@ QUIET_CPU = 0.05  # of one core
 FAIL_BOUND_S = PEER_TIMEOUT + 10.0
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of ``pid`` so far, to the nanosecond
-    (``/proc/PID/stat`` counts 10 ms ticks: 1% of 3 s is 3 of them)."""
-    total = 0
+def _usage(pid: int) -> tuple[float, int]:
+    """Of every thread of ``pid`` so far: CPU seconds, to the nanosecond
+    (``/proc/PID/stat`` counts 10 ms ticks: 1% of 3 s is 3 of them), and
+    how many times they went to sleep, so woke (voluntary context switches)."""
+    ns = wakes = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-    return total / 1e9
-
-
-def _wakeups(pid: int) -> int:
-    """How many times the threads of ``pid`` went to sleep (so woke) so far:
-    their voluntary context switches."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
+                ns += int(f.read().split()[0])
             with open(f"/proc/{pid}/task/{task}/status") as f:
-                for line in f:
-                    if line.startswith("voluntary_ctxt_switches:"):
-                        total += int(line.split()[1])
+                wakes += next(int(line.split()[1]) for line in f
+                              if line.startswith("voluntary_ctxt_switches:"))
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
-    return total
+    return ns / 1e9, wakes
 
 
 def _failed(calls: list[dict[str, Any]], lo: float, hi: float) -> list[dict[str, Any]]:
@@ -128,10 +117,11 @@ def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path
             quiet = [json.loads(job.wait_for(f"paused{r}")) for r in (0, 1)]
             pid0 = hosts.worker_pid(job.procs["worker0"])
             assert pid0 is not None
-            cpu0, wakes0 = _cpu_seconds(pid0), _wakeups(pid0)
+            cpu0, wakes0 = _usage(pid0)
             time.sleep(QUIET_S)
-            idle_cpu = (_cpu_seconds(pid0) - cpu0) / QUIET_S
-            idle_wakes = (_wakeups(pid0) - wakes0) / QUIET_S
+            cpu1, wakes1 = _usage(pid0)
+            idle_cpu = (cpu1 - cpu0) / QUIET_S
+            idle_wakes = (wakes1 - wakes0) / QUIET_S
             for r in (0, 1):
                 tell(tmp_path / f"resume{r}")
             time.sleep(0.5)  # calls fail fast meanwhile
