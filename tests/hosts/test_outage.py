@@ -160,7 +160,7 @@ def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path
         back = min(r["end"] for r in calls if r["start"] >= heal and r["ok"])
         print(f"  worker{rank}: blip, longest call {longest:.2f} s; partition found after "
               f"{first - cut:.2f} s ({len(failed)} calls failed, e.g. {failed[-1]['error']!r}); "
-              f"calls work again {back - heal:.2f} s after the heal, nothing held "
+              f"calls work again {back - heal:.2f} s after the heal, settled "
               f"{res['after_heal'].get('settled_s')} s later; {res['debug']}")
         assert back - heal < RECOVER_BOUND_S
         # Once both knew: nothing left posted (the 256 MiB call was cut).
@@ -172,13 +172,17 @@ def test_a_blip_costs_nothing_and_a_long_partition_fails_fast_and_heals(tmp_path
         # _let_go_of_endpoint).  A flushing close left 15 of the 256 MiB
         # message's 16 MiB receives held on worker0 past the heal, and the
         # sends on worker1 (Run AO).  At most one 1 MiB call the peer was
-        # sending as the link went may stay held until the heal: a receive
-        # UCX matched to its first fragments cannot be cancelled, and ends
-        # when the old connection does (3 of 28 runs, 2026-11-29).
+        # sending as the link went stays held: a receive UCX matched to the
+        # first fragments of an eager message cannot be cancelled, and UCX
+        # fails it with no endpoint's close; it ended when the old
+        # connection resumed after the heal and brought the rest, but that
+        # connection is now cut (ucx/sockets.py: its resumed bytes
+        # corrupted UCX's memory), so it stays held for the process's life
+        # (3 of 28 runs held one, 2026-11-29; 1 of 24 kept it, Run AW).
         assert quiet[rank]["retired_bytes"] <= PAYLOAD.nbytes, quiet[rank]
-        # After the heal nothing of the outage is held (settled_s: how long
-        # that took; _outage.AFTER_HEAL_S says how long it may).
-        assert res["after_heal"]["retired_requests"] == 0, res["after_heal"]
+        # After the heal nothing else of the outage is held (settled_s: how
+        # long that took; _outage.AFTER_HEAL_S says how long it may).
+        assert res["after_heal"]["retired_bytes"] <= PAYLOAD.nbytes, res["after_heal"]
         if device == "cuda":
             assert quiet[rank]["cuda_leaked"] == 0, quiet[rank]
             assert res["device_echo"] == {"value": True}, res["device_echo"]

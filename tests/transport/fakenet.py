@@ -158,9 +158,10 @@ class FakeEndpoint:
     def close(self) -> None:
         self.alive = False
 
-    def discard(self) -> None:
+    def discard(self) -> int:
         self.alive = False
         self.discarded = True
+        return 0  # no connection of a kernel's to cut
 
 
 class Peer:

@@ -191,6 +191,9 @@ class Transport:
         self._epochs: dict[int, deque[int]] = {}
         #: Pipes replaced by their next generation (their peer came back).
         self.renewed = 0
+        #: UCX's TCP connections cut as stuck when an endpoint was discarded
+        #: (:meth:`_let_go_of_endpoint`).
+        self.cut = 0
         #: Requests of ended pipes UCX has not ended yet (:meth:`_abandon`).
         self._retired: list[tuple[Request, Any]] = []
         self._next_prune = 0.0
@@ -687,10 +690,12 @@ class Transport:
         cut a 256 MiB message left 15 receives of 16 MiB held past the heal
         on the receiver, and its sends on the sender (Run AO).  An endpoint
         UCX failed itself is left alone (closing such crashed ucxx; UCX
-        failed what it held)."""
+        failed what it held).  The discard also cuts the connections left
+        stuck behind the outage (:attr:`cut`), which would otherwise resume
+        after it into an endpoint UCX let go (``ucx/sockets.py``)."""
         with pipe.lock:
             if pipe.ep is not None and getattr(pipe.ep, "alive", False):
-                pipe.ep.discard()
+                self.cut += pipe.ep.discard()
 
     def _prune_retired(self) -> None:
         """Forget what UCX ended of the retired requests (their buffers go
@@ -812,7 +817,7 @@ class Transport:
                 "retired_requests": len(self._retired),
                 "retired_bytes": sum(_held_bytes(getattr(req, "keep", None))
                                      for req, _ in list(self._retired)),
-                "pipes_renewed": self.renewed,
+                "pipes_renewed": self.renewed, "connections_cut": self.cut,
                 **self._liveness.stats(), "progress": self._loop.info(),
                 "cuda_context": self.cuda_context,
                 # How device buffers reach UCX (UCXRPC_DEVICE_PATH).

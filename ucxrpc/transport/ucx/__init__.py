@@ -5,6 +5,8 @@
 * :mod:`.binding`: the one module that imports ucxx: context, worker,
   endpoints, requests; ucxx's types and exceptions stop there.
 * :mod:`.ucp`: libucp's per-frame calls through ctypes, for the hot path.
+* :mod:`.sockets`: UCX's TCP connections as the kernel sees them; the cut
+  of the ones a discarded endpoint leaves stuck behind an outage.
 * :mod:`.baseline`: raw UCX through ucxx's core API, the benchmark's ceiling.
 
 The names most callers want, re-exported.

@@ -25,7 +25,15 @@ from ...errors import BrokenError
 from ..wire.gather import Gather
 from .failures import endpoint_closed, endpoint_failed, open_failed, request_failed
 from .environment import _NEED_CUDA_COPY, environment_problem, ucx_environment
+from .sockets import cut_stuck, tcp_sockets
 from .ucp import THREAD_MODE_MULTI, THREAD_MODES, UcpRequest, loaded_library, ucp
+
+#: The longest silence (no acknowledgement of data retransmitted) after
+#: which a discarded endpoint's connections are taken as stuck; half the
+#: ``host_timeout`` where that is shorter (:attr:`Worker.stuck_after_s`).
+#: A live link acknowledges within a round trip, and a retransmission
+#: timer first fires after 200 ms.
+STUCK_AFTER_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +148,7 @@ class Endpoint:
         self._Array = worker.Array
         self._ucp = ucp()
         self._device_ucp = worker.device_ucp
+        self._worker_fd, self._stuck_after_s = worker.fd, worker.stuck_after_s
         self._handle = int(self._ep.handle)  # 0 once closed: never sent on after
         # send_frame bound to the handle, a C call (every message but the
         # largest leaves through it; issue 52); _end puts back the method,
@@ -195,14 +204,22 @@ class Endpoint:
         """Close once what was sent is flushed (the peer is there to take it)."""
         self._end(force=False)
 
-    def discard(self) -> None:
+    def discard(self) -> int:
         """Close at once, by force: UCX fails what it still holds of this
         endpoint (sends, receives matched to a rendezvous from it, which no
         cancel reaches).  ``close`` flushes first, and a flush to a peer
         behind a partition never ends: what it held stayed held for good.
         (ucxx's ``close_blocking`` forces where errors are handled, as
-        here; its ``close`` does not: UCX logs ``close_nbx(flags=0x0)``.)"""
+        here; its ``close`` does not: UCX logs ``close_nbx(flags=0x0)``.)
+
+        UCX keeps reading the connection after such a close, and one stuck
+        behind an outage would resume after it into an endpoint UCX let go
+        (memory corrupted: :mod:`.sockets`), so the worker's stuck
+        connections are cut too (listed before the close, which may take
+        the TCP transport out of the worker's epoll set).  Returns how many."""
+        fds = tcp_sockets(self._worker_fd)
         self._end(force=True)
+        return len(cut_stuck(fds, self._stuck_after_s))
 
     def _end(self, force: bool) -> None:
         self.__dict__.pop("send_frame", None)  # the method again: it refuses
@@ -275,6 +292,11 @@ class Worker:
                            "memory: CUDA tensors are staged through host memory (add "
                            "cuda_copy to UCX_TLS)", ", ".join(sorted(loaded & _NEED_CUDA_COPY)))
         self.fd: int = self.raw.epoll_file_descriptor
+        #: A discarded endpoint's connections silent this long with data
+        #: unacknowledged are cut (:mod:`.sockets`): by then the lifeline
+        #: has judged the peer's host unreachable, about ``host_timeout``
+        #: into the outage.
+        self.stuck_after_s = min(STUCK_AFTER_S, host_timeout / 2)
         self._ucp = ucp()
         self._handle = int(self.raw.handle)
         check_thread_mode(self._ucp.thread_mode(self._handle))
