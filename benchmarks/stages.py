@@ -7,7 +7,8 @@ CLOCK_MONOTONIC in every process of a host) at the seams of one call:
 
     caller  rpc_sync entered            (the loop, around the call)
     caller  request frame sent          Sender._frame_alone entered
-    callee  frame taken off UCX         the Receiver's take returned frames
+    callee  frame taken off UCX         Receiver.taken entered (a turn's take or
+                                        a driver's spin took frames)
     callee  frame handled               Receiver._message entered
     callee  message to the agent        RpcAgent._on_message entered
     callee  request served              Server._serve entered (a pool thread)
@@ -24,7 +25,7 @@ wrapper of a method (about 0.5-1 µs each on the project's VM, so the total
 is ~8 µs over an unwrapped call's): compare stages with one another and
 runs of one tree with another, not the total with ``ucxrpc bench``'s
 no-op.  "wire + detect" is UCX's latency plus the waiting side's detection
-(its native spin, then a loop turn up to the take): the stage a faster
+(its native spin, which takes the frame, or a loop turn): the stage a faster
 poll could shorten.  The profile before an optimisation, as docs/style.md
 asks; ``calls_per_rpc.py`` counts the calls, this times them.
 
@@ -104,24 +105,9 @@ def _install() -> None:
     _stamp_entry(serving.Server, "_reply", "reply")
     _stamp_entry(send.Sender, "_frame_alone", "send")
     _stamp_entry(calls.CallTable, "complete", "complete")
-    # The take is an attribute each Receiver binds (a native call): wrapped
-    # as each one is made.
-    init = receive.Receiver.__init__
-    taken = _STAMPS["take"]
-
-    def init_stamped(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        take = self._take
-
-        def take_stamped() -> Any:
-            got = take()
-            if got is not None:
-                taken.append(_ns())
-            return got
-
-        self._take = take_stamped
-
-    setattr(receive.Receiver, "__init__", init_stamped)
+    # Frames taken off UCX, by a turn's take or a driver's native spin,
+    # all reach the receiver through here.
+    _stamp_entry(receive.Receiver, "taken", "take")
 
 
 def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:

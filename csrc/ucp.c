@@ -395,14 +395,11 @@ static void drop_taken(void *worker, abi_ucp_tag_message_h msg) {
     PyErr_Restore(type, value, tb);
 }
 
-static PyObject *py_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("ucp_take", 5);
-    void *worker;
-    uint64_t tag, mask;
-    if (worker_match(args, &worker, &tag, &mask) < 0) return NULL;
-    Py_ssize_t small = PyLong_AsSsize_t(args[3]);
-    if (small == -1 && PyErr_Occurred()) return NULL;
-    PyObject *alloc = args[4], *out = NULL;
+/* ucp_take's work, for it and for ucp_spin: a new list, None, or NULL
+ * with an exception set. */
+static PyObject *take_all(void *worker, uint64_t tag, uint64_t mask, Py_ssize_t small,
+                          PyObject *alloc) {
+    PyObject *out = NULL;
     for (;;) {
         abi_tag_recv_info_t info;
         abi_ucp_tag_message_h msg = take_one(worker, tag, mask, &info);
@@ -458,6 +455,16 @@ static PyObject *py_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return out;
 }
 
+static PyObject *py_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("ucp_take", 5);
+    void *worker;
+    uint64_t tag, mask;
+    if (worker_match(args, &worker, &tag, &mask) < 0) return NULL;
+    Py_ssize_t small = PyLong_AsSsize_t(args[3]);
+    if (small == -1 && PyErr_Occurred()) return NULL;
+    return take_all(worker, tag, mask, small, args[4]);
+}
+
 /* ucp_cancel(worker, req): cancel a receive still in flight, by its owner;
  * UCX completes it with UCS_ERR_CANCELED, and the owner frees it when it
  * sees that.  Returns 1 if it was in flight, else 0. */
@@ -485,14 +492,18 @@ static double now_s(void) {
 
 enum { SPIN_FRAME = 0, SPIN_LATE = 1, SPIN_BUDGET = 2, SPIN_WOKEN = 3 };
 
-/* ucp_spin(worker, tag, mask, wake_fd, budget_s, late_s)
- *   -> (why, quick yields, the late yield's seconds)
+/* ucp_spin(worker, tag, mask, small, alloc, wake_fd, budget_s, late_s)
+ *   -> (why, quick yields, the late yield's seconds, frames taken or None)
  *
  * What the progress loop's idle turns do while a message is awaited and
  * nothing else is in flight, without a Python call per turn: UCX progress,
- * a look for a frame matching tag/mask (left where it is: the loop's next
- * turn takes it), a look at the loop's wake descriptor, and the CPU given
- * up (timed) for whoever wants it.  It returns when a frame waits (0), when
+ * a look for a frame matching tag/mask, a look at the loop's wake
+ * descriptor, and the CPU given up (timed) for whoever wants it.  The
+ * frames it finds are taken as ucp_take takes them (small, alloc) and
+ * returned, for the caller to hand on at once: left for the loop's next
+ * turn, each cost a turn (a Python call for the done() test, ucxx's
+ * progress, the turn, the receiver's poll) on both sides of every call
+ * (Run AU).  It returns when a frame waits (0), when
  * a yield came back after `late_s` (1: another thread or process wants this
  * core; the strategy decides), when `budget_s` ran out (2), or when someone
  * woke the loop (3: the wake-up is consumed, as the loop's own sleep
@@ -508,12 +519,14 @@ enum { SPIN_FRAME = 0, SPIN_LATE = 1, SPIN_BUDGET = 2, SPIN_WOKEN = 3 };
  * endpoint's error callback into ucxx) takes the GIL itself, as it does on
  * ucxx's progress thread. */
 static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("ucp_spin", 6);
+    NARGS("ucp_spin", 8);
     void *worker;
     uint64_t tag, mask;
     if (worker_match(args, &worker, &tag, &mask) < 0) return NULL;
-    int fd = (int)PyLong_AsLong(args[3]);
-    double budget = PyFloat_AsDouble(args[4]), late = PyFloat_AsDouble(args[5]);
+    Py_ssize_t small = PyLong_AsSsize_t(args[3]);
+    PyObject *alloc = args[4];
+    int fd = (int)PyLong_AsLong(args[5]);
+    double budget = PyFloat_AsDouble(args[6]), late = PyFloat_AsDouble(args[7]);
     if (PyErr_Occurred()) return NULL;
     double start = now_s(), took = 0.0;
     long quick = 0;
@@ -558,7 +571,13 @@ static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         quick++;
         took = 0.0;
     }
-    return Py_BuildValue("(ild)", why, quick, why == SPIN_LATE ? took : 0.0);
+    PyObject *taken = Py_None;
+    Py_INCREF(taken);
+    if (why == SPIN_FRAME) {
+        Py_DECREF(taken);
+        if (!(taken = take_all(worker, tag, mask, small, alloc))) return NULL;
+    }
+    return Py_BuildValue("(ildN)", why, quick, why == SPIN_LATE ? took : 0.0, taken);
 }
 
 static void *symbol(void *lib, const char *name, const char *path) {
@@ -663,9 +682,10 @@ PyMethodDef core_ucp_methods[] = {
     {"ucp_cancel", (PyCFunction)(void (*)(void))py_cancel, METH_FASTCALL,
      "ucp_cancel(worker, request) -> 1 if it was in flight, else 0."},
     {"ucp_spin", (PyCFunction)(void (*)(void))py_spin, METH_FASTCALL,
-     "ucp_spin(worker, tag, mask, wake_fd, budget_s, late_s) -> (why, quick "
-     "yields, late seconds): idle turns without Python; why: 0 frame, 1 late yield, "
-     "2 budget spent, 3 woken."},
+     "ucp_spin(worker, tag, mask, small, alloc, wake_fd, budget_s, late_s) -> (why, "
+     "quick yields, late seconds, frames taken or None): idle turns without Python; "
+     "why: 0 frames (taken as ucp_take takes them), 1 late yield, 2 budget spent, "
+     "3 woken."},
     {"ucp_abi", (PyCFunction)py_abi, METH_NOARGS,
      "ucp_abi() -> the offsets, sizes and constants the core assumes of libucp."},
     {NULL, NULL, 0, NULL}};

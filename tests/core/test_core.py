@@ -1,7 +1,7 @@
 """The native core (csrc/, ucxrpc._core) as C code: its SipHash against
 the reference vectors and a Python one, its reference counting, its
-argument checks.  What the frames mean is tests/transport/wire's and
-tests/fuzz's to hold."""
+argument checks.  What the frames
+mean is tests/transport/wire's and tests/fuzz's to hold."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ class FakeWorker:
     def arm(self) -> bool:
         return True
 
-    def spinner(self, tag: int, mask: int) -> None:
+    def spinner(self, tag: int, mask: int, small: int) -> None:
         return None  # no native spin below a fake network: every idle turn is Python's
 
     def tag(self, value: int) -> int:

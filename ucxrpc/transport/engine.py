@@ -227,7 +227,8 @@ class Transport:
             pending=lambda: bool(self._tasks or self._inflight),
             arm=self._worker.arm, fd=self._worker.fd, strategy=strategy.strategy(progress_mode),
             on_stall=self._liveness.excuse_stall, on_start=self._progress_started,
-            spin=self._worker.spinner(*FRAMES), quiet=self._quiet)
+            spin=self._worker.spinner(*FRAMES, self._rx.small), quiet=self._quiet,
+            on_taken=self._rx.taken)
         if self._cuda.device is None:
             # The host's path (see drive): the loop's own drive, bound over
             # the method, a call fewer every wait (issue 52).

@@ -38,7 +38,7 @@ from .pipe import Incoming, Piece, Pipe, Shared
 from .hostmem.pool import PAGE
 from .wire.tags import (HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT, data_tag,
                         epoch_base, epoch_mask, kind_of, sender_of)
-from .ucx.binding import Request, Worker
+from .ucx.binding import Request, Taken, Worker
 from .ucx.ucp import DONE
 
 __all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
@@ -111,8 +111,9 @@ class Receiver:
         self._worker = worker
         self._bounce = bounce
         self.limits = limits
-        self._small = min(SMALL_FRAME, limits.max_frame_bytes)
-        self._take = worker.taker(FRAMES[0], FRAMES[1], self._small)
+        #: Frames up to this size are received as they are taken.
+        self.small = min(SMALL_FRAME, limits.max_frame_bytes)
+        self._take = worker.taker(FRAMES[0], FRAMES[1], self.small)
         self._pipes = shared.pipes
         self._watch = shared.watch
         self._alloc = alloc
@@ -139,44 +140,10 @@ class Receiver:
         """Receive what arrived and hand on the frames that completed, in
         each sender's order: whether anything happened."""
         busy = False
-        # A small frame is received at once (it is in UCX's memory already);
-        # a larger one is judged first and, where it is not wanted, goes into
-        # one byte: UCX truncates and drops it, so it costs no memory here.
         taken = self._take()
         if taken is not None:
             busy = True
-            max_frame = self.limits.max_frame_bytes
-            seen = 0
-            try:
-                for tag, length, req, got in taken:
-                    seen += 1
-                    # (tags.py's sender_of, inline: once a frame, not four calls)
-                    sender = (tag >> ID_SHIFT) & ID_MASK
-                    pipe = self._pipes.get(sender)
-                    # unwanted()'s common answer inline, a call fewer a frame:
-                    # an authenticated peer's message within the limit is wanted.
-                    if (pipe is not None and length <= max_frame
-                            and tag >> KIND_SHIFT != HANDSHAKE and pipe.auth.in_key is not None):
-                        if req is DONE and not self.frames:
-                            # Most frames: wanted, whole already, and nothing
-                            # of an earlier turn to wait behind: handled now,
-                            # not queued and looked at again below (a call
-                            # and a pass fewer a frame; issue 52).
-                            self._message(pipe, got, tag)
-                            continue
-                        drop = None
-                    else:
-                        drop = self.unwanted(tag, length, sender)
-                    self._queue_frame(tag, length, req, got, drop, pipe, sender)
-            finally:
-                # A handler that raised (a BaseException from unpickling, which
-                # _deliver's ``except Exception`` lets through) ends the turn:
-                # what was taken and not looked at is received and kept.
-                for tag, length, req, got in taken[seen:]:
-                    sender = (tag >> ID_SHIFT) & ID_MASK
-                    pipe = self._pipes.get(sender)
-                    self._queue_frame(tag, length, req, got, self.unwanted(tag, length, sender),
-                                      pipe, sender)
+            self.taken(taken)
         if self.frames:
             # A large frame (rendezvous) completes after a small one sent
             # behind it; frames are delivered in the order each sender sent
@@ -206,6 +173,47 @@ class Receiver:
                 # what was not looked at stays watched.
                 self.frames[:0] = still + frames[seen:]
         return busy
+
+    def taken(self, taken: list[Taken]) -> None:
+        """Hand on the frames taken off UCX (a turn's ``ucp_take``, or a
+        driver's native spin): each sender's in order, a whole one of an
+        authenticated peer with nothing queued before it at once, the
+        others queued for :meth:`poll` to look at as they complete."""
+        # A small frame is received at once (it is in UCX's memory already);
+        # a larger one is judged first and, where it is not wanted, goes into
+        # one byte: UCX truncates and drops it, so it costs no memory here.
+        max_frame = self.limits.max_frame_bytes
+        seen = 0
+        try:
+            for tag, length, req, got in taken:
+                seen += 1
+                # (tags.py's sender_of, inline: once a frame, not four calls)
+                sender = (tag >> ID_SHIFT) & ID_MASK
+                pipe = self._pipes.get(sender)
+                # unwanted()'s common answer inline, a call fewer a frame:
+                # an authenticated peer's message within the limit is wanted.
+                if (pipe is not None and length <= max_frame
+                        and tag >> KIND_SHIFT != HANDSHAKE and pipe.auth.in_key is not None):
+                    if req is DONE and not self.frames:
+                        # Most frames: wanted, whole already, and nothing
+                        # of an earlier turn to wait behind: handled now,
+                        # not queued and looked at again in poll (a call
+                        # and a pass fewer a frame; issue 52).
+                        self._message(pipe, got, tag)
+                        continue
+                    drop = None
+                else:
+                    drop = self.unwanted(tag, length, sender)
+                self._queue_frame(tag, length, req, got, drop, pipe, sender)
+        finally:
+            # A handler that raised (a BaseException from unpickling, which
+            # _deliver's ``except Exception`` lets through) ends the turn:
+            # what was taken and not looked at is received and kept.
+            for tag, length, req, got in taken[seen:]:
+                sender = (tag >> ID_SHIFT) & ID_MASK
+                pipe = self._pipes.get(sender)
+                self._queue_frame(tag, length, req, got, self.unwanted(tag, length, sender),
+                                  pipe, sender)
 
     def _queue_frame(self, tag: int, length: int, req: Request | None, got: Any,
                      drop: str | None, pipe: Pipe | None, sender: int) -> None:

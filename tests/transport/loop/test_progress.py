@@ -137,7 +137,7 @@ class _Loop:
             pending=lambda: self.pending, arm=lambda: True, fd=self.fd,
             strategy=strategy, on_stall=lambda s, now: self.stalls.append(s),
             on_start=self._started,
-            spin=spin, quiet=quiet)
+            spin=spin, quiet=quiet, on_taken=self._taken)
         self.started_on: tuple[str, int] | None = None  # thread, turns before it
         self._awaited = awaited
 
@@ -153,14 +153,19 @@ class _Loop:
     def _started(self) -> None:
         self.started_on = (threading.current_thread().name, self.loop.turns)
 
+    def _taken(self, taken: list[int]) -> None:
+        # What a spin took (the events it read), handed on as a turn would.
+        self.events += sum(taken)
+        self.seen_on = threading.current_thread().name
+        self.seen.set()
+
     def _turn(self) -> bool:
         try:
-            self.events += os.eventfd_read(self.fd)
+            taken = [os.eventfd_read(self.fd)]
         except BlockingIOError:
             pass
         else:
-            self.seen_on = threading.current_thread().name
-            self.seen.set()
+            self._taken(taken)
             return True
         while self.calls:
             self.calls.pop()()
@@ -429,8 +434,8 @@ def test_wake_reaches_a_sleeping_driver_not_the_parked_thread():
 
 class _Spin:
     """What the native spin does, in Python, on the loop's test descriptor:
-    returns 0 when an event waits (left for the turn), 3 when woken (the
-    wake-up consumed), 2 when its budget ran out."""
+    returns 0 when an event waits (taken: read, its count the frames), 3
+    when woken (the wake-up consumed), 2 when its budget ran out."""
 
     def __init__(self, lp_fd: list[int]) -> None:
         self.fd = lp_fd
@@ -439,7 +444,8 @@ class _Spin:
         self.quiet = True
         self.raises = 0  # calls left that raise, as UCX's progress may
 
-    def __call__(self, wake_fd: int, budget: float, late: float) -> tuple[int, int, float]:
+    def __call__(self, wake_fd: int, budget: float,
+                 late: float) -> tuple[int, int, float, list[int] | None]:
         self.calls.append((budget, late))
         if self.raises:
             self.raises -= 1
@@ -448,7 +454,7 @@ class _Spin:
         quick = 0
         while time.monotonic() < end:
             if _readable(self.fd[0]):
-                return 0, quick, 0.0
+                return 0, quick, 0.0, [os.eventfd_read(self.fd[0])]
             try:
                 os.eventfd_read(wake_fd)
             except BlockingIOError:
@@ -456,8 +462,8 @@ class _Spin:
                 os.sched_yield()
                 continue
             self.woken += 1
-            return 3, quick, 0.0
-        return 2, quick, 0.0
+            return 3, quick, 0.0, None
+        return 2, quick, 0.0, None
 
 
 def _readable(fd: int) -> bool:
@@ -479,7 +485,8 @@ def test_a_driver_awaiting_a_message_on_a_quiet_transport_spins_natively():
     """While a message is awaited and nothing else is in flight, the
     driver's idle turns are the transport's native spin, a chunk at a time
     (its own checks in between), with the strategy's limit for a late
-    yield; the event it finds is taken by the driver's next turn."""
+    yield; the event it finds is taken there and handed on by the driver,
+    under the baton, without another turn."""
     lp, spin = _spinning()
     try:
         t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
@@ -492,6 +499,43 @@ def test_a_driver_awaiting_a_message_on_a_quiet_transport_spins_natively():
         assert out == {"reached": True, "seen_on": "waiter"}
     finally:
         lp.close()
+
+
+def _unstarted_spinning(why: Why) -> tuple[_Loop, _Spin]:
+    """A loop whose progress thread never runs (nobody but the driver can
+    take an event), the transport quiet, ``expected`` answering ``why``."""
+    box: list[int] = []
+    spin = _Spin(box)
+    lp = _Loop(Polling(), awaited=lambda: why, spin_s=30.0, spin=spin, quiet=lambda: True)
+    box.append(lp.fd)
+    return lp, spin
+
+
+def test_a_drive_on_a_quiet_transport_opens_with_the_spin_not_a_turn():
+    """What already waits is taken by the spin (Run AU: the opening turn
+    was a call to ucxx's progress and three Python calls a drive)."""
+    lp, spin = _unstarted_spinning(strategies.Why.AWAITED)
+    try:
+        lp.fire()
+        assert lp.loop.drive(lambda: lp.events >= 1) is True
+        assert lp.loop.driven_turns == 0 and lp.loop.spins == 1 and len(spin.calls) == 1
+    finally:
+        lp.loop.close()
+
+
+def test_a_driver_that_will_not_spin_turns_before_it_leaves():
+    """A driver that may not poll (here a pool thread computes) leaves the
+    loop at once, but only after one turn: what already waited is handled
+    by it, not left for a progress thread that may be asleep."""
+    lp, spin = _unstarted_spinning(strategies.Why.COMPUTING)
+    try:
+        lp.fire()
+        assert lp.loop.drive(lambda: lp.events >= 1) is True
+        assert lp.loop.driven_turns == 1 and not spin.calls
+        assert lp.loop.drive(lambda: lp.events >= 2) is False  # nothing waits: it leaves
+        assert lp.loop.driven_turns == 2 and not spin.calls
+    finally:
+        lp.loop.close()
 
 
 def test_a_spin_that_raises_is_logged_and_the_driver_waits_on(caplog):

@@ -140,7 +140,7 @@ def _scenario(rank, world_size, init_method, name):
     elif name == "spin":
         import os
 
-        spin = worker.spinner(TAG, (1 << 64) - (1 << 60))  # kind 5 only
+        spin = worker.spinner(TAG, (1 << 64) - (1 << 60), 1000)  # kind 5 only
         wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # Nothing waits: the budget runs out, the CPU given up meanwhile.
         start = time.monotonic()
@@ -151,11 +151,23 @@ def _scenario(rank, world_size, init_method, name):
         out["consumed"] = spin(wake, 0.01, 10.0)[0]
         # A yield that comes back later than late_s is reported with its length.
         out["late"] = spin(wake, 5.0, 0.0)
-        # A frame that arrives is found and left for the loop's turn.
+        # A frame that arrives is found and taken, received as a turn's
+        # take receives a small one; a large one comes as its handle.
         sent = ep.tag_send(np.arange(100, dtype=np.uint8), TAG | 40)
-        out["frame"] = spin(wake, 5.0, 10.0)[0]
-        probe, buf, req = take(TAG | 40)
-        out["left"] = probe.length == 100 and req.error() is None and sent.error() is None
+        why, _, _, taken = spin(wake, 5.0, 10.0)
+        (tag, length, req, buf), = taken
+        until(lambda: req.done)
+        out["frame"] = (why, tag == TAG | 40, length, req.error() is None and sent.error() is None,
+                        bytes(buf[:100]) == bytes(range(100)))
+        data = (np.arange(2000) % 251).astype(np.uint8)
+        big = ep.tag_send(data, TAG | 41)
+        why, _, _, taken = spin(wake, 5.0, 10.0)
+        (tag, length, req, handle), = taken
+        into = np.zeros(2000, dtype=np.uint8)
+        got = worker.recv_taken(into, handle)
+        until(lambda: got.done and big.done)
+        out["large"] = (why, length, req, bool((into == data).all()))
+        out["none_taken"] = spin(wake, 0.01, 10.0)[3]
         # A message of another kind is not one it looks for.
         other = ep.tag_send(np.arange(10, dtype=np.uint8), (0x6 << 60) | 1)
         out["other"] = spin(wake, 0.05, 10.0)[0]
@@ -307,17 +319,19 @@ def test_buffers_that_are_not_writable_host_arrays_go_through_ucxx():
 
 def test_the_native_spin_returns_on_a_frame_a_wake_up_a_late_yield_or_its_budget():
     """ucp_spin (csrc/ucp.c): the loop's idle turns without Python.  Why it
-    returned is its first value: 0 a frame matching its tag waits (left for
-    the loop to take), 1 a yield came back late (with its length), 2 the
-    budget ran out (having yielded meanwhile), 3 the loop was woken (the
-    wake-up consumed)."""
+    returned is its first value: 0 a frame matching its tag waited (taken,
+    as ucp_take takes them: its last value), 1 a yield came back late (with
+    its length), 2 the budget ran out (having yielded meanwhile), 3 the
+    loop was woken (the wake-up consumed)."""
     res = _run("spin")
     why, quick, took = res["idle"]
     assert why == 2 and quick > 0 and took >= 0.05, res
     assert res["woken"] == 3 and res["consumed"] == 2, res
-    why, _, late = res["late"]
+    why, _, late, _ = res["late"]
     assert why == 1 and late > 0.0, res
-    assert res["frame"] == 0 and res["left"], res
+    assert res["frame"] == (0, True, 100, True, True), res
+    assert res["large"] == (0, 2000, None, True), res
+    assert res["none_taken"] is None, res
     assert res["other"] == 2 and res["other_sent"], res
 
 

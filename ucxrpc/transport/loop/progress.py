@@ -25,7 +25,10 @@ A driver's idle turns, while a message is awaited and the transport has
 nothing else in flight (``quiet``), are the transport's native ``spin``
 (csrc/ucp.c): UCX progress, a look for a frame and a timed yield, repeated
 without a Python call until something happens, a chunk
-(:data:`SPIN_CHUNK_S`) at a time.
+(:data:`SPIN_CHUNK_S`) at a time.  The frames it finds come taken and are
+handed on (``on_taken``) without another turn; a drive that starts on a
+quiet transport, or whose spin just handed frames on, spins again without
+a turn where it will spin (``_drive`` says why).
 
 Two pieces of state say everything about the loop at a glance, both in
 ``_get_debug_info()["progress"]``:
@@ -167,9 +170,12 @@ class ProgressThread:
             transport makes its CUDA context current there).
         spin: the idle turns of a driver while a message is awaited, in
             native code: ``spin(wake_fd, budget_s, late_s)`` returns
-            ``(why, quick_yields, late_s)`` (``ucp_spin`` in csrc/ucp.c, bound
-            to the worker by the transport); None: every idle turn is a
-            Python turn.
+            ``(why, quick_yields, late_s, taken)`` (``ucp_spin`` in
+            csrc/ucp.c, bound to the worker by the transport), ``taken`` the
+            frames it found, taken off UCX, or None; None: every idle turn
+            is a Python turn.
+        on_taken: hands on the frames a spin took (the receiver's
+            ``taken``), under the baton, as a turn would.
         quiet: whether a turn would do nothing but look for a frame (no
             request, task or check in flight): only then may ``spin`` stand
             in for turns.
@@ -182,10 +188,12 @@ class ProgressThread:
                  arm: Callable[[], bool], fd: int, strategy: Strategy,
                  on_stall: Callable[[float, float], None],
                  on_start: Callable[[], object] | None = None,
-                 spin: Callable[[int, float, float], tuple[int, int, float]] | None = None,
-                 quiet: Callable[[], bool] | None = None) -> None:
+                 spin: Callable[[int, float, float], tuple[int, int, float, Any]] | None = None,
+                 quiet: Callable[[], bool] | None = None,
+                 on_taken: Callable[[Any], None] | None = None) -> None:
         self.strategy = strategy
-        self._spin = spin if quiet is not None else None
+        self._spin = spin if quiet is not None and on_taken is not None else None
+        self._on_taken = on_taken
         self._quiet = quiet or (lambda: False)
         self._on_start = on_start
         self._progress = progress
@@ -431,31 +439,55 @@ class ProgressThread:
         the waiter's), and the core is free meanwhile.
         """
         last_event = time.monotonic()
+        # A quiet transport (nothing in flight, due or queued) gives a turn
+        # nothing to do that the native spin does not, where the driver will
+        # spin: as a drive opens, and after a spin that handed frames on,
+        # it goes straight to the spin, which takes whatever already waits.
+        # Each such turn cost a call to ucxx's progress and three Python
+        # calls, one a drive on each side of a call, one a reply or two in
+        # a burst of rpc_async (Run AU).  A driver that will not spin (a
+        # pool thread while another runs user code, say) turns first: it
+        # may leave at once, and what already waited would then wait for
+        # the progress thread.
+        spin_next = self._spin is not None
         while not done():
             if self._stopping or _sigint.held is not None:
                 return False
-            busy = False
-            if self._baton.acquire(blocking=False):
-                # _one_turn, inline: a driver turns two or three times a
-                # call made or served, and a call is most of a turn's cost.
-                try:
-                    self.driven_turns += 1
-                    self._progress()
-                    busy = self._turn()
-                except Exception:
-                    logger.exception("progress loop error (continuing)")
-                    busy = True
-                finally:
-                    self._baton.release()
-            now = time.monotonic()
-            if busy:
-                last_event = now
-                continue
-            idle = now - last_event
-            why = self.decide(now, idle)
+            why = None
+            if spin_next:
+                spin_next = False
+                if self._quiet():
+                    now = time.monotonic()
+                    idle = now - last_event
+                    why = self.decide(now, idle)
+                    if why is not Why.AWAITED:
+                        why = None  # a turn first
+            quiet = why is not None
+            if why is None:
+                busy = False
+                if self._baton.acquire(blocking=False):
+                    # _one_turn, inline: a driver turns two or three times a
+                    # call made or served, and a call is most of a turn's cost.
+                    try:
+                        self.driven_turns += 1
+                        self._progress()
+                        busy = self._turn()
+                    except Exception:
+                        logger.exception("progress loop error (continuing)")
+                        busy = True
+                    finally:
+                        self._baton.release()
+                now = time.monotonic()
+                if busy:
+                    last_event = now
+                    continue
+                idle = now - last_event
+                why = self.decide(now, idle)
             if why in POLLS:
-                if why is Why.AWAITED and self._spin is not None and self._quiet():
-                    self._spun(idle)
+                if why is Why.AWAITED and self._spin is not None and (quiet or self._quiet()):
+                    if self._spun(idle):
+                        last_event = time.monotonic()
+                        spin_next = True
                 else:
                     self._yield(now)
                 continue
@@ -574,22 +606,27 @@ class ProgressThread:
                 pass
         self._hand(Owner.THREAD, only_from=Owner.LINGER)  # a new driver keeps it
 
-    def _spun(self, idle: float) -> None:
+    def _spun(self, idle: float) -> bool:
         """The driver's idle turns in native code, under the baton, until a
         frame waits, a yield comes back late, someone wakes the loop, or
         the awaited message is overdue (or :data:`SPIN_CHUNK_S` passed):
         an idle turn in Python cost ~23 calls (Run AM), several per call
-        made or served."""
+        made or served.  The frames it finds are handed on here, still
+        under the baton: left for the next turn, each cost one on both
+        sides of every call (Run AU).  Whether it handed any on."""
         if not self._baton.acquire(blocking=False):
             self._yield(time.monotonic())
-            return
-        assert self._spin is not None
+            return False
+        assert self._spin is not None and self._on_taken is not None
         self._driver_spinning = True
-        quick, late = 0, 0.0
+        quick, late, taken = 0, 0.0, None
         try:
             self.spins += 1
-            _, quick, late = self._spin(self._wake_fd, min(self._spin_s - idle, SPIN_CHUNK_S),
-                                        self.strategy.late_s)
+            _, quick, late, taken = self._spin(
+                self._wake_fd, min(self._spin_s - idle, SPIN_CHUNK_S), self.strategy.late_s)
+            self._driver_spinning = False
+            if taken is not None:
+                self._on_taken(taken)
         except Exception:
             # As a turn's (_one_turn): UCX's progress raising must not end
             # the wait of the caller who happened to drive.
@@ -598,6 +635,7 @@ class ProgressThread:
             self._driver_spinning = False
             self._baton.release()
         self.strategy.spun(time.monotonic(), quick, late)
+        return taken is not None
 
     def _yield(self, now: float) -> None:
         # Give the core to whoever wants it, and learn whether anyone did

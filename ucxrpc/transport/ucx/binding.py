@@ -304,11 +304,13 @@ class Worker:
         #: loop calls it once or more a turn; issue 52).
         self.progress: Callable[[], Any] = self.raw.progress
 
-    def spinner(self, tag: int, mask: int) -> Callable[[int, float, float], tuple[int, int, float]]:
+    def spinner(self, tag: int, mask: int, small: int
+                ) -> Callable[[int, float, float], tuple[int, int, float, list[Taken] | None]]:
         """The native spin (``ucp_spin``, csrc/ucp.c) on this worker, looking
         for messages matching ``tag``/``mask``: ``spin(wake_fd, budget_s,
-        late_s)``, for :class:`..loop.progress.ProgressThread`."""
-        return functools.partial(self._ucp.spin, self._handle, tag, mask)
+        late_s)``, for :class:`..loop.progress.ProgressThread`; the messages
+        it finds come taken, as :meth:`taker`'s call takes them."""
+        return functools.partial(self._ucp.spin, self._handle, tag, mask, small, _frame_buffer)
 
     def arm(self) -> bool:
         """True when armed (sleep is safe); False when events are pending."""

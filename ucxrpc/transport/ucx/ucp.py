@@ -158,8 +158,9 @@ class Ucp:
     * ``receive(worker, buf, msg)``: probed message ``msg`` into host array
       ``buf`` (a shorter buffer truncates it: the request fails, the data is
       gone);
-    * ``spin(progress, worker, tag, mask, wake_fd, budget_s, late_s)``: a
-      driver's idle turns while a message is awaited (csrc/ucp.c says when
+    * ``spin(worker, tag, mask, small, alloc, wake_fd, budget_s, late_s)``:
+      a driver's idle turns while a message is awaited, the frames it finds
+      taken as ``take`` takes them (csrc/ucp.c says when
       it returns).
 
     Each returns :data:`DONE`, a :class:`UcpRequest` in flight, or one that
