@@ -9,8 +9,9 @@ connection resumes: its retransmitted bytes, a message cut in the middle by
 the close's purge among them, are parsed by UCX 1.21 on the endpoint it
 had already let go.  Its memory is then corrupted: the outage test's
 workers died of SIGSEGV inside ``uct_tcp_iface_handle_events`` (an event
-for a freed endpoint) or of ``malloc``'s abort, in 1 of 2 to 2 of 13
-runs, depending on timing (docs/ucx-notes.md, pitfall 22).  With the
+for a freed endpoint) or of ``malloc``'s abort, in up to 1 run of 2 of
+the test with the driver's spin taking frames (docs/ucx-notes.md,
+pitfall 22; benchmarks/runs/AW.md).  With the
 namespaces' ``tcp_retries2`` at 4 (the kernel ends such a connection in
 ~6 s, inside the partition) it died in none of 20.
 
@@ -18,8 +19,8 @@ So when an endpoint is discarded, its connections that are stuck (data
 sent, retransmitted, and no acknowledgement for ``silence_s``) get
 ``TCP_USER_TIMEOUT`` of 1 ms: the kernel ends them at their next
 retransmission, before it would retransmit, so no byte of them is
-delivered after a heal.  UCX then sees a reset connection and frees its
-endpoint as it does for a dead peer.  UCX 1.22 has the setting itself
+delivered after a heal.  UCX then sees the connection fail (``ETIMEDOUT``)
+and frees its endpoint as it does for a dead peer.  UCX 1.22 has the setting itself
 (``UCX_TCP_USER_TIMEOUT``); 1.21, which ucxx 0.52 requires, does not.
 
 Which sockets are UCX's: the descriptors registered in the epoll sets
