@@ -455,13 +455,21 @@ static PyObject *take_all(void *worker, uint64_t tag, uint64_t mask, Py_ssize_t 
     return out;
 }
 
+/* (worker, tag, mask, small) from four arguments in a row: what taking
+ * takes (ucp_take, ucp_spin); the allocator follows them. */
+static int take_args(PyObject *const *args, void **worker, uint64_t *tag, uint64_t *mask,
+                     Py_ssize_t *small) {
+    if (worker_match(args, worker, tag, mask) < 0) return -1;
+    *small = PyLong_AsSsize_t(args[3]);
+    return *small == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 static PyObject *py_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     NARGS("ucp_take", 5);
     void *worker;
     uint64_t tag, mask;
-    if (worker_match(args, &worker, &tag, &mask) < 0) return NULL;
-    Py_ssize_t small = PyLong_AsSsize_t(args[3]);
-    if (small == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t small;
+    if (take_args(args, &worker, &tag, &mask, &small) < 0) return NULL;
     return take_all(worker, tag, mask, small, args[4]);
 }
 
@@ -522,8 +530,8 @@ static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     NARGS("ucp_spin", 8);
     void *worker;
     uint64_t tag, mask;
-    if (worker_match(args, &worker, &tag, &mask) < 0) return NULL;
-    Py_ssize_t small = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t small;
+    if (take_args(args, &worker, &tag, &mask, &small) < 0) return NULL;
     PyObject *alloc = args[4];
     int fd = (int)PyLong_AsLong(args[5]);
     double budget = PyFloat_AsDouble(args[6]), late = PyFloat_AsDouble(args[7]);

@@ -41,11 +41,13 @@ set from the start would end it after the timeout all the same (Linux
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import struct
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +66,14 @@ _MAX_DEPTH = 4
 _CUT_MS = 1
 
 
-class Stuck:
+class Stuck(NamedTuple):
     """One of UCX's TCP connections that has data unacknowledged under
     retransmission: its descriptor, peer and silence (seconds since the
     last acknowledgement)."""
 
-    __slots__ = ("fd", "peer", "silent_s")
-
-    def __init__(self, fd: int, peer: str, silent_s: float) -> None:
-        self.fd, self.peer, self.silent_s = fd, peer, silent_s
-
-    def __repr__(self) -> str:
-        return f"Stuck(fd={self.fd}, peer={self.peer}, silent_s={self.silent_s:.1f})"
+    fd: int
+    peer: str
+    silent_s: float
 
 
 def _watched(epoll_fd: int) -> list[int]:
@@ -121,25 +119,18 @@ def _is_tcp(fd: int) -> bool:
             socket.AF_INET, socket.AF_INET6)
 
 
-class _borrowed:
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket | None]:
     """A socket object on a copy of descriptor ``fd`` (None if it is gone):
     closing the copy leaves UCX's own descriptor, and its connection, as
     they were."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._sock: socket.socket | None = None
-
-    def __enter__(self) -> socket.socket | None:
-        try:
-            self._sock = socket.socket(fileno=os.dup(self._fd))
-        except OSError:
-            self._sock = None
-        return self._sock
-
-    def __exit__(self, *exc: object) -> None:
-        if self._sock is not None:
-            self._sock.close()
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        yield None
+        return
+    with sock:
+        yield sock
 
 
 def stuck(fds: Iterable[int], silence_s: float) -> Iterator[Stuck]:
