@@ -28,11 +28,11 @@ another order).  ``--fairscale`` runs FairScale 0.4.13's
 Prints one JSON line per cell (``{"cell": ..., "loss_err": ..., "param_err":
 ..., "equal": ...}``, or ``"error"`` and ``"refused"``: the error says a
 reentrant checkpoint cannot run in a distributed backward pass, as both
-agents say), then ``done``.  The suite runs its cells on ucxrpc
-(tests/autograd/test_pipelines.py: in worker processes of the suite's own,
-``torch.distributed.rpc`` swapped as the launcher swaps it, and FairScale's
-as this program, under the launcher); torch's agent gives the same cells
-(README.md, distributed autograd).
+agents say; a cell that timed out adds ``"workers"``, each worker's debug
+info and thread stacks), then ``done``.  The suite runs both matrices' cells on ucxrpc
+(tests/autograd/test_pipelines.py: in one start of worker processes of the
+suite's own, ``torch.distributed.rpc`` swapped as the launcher swaps it);
+torch's agent gives the same cells (README.md, distributed autograd).
 """
 
 from __future__ import annotations
@@ -152,6 +152,21 @@ def _forward(key: tuple[str, int], source, checkpoint: str) -> torch.Tensor:
     return run(stage, x, use_reentrant=checkpoint == "reentrant")
 
 
+def _state() -> dict:
+    """This worker's agent counters and every thread's stack: what a cell
+    that timed out reports of each worker (a call that never came back is
+    a lost message or a stuck thread, and which one shows here)."""
+    import faulthandler
+    import tempfile
+
+    import torch.distributed.rpc as rpc
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        stacks = f.read()
+    return {"debug": rpc.api._get_current_rpc_agent().get_debug_info(), "stacks": stacks}
+
+
 def _loss(outputs: list, target: torch.Tensor) -> torch.Tensor:
     y = torch.cat([o.to_here() for o in outputs])
     return nn.functional.mse_loss(y, target, reduction="sum")
@@ -268,8 +283,22 @@ def cells(fairscale: bool = False, only: str = "", repeat: int = 1) -> Iterator[
             error = f"{type(e).__name__}: {e}"
             report = {"cell": label, "error": error[:2000],
                       "equal": False, "refused": "use_reentrant=True" in error}
+            if "timeout" in error.lower():
+                report["workers"] = _states()
         report["seconds"] = round(time.monotonic() - started, 2)
         yield report
+
+
+def _states() -> dict:
+    """Every worker's :func:`_state` (or why it could not be had)."""
+    import torch.distributed.rpc as rpc
+    out = {}
+    for rank in range(WORLD):
+        try:
+            out[f"worker{rank}"] = rpc.rpc_sync(f"worker{rank}", _state, timeout=10)
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            out[f"worker{rank}"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def run(rank: int, port: int, fairscale: bool, only: str, repeat: int) -> None:
