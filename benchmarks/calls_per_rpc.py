@@ -14,7 +14,7 @@ the counts per side and N.  To compare two trees, run it from each (``PYTHONPATH
 (Run AK did so against 0c6b5a9).  The loop's own functions (polling, yields)
 vary with timing; the rest is the work per message.
 """
-import collections, json, os, sys, threading, time
+import collections, json, os, sys, threading
 import torch
 import torch.multiprocessing as mp
 
