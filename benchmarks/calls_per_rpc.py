@@ -4,10 +4,11 @@ to the next; a count of calls does not).
 
     python benchmarks/calls_per_rpc.py PORT N noop|dict|consume|echo|async OUT.json
 
-Two processes; after 300 warm-up calls (three bursts for ``async``), ``sys.setprofile`` (and
-``threading.setprofile``, both set before ``init_rpc`` starts the agent's
-threads) count every Python and C function called on every thread of both, over N calls of ``rpc_sync(noop)``, of an echo of 100
-4 KiB tensors in a dict (``dict``), of one 4 KiB tensor sent (``consume``)
+Two processes; after 300 warm-up calls (three bursts for ``async``),
+``sys.setprofile`` and ``threading.setprofile`` (both set before
+``init_rpc`` starts the agent's threads) count every Python and C function
+called on every thread of both, over N calls of ``rpc_sync(noop)``, of an
+echo of 100 4 KiB tensors in a dict (``dict``), of one 4 KiB tensor sent (``consume``)
 or echoed (``echo``), or of 100 ``rpc_async`` no-ops and their
 ``wait_all`` (``async``: the counts are per 100 calls).  OUT.json holds
 the counts per side and N.  To compare two trees, run it from each (``PYTHONPATH=<tree>``) and divide by N

@@ -29,10 +29,11 @@ Prints one JSON line per cell (``{"cell": ..., "loss_err": ..., "param_err":
 ..., "equal": ...}``, or ``"error"`` and ``"refused"``: the error says a
 reentrant checkpoint cannot run in a distributed backward pass, as both
 agents say; a cell that timed out adds ``"workers"``, each worker's debug
-info and thread stacks), then ``done``.  The suite runs both matrices' cells on ucxrpc
-(tests/autograd/test_pipelines.py: in one start of worker processes of the
-suite's own, ``torch.distributed.rpc`` swapped as the launcher swaps it);
-torch's agent gives the same cells (README.md, distributed autograd).
+info and thread stacks), then ``done``.  The suite runs both matrices'
+cells on ucxrpc (tests/autograd/test_pipelines.py: in one start of worker
+processes of the suite's own, ``torch.distributed.rpc`` swapped as the
+launcher swaps it); torch's agent gives the same cells (README.md,
+distributed autograd).
 """
 
 from __future__ import annotations
