@@ -320,6 +320,52 @@ def test_thousands_of_rrefs_created_and_dropped_at_once_leave_nothing(trio):
     trio.run(_many_rrefs)
 
 
+class SlowToUnpickle:
+    """Unpickles ``seconds`` late: the request carrying it stays in its
+    pool thread's unpickling while the messages behind it are served."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return (_slow_rebuild, (self.seconds,))
+
+
+def _slow_rebuild(seconds):
+    time.sleep(seconds)
+    return None
+
+
+def local_value_of(_slow, rref):
+    return rref.local_value().get()
+
+
+def _sent_to_its_owner_and_dropped():
+    import ucxrpc as rpc
+
+    ref = rpc.remote("worker1", Counter, args=(7,))
+    assert ref.to_here().value == 7  # made: only the caller's fork holds it now
+    # The RRef goes to its owner, where no fork is made for it, and the
+    # caller drops it at once: its deletion reaches the owner behind the
+    # request, and is served while the request is still being unpickled.
+    # Freed then, the value was gone when the request's RRef was rebuilt,
+    # which waited for a value never to be made (FairScale's pipeline hung
+    # so, 2026-11-30: run_pipeline(record) on the record's owner).
+    fut = rpc.rpc_async("worker1", local_value_of, args=(SlowToUnpickle(0.5), ref), timeout=10)
+    del ref
+    gc.collect()
+    assert fut.wait() == 7
+    del fut
+    gc.collect()
+    # Kept only until answered: then freed as any other.
+    assert _wait_until(lambda: rpc.rpc_sync("worker1", debug_counts)["num_owner_rrefs"] == 0), \
+        rpc.rpc_sync("worker1", debug_counts)
+
+
+def test_an_rref_sent_to_its_owner_outlives_the_senders_drop_until_answered(trio):
+    trio.run(_sent_to_its_owner_and_dropped)
+
+
 def die_after(seconds):
     time.sleep(seconds)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -136,7 +136,9 @@ class SyncReply:
     call wrappers: a CUDA worker's replies need a CUDA-aware Future, and a
     wrapper (distributed autograd's) chains onto a real one."""
 
-    __slots__ = ("_done", "_value", "_exc", "_event")
+    #: kept: what the call's arguments need held until it is answered
+    #: (set only then: RpcAgent.keep_until_answered).
+    __slots__ = ("_done", "_value", "_exc", "_event", "kept")
 
     def __init__(self) -> None:
         self._done = False

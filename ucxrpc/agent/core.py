@@ -323,10 +323,15 @@ class RpcAgent:
             wrapped = self.hooks.wrap_call(to, func, args, kwargs)
             if wrapped is not None:
                 func, args, kwargs, finish = wrapped
-        pickled = self.dumps_for(to.id, (func, args, kwargs))
+        kept: list[Any] = []
+        pickled = self.dumps_for(to.id, (func, args, kwargs), kept)
         fut: torch.futures.Future | SyncReply = (
             SyncReply() if waited and finish is None and not self.devices
             else CallFuture(self.devices))
+        if kept:
+            # Held by the future, which the call table holds until the
+            # answer comes (see keep_until_answered).
+            fut.kept = kept  # type: ignore[union-attr]
         msg_id = next(self._ids)
         self.counters["calls_sent"] += 1
         if self.members.is_broken(to.id):
@@ -468,14 +473,30 @@ class RpcAgent:
             self.calls.fail(msg_id, FrameError(f"the reply from {self.members.name_of(peer)} was "
                                                f"rejected by {self.info.name}: {exc}"))
 
-    def dumps_for(self, dest: int, obj: Any) -> Any:
-        """Serialize ``obj`` for worker ``dest`` (see :meth:`pickling_destination`)."""
-        outer = getattr(self._dest, "id", None)
-        self._dest.id = dest
+    def dumps_for(self, dest: int, obj: Any, kept: list[Any] | None = None) -> Any:
+        """Serialize ``obj`` for worker ``dest`` (see :meth:`pickling_destination`);
+        ``kept``: a call's list for :meth:`keep_until_answered` (None for a reply)."""
+        local = self._dest
+        outer, outer_kept = getattr(local, "id", None), getattr(local, "kept", None)
+        local.id, local.kept = dest, kept
         try:
             return self.serializer.dumps(obj)
         finally:
-            self._dest.id = outer
+            local.id, local.kept = outer, outer_kept
+
+    def keep_until_answered(self, obj: Any) -> None:
+        """While a call's arguments are pickled on this thread: hold ``obj``
+        until the call is answered (a reply pickles nothing that needs it).
+        An RRef sent to its owner makes no fork there, so its owner knows
+        nothing holds the value for the message: the sender dropping its
+        own RRef at once sent a deletion that the owner's pool could serve
+        before the request's unpickling got to the RRef, and free the
+        value under it (rref/handle.py).  Answered, the callee has
+        unpickled the request; torch's user holds its RRef until the owner
+        acknowledges it alike."""
+        kept = getattr(self._dest, "kept", None)
+        if kept is not None:
+            kept.append(obj)
 
     def pickling_destination(self) -> int | None:
         """The worker the message being pickled on this thread goes to, or

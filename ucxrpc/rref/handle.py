@@ -104,7 +104,11 @@ class RRef(Generic[T]):
                             "pickled inside an RPC (as an argument "
                             "or a return value)")
         fork_id: ForkId | None = None
-        if dest != self._owner_id:
+        if dest == self._owner_id:
+            # No fork on its owner: this RRef holds the value until the
+            # owner has the message (RpcAgent.keep_until_answered).
+            agent.keep_until_answered(self)
+        else:
             fork_id = new_id(agent.info.id)
             if self.is_owner():
                 self._registry.add_fork(self._rref_id, fork_id, dest)
