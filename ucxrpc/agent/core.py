@@ -329,8 +329,9 @@ class RpcAgent:
             SyncReply() if waited and finish is None and not self.devices
             else CallFuture(self.devices))
         if kept:
-            # Held by the future, which the call table holds until the
-            # answer comes (see keep_until_answered).
+            # Held by the future: the call table holds it until the answer
+            # comes, and whoever keeps the future after keeps these too
+            # (see keep_until_answered).
             fut.kept = kept  # type: ignore[union-attr]
         msg_id = next(self._ids)
         self.counters["calls_sent"] += 1
