@@ -6,23 +6,28 @@ times after a warm-up.  Both stamp ``time.perf_counter_ns()`` (the same
 CLOCK_MONOTONIC in every process of a host) at the seams of one call:
 
     caller  rpc_sync entered            (the loop, around the call)
+    caller  call pickled                RpcAgent.dumps_for returned
     caller  request frame sent          Sender._frame_alone entered
     callee  frame taken off UCX         Receiver.taken entered (a turn's take or
                                         a driver's spin took frames)
     callee  frame handled               Receiver._message entered
     callee  message to the agent        RpcAgent._on_message entered
+    callee  request claimed             WorkerPool.submit entered (by the pool
+                                        thread driving, usually)
+    callee  its drive over              RpcAgent._drive returned
     callee  request served              Server._serve entered (a pool thread)
     callee  user function               noop entered
     callee  reply made                  Server._reply entered
     callee  reply frame sent            Sender._frame_alone entered
     caller  frame taken, handled, to the agent (as the callee's)
     caller  reply completed             CallTable.complete entered
+    caller  its drive over              RpcAgent._drive returned
     caller  rpc_sync returned
 
 and prints, per stage (the time from one seam to the next), p10 / p50 /
 p90 in µs over the calls whose every seam was seen in order.  Each seam is a
 wrapper of a method (about 0.5-1 µs each on the project's VM, so the total
-is ~8 µs over an unwrapped call's): compare stages with one another and
+is ~10 µs over an unwrapped call's): compare stages with one another and
 runs of one tree with another, not the total with ``ucxrpc bench``'s
 no-op.  "wire + detect" is UCX's latency plus the waiting side's detection
 (its native spin, which takes the frame, or a loop turn): the stage a faster
@@ -49,16 +54,20 @@ from ucxrpc._launch import free_port, start  # noqa: E402  (after the path)
 _ns = time.perf_counter_ns
 #: seam name -> stamps (ns), in this process.
 _STAMPS: dict[str, list[int]] = {k: [] for k in (
-    "take", "frame", "message", "serve", "user", "reply", "send", "complete")}
+    "pickled", "take", "frame", "message", "claim", "drove", "serve", "user", "reply", "send",
+    "complete")}
 
 #: (label, from seam, to seam, side of each seam): the table's rows, in
 #: the order a call passes them.  Sides: "c" caller, "e" callee.
 STAGES = (
-    ("caller: rpc_sync -> request frame sent", ("c", "start"), ("c", "send")),
+    ("caller: rpc_sync -> call pickled", ("c", "start"), ("c", "pickled")),
+    ("caller: pickled -> request frame sent", ("c", "pickled"), ("c", "send")),
     ("wire + callee detects the frame", ("c", "send"), ("e", "take")),
     ("callee: take -> _message", ("e", "take"), ("e", "frame")),
     ("callee: _message -> agent's _on_message", ("e", "frame"), ("e", "message")),
-    ("callee: _on_message -> _serve (pool)", ("e", "message"), ("e", "serve")),
+    ("callee: _on_message -> request claimed", ("e", "message"), ("e", "claim")),
+    ("callee: claimed -> its drive over", ("e", "claim"), ("e", "drove")),
+    ("callee: drive over -> _serve (pool)", ("e", "drove"), ("e", "serve")),
     ("callee: _serve -> user function", ("e", "serve"), ("e", "user")),
     ("callee: user function -> _reply", ("e", "user"), ("e", "reply")),
     ("callee: _reply -> reply frame sent", ("e", "reply"), ("e", "send")),
@@ -66,7 +75,8 @@ STAGES = (
     ("caller: take -> _message", ("c", "take"), ("c", "frame")),
     ("caller: _message -> agent's _on_message", ("c", "frame"), ("c", "message")),
     ("caller: _on_message -> reply completed", ("c", "message"), ("c", "complete")),
-    ("caller: completed -> rpc_sync returned", ("c", "complete"), ("c", "end")),
+    ("caller: completed -> its drive over", ("c", "complete"), ("c", "drove")),
+    ("caller: drive over -> rpc_sync returned", ("c", "drove"), ("c", "end")),
 )
 
 
@@ -94,9 +104,22 @@ def _stamp_entry(cls: type, name: str, seam: str) -> None:
     setattr(cls, name, stamped)
 
 
+def _stamp_exit(cls: type, name: str, seam: str) -> None:
+    inner = getattr(cls, name)
+    stamps = _STAMPS[seam]
+
+    def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            stamps.append(_ns())
+
+    setattr(cls, name, stamped)
+
+
 def _install() -> None:
     """Wrap the seams, in this process, before the agent starts."""
-    from ucxrpc.agent import calls, core, serving
+    from ucxrpc.agent import calls, core, pool, serving
     from ucxrpc.transport import receive, send
 
     _stamp_entry(receive.Receiver, "_message", "frame")
@@ -108,6 +131,13 @@ def _install() -> None:
     # Frames taken off UCX, by a turn's take or a driver's native spin,
     # all reach the receiver through here.
     _stamp_entry(receive.Receiver, "taken", "take")
+    # (dumps_for pickles the callee's replies too: only the caller's
+    # stamps are matched, as the stages above say.)
+    _stamp_exit(core.RpcAgent, "dumps_for", "pickled")
+    _stamp_entry(pool.WorkerPool, "submit", "claim")
+    # A drive's end: the loop handed on, the thread back to its caller
+    # (wrapped on the class before init_rpc binds it anywhere).
+    _stamp_exit(core.RpcAgent, "_drive", "drove")
 
 
 def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:
