@@ -22,8 +22,19 @@ message ``[op, size, count]`` and then runs ``count`` iterations:
 - ``BIDIR``: both send ``size`` bytes to each other at once.
 - ``STOP``: rank 1 acknowledges and both leave.
 
-Buffers are allocated once (host memory through numpy, or CUDA memory
-through torch, handed to UCX by ``__cuda_array_interface__``) and reused.
+Buffers are allocated once and reused. What is sent first (rank 0's bytes,
+rank 1's in ``BIDIR``) is allocated as the RPC series' tensors are
+(:func:`~ucxrpc.bench.workload.filled_tensor`: torch's allocator, host
+memory handed to UCX as a numpy view): the baseline moves the same kind
+of memory as the calls it is the ceiling of.  Numpy asks the kernel for
+transparent huge pages for host arrays from 4 MiB and torch's allocator
+does not, and the kernel's copy in ``sendmsg`` reads huge pages faster: a
+256 MiB send across two simulated hosts took 110-114 ms from numpy's
+memory against 113-120 ms from torch's (three runs alternating the two,
+benchmarks/runs/AY.md), a head start the raw baseline had over every
+tensor ucxrpc and torch's agent sent.  What lands is received into numpy
+arrays (huge pages, as ucxrpc's pooled receive buffers are); CUDA memory
+comes from torch either way.
 """
 
 from __future__ import annotations
@@ -43,9 +54,11 @@ PING_PONG, ONE_WAY, STOP, BIDIR, HOST_PING_PONG = 1, 2, 3, 4, 5
 _SECTION_OPS = {"one_way": ONE_WAY, "round_trip": PING_PONG, "bidirectional": BIDIR}
 
 
-def _buffer(nbytes: int, fill: int, device: str) -> Any:
-    """A buffer with every page already touched (no faults when timed)."""
-    if device == "cpu":
+def _buffer(nbytes: int, fill: int, device: str, *, sent: bool = False) -> Any:
+    """A buffer with every page already touched (no faults when timed);
+    ``sent``: bytes sent first, allocated as the RPC series' tensors are
+    (the module's docstring says why)."""
+    if device == "cpu" and not sent:
         import numpy as np
 
         buf = np.empty(max(nbytes, 8), dtype=np.uint8)
@@ -53,7 +66,8 @@ def _buffer(nbytes: int, fill: int, device: str) -> Any:
         return buf
     from .workload import filled_tensor
 
-    return filled_tensor(max(nbytes, 8), device, fill)
+    tensor = filled_tensor(max(nbytes, 8), device, fill)
+    return tensor.numpy() if device == "cpu" else tensor  # (the view keeps the tensor)
 
 
 class _Driver:
@@ -64,7 +78,7 @@ class _Driver:
 
         self.pair, self.cfg = pair, cfg
         largest = max(cfg.sizes, default=8)
-        self.send_buf = _buffer(largest, 1, device)
+        self.send_buf = _buffer(largest, 1, device, sent=True)
         self.recv_buf = _buffer(largest, 0, device)
         self.device = device
         self.ack = _buffer(8, 0, "cpu")
@@ -143,7 +157,7 @@ def _serve(pair: Pair, cfg: WorkloadConfig, device: str) -> None:
     Array = pair.Array
     largest = max(cfg.sizes, default=8)
     buf = _buffer(largest, 0, device)       # every message lands here
-    out = _buffer(largest, 2, device)       # what BIDIR sends back
+    out = _buffer(largest, 2, device, sent=True)  # what BIDIR sends back
     host = _buffer(8, 0, "cpu")             # HOST_PING_PONG's
     ack = Array(_buffer(8, 0, "cpu"))
     ctrl = np.zeros(3, dtype=np.int64)
