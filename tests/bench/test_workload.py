@@ -40,3 +40,21 @@ def test_config_is_json_ready():
     assert doc["transports"] == ["tcp"] and doc["device"] == "cuda"
     assert doc["sizes"] == list(cfg.sizes)
     assert workload.WorkloadConfig().sizes[-1] == 256 << 20
+
+
+def test_the_raw_baseline_sends_memory_allocated_as_the_calls_tensors_are():
+    """Raw ucxx sends what torch's allocator made, as ucxrpc and torch's
+    agent send the workload's tensors: a numpy array of 4 MiB or more gets
+    huge pages, which the kernel's copy reads faster, a head start the
+    baseline had over every large host tensor (benchmarks/runs/AY.md).
+    What it receives into stays a numpy array (huge pages, as ucxrpc's
+    pooled receive buffers are)."""
+    import torch
+
+    from ucxrpc.bench import raw
+
+    sent = raw._buffer(4 << 20, 1, "cpu", sent=True)
+    assert isinstance(sent.base, torch.Tensor) and sent.nbytes == 4 << 20
+    assert int(sent[0]) == int(sent[-1]) == 1  # every page touched before timing
+    received = raw._buffer(4 << 20, 0, "cpu")
+    assert not isinstance(received.base, torch.Tensor) and int(received[-1]) == 0
