@@ -121,7 +121,8 @@ def _caller(size: int, calls: int, test: str) -> dict[str, Any]:
 
     # The callee makes its worker when it gets ours, and answers with its.
     pair = Pair(lambda mine: rpc.rpc_sync("worker1", raw_setup, (mine, size)), 60.0)
-    data = torch.ones(size, dtype=torch.uint8).numpy()  # as the calls' tensor (raw_setup)
+    # Sent: torch's memory, as the calls' tensor below (see raw_setup).
+    data = torch.ones(size, dtype=torch.uint8).numpy()
     back = np.zeros(8 if test == "one_way" else size, dtype=np.uint8)
     back_tag = pair.tag_data if test == "bidirectional" else pair.tag_reply
     tensor = torch.ones(size, dtype=torch.uint8)
