@@ -93,22 +93,15 @@ def _stamps() -> dict[str, list[int]]:
     return _STAMPS
 
 
-def _stamp_entry(cls: type, name: str, seam: str) -> None:
+def _stamp_entry(cls: type, name: str, seam: str, *, on_return: bool = False) -> None:
+    """Stamp ``seam`` as ``cls.name`` is entered, or as it returns."""
     inner = getattr(cls, name)
     stamps = _STAMPS[seam]
 
     def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        stamps.append(_ns())
-        return inner(self, *args, **kwargs)
-
-    setattr(cls, name, stamped)
-
-
-def _stamp_exit(cls: type, name: str, seam: str) -> None:
-    inner = getattr(cls, name)
-    stamps = _STAMPS[seam]
-
-    def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not on_return:
+            stamps.append(_ns())
+            return inner(self, *args, **kwargs)
         try:
             return inner(self, *args, **kwargs)
         finally:
@@ -133,11 +126,11 @@ def _install() -> None:
     _stamp_entry(receive.Receiver, "taken", "take")
     # (dumps_for pickles the callee's replies too: only the caller's
     # stamps are matched, as the stages above say.)
-    _stamp_exit(core.RpcAgent, "dumps_for", "pickled")
+    _stamp_entry(core.RpcAgent, "dumps_for", "pickled", on_return=True)
     _stamp_entry(pool.WorkerPool, "submit", "claim")
     # A drive's end: the loop handed on, the thread back to its caller
     # (wrapped on the class before init_rpc binds it anywhere).
-    _stamp_exit(core.RpcAgent, "_drive", "drove")
+    _stamp_entry(core.RpcAgent, "_drive", "drove", on_return=True)
 
 
 def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:

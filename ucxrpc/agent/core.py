@@ -113,6 +113,8 @@ class RpcAgent:
         self.extensions: dict[str, Any] = {}
         self._extensions_lock = threading.Lock()
         self.hooks = Hooks()
+        #: Per thread, while a message is pickled (dumps_for): ``now``, its
+        #: (destination id, the call's kept list or None for a reply).
         self._dest = threading.local()
 
     @property
@@ -477,13 +479,15 @@ class RpcAgent:
     def dumps_for(self, dest: int, obj: Any, kept: list[Any] | None = None) -> Any:
         """Serialize ``obj`` for worker ``dest`` (see :meth:`pickling_destination`);
         ``kept``: a call's list for :meth:`keep_until_answered` (None for a reply)."""
+        # One slot, (dest, kept), set and restored once a message: nested
+        # pickling (a reducer that pickles) sees its own and gets ours back.
         local = self._dest
-        outer, outer_kept = getattr(local, "id", None), getattr(local, "kept", None)
-        local.id, local.kept = dest, kept
+        outer = getattr(local, "now", None)
+        local.now = (dest, kept)
         try:
             return self.serializer.dumps(obj)
         finally:
-            local.id, local.kept = outer, outer_kept
+            local.now = outer
 
     def keep_until_answered(self, obj: Any) -> None:
         """While a call's arguments are pickled on this thread: hold ``obj``
@@ -495,15 +499,16 @@ class RpcAgent:
         value under it (rref/handle.py).  Answered, the callee has
         unpickled the request; torch's user holds its RRef until the owner
         acknowledges it alike."""
-        kept = getattr(self._dest, "kept", None)
-        if kept is not None:
-            kept.append(obj)
+        now = getattr(self._dest, "now", None)
+        if now is not None and now[1] is not None:
+            now[1].append(obj)
 
     def pickling_destination(self) -> int | None:
         """The worker the message being pickled on this thread goes to, or
         None outside an RPC; objects such as RRefs pickle differently per
         destination and refuse to pickle outside RPC."""
-        return getattr(self._dest, "id", None)
+        now = getattr(self._dest, "now", None)
+        return None if now is None else now[0]
 
     def lookup_member(self, peer: int) -> Peer | None:
         """Where an unknown worker id lives, from its record in the store (the
