@@ -21,6 +21,10 @@ int core_calls_init(PyObject *module);
 extern PyMethodDef core_frame_methods[];
 int core_frame_init(PyObject *module);
 
+/* loop.c */
+extern PyMethodDef core_loop_methods[];
+int core_loop_init(PyObject *module);
+
 /* timer.c */
 extern PyMethodDef core_timer_methods[];
 

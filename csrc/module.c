@@ -42,7 +42,8 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "ucxrpc._core",
     .m_doc = "ucxrpc's per-message work in C: frames and their MAC, libucp's "
-             "per-message calls, the table of calls in flight (see "
+             "per-message calls, the table of calls in flight, the progress loop's "
+             "hand-over and a driver's turns (see "
              "docs/architecture.md, 'The native core').",
     .m_size = -1,  /* module state is static: one interpreter per process */
     .m_methods = core_frame_methods,
@@ -52,8 +53,9 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module_def);
     if (!m) return NULL;
     if (PyModule_AddFunctions(m, core_ucp_methods) < 0 ||
-        PyModule_AddFunctions(m, core_timer_methods) < 0 || core_frame_init(m) < 0 ||
-        core_calls_init(m) < 0 ||
+        PyModule_AddFunctions(m, core_timer_methods) < 0 ||
+        PyModule_AddFunctions(m, core_loop_methods) < 0 || core_frame_init(m) < 0 ||
+        core_calls_init(m) < 0 || core_loop_init(m) < 0 ||
         core_ucp_init(m) < 0) {
         Py_DECREF(m);
         return NULL;

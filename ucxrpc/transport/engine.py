@@ -221,18 +221,21 @@ class Transport:
         self._queue_check = self._liveness.queue_check
         #: What peers need to watch this process's lifeline (published).
         self.lifeline = self._liveness.address
+        # The loop's strategy, kept here too: every frame sent asks it
+        # (_contended), and the loop's own is behind a property.
+        self._strategy = strategy.strategy(progress_mode)
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
             expected=self._expected, spin_s=spin_s,
             pending=lambda: bool(self._tasks or self._inflight),
-            arm=self._worker.arm, fd=self._worker.fd, strategy=strategy.strategy(progress_mode),
+            arm=self._worker.arm, fd=self._worker.fd, strategy=self._strategy,
             on_stall=self._liveness.excuse_stall, on_start=self._progress_started,
             spin=self._worker.spinner(*FRAMES, self._rx.small), quiet=self._quiet,
             on_taken=self._rx.taken)
         if self._cuda.device is None:
             # The host's path (see drive): the loop's own drive, bound over
             # the method, a call fewer every wait (issue 52).
-            self.drive = self._loop.drive  # type: ignore[method-assign]
+            self.drive = self._loop.drive  # type: ignore[method-assign, assignment]
 
     # ------------------------------------------------------------------ API
 
@@ -462,7 +465,7 @@ class Transport:
         """Whether a turn would only look for a frame: nothing sent or
         received is in flight, no task or frame waits, no check or
         by-address acknowledgement is due.  The loop then spins natively
-        (:meth:`.loop.progress.ProgressThread._spun`) instead of turning."""
+        (the native core's ``Loop``, csrc/loop.c) instead of turning."""
         return not (self._watch or self._inflight or self._tasks or self._rx.frames
                     or self._queue_check.waiting or self._by_address.due)
 
@@ -471,7 +474,7 @@ class Transport:
         blocking mode): every frame then costs its receiver a wake-up,
         likely a scheduler slice, and every copy a share of a core."""
         # (may_poll, inline: every frame sent asks)
-        return time.monotonic() < self._loop.strategy.blocked_until
+        return time.monotonic() < self._strategy.blocked_until
 
     # --------------------------------------------------------------- peers
 

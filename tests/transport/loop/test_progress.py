@@ -131,6 +131,7 @@ class _Loop:
         self.seen = threading.Event()
         self.seen_on = ""  # the thread whose turn saw the last event
         self.stalls: list[float] = []  # what on_stall was told
+        self.turn_instead = None  # a test's own turn (the loop holds this one's)
         self.loop = ProgressThread(
             name="test-progress", progress=lambda: None, turn=self._turn,
             expected=self._expected, spin_s=spin_s,
@@ -160,6 +161,8 @@ class _Loop:
         self.seen.set()
 
     def _turn(self) -> bool:
+        if self.turn_instead is not None:
+            return self.turn_instead()
         try:
             taken = [os.eventfd_read(self.fd)]
         except BlockingIOError:
@@ -306,7 +309,7 @@ def test_stop_and_close_from_its_own_thread_release_everything():
         stopped.set()
         return False
 
-    lp.loop._turn = turn
+    lp.turn_instead = turn
     lp.loop.start()
     assert stopped.wait(10)
     lp.loop._thread.join(10)
@@ -364,7 +367,7 @@ def test_a_waiting_thread_turns_the_loop_and_the_progress_thread_parks():
     lp = _started(Polling(), expect=True)
     try:
         t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
-        _wait_for(lambda: lp.loop.drives == 1 and lp.loop._parked, "the progress thread to park")
+        _wait_for(lambda: lp.loop.drives == 1 and lp.loop._core.parked, "the progress thread to park")
         turns = lp.loop.turns
         time.sleep(0.05)
         assert lp.loop.turns == turns, "the progress thread turned while another thread drove"
@@ -406,7 +409,7 @@ def test_where_polling_may_not_the_driver_waits_in_epoll_itself():
     lp = _started(Blocking(), expect=True)
     try:
         t, out = _drive_on_thread(lp, lambda: lp.events >= 1)
-        _wait_for(lambda: lp.loop._driver_sleeping and lp.loop._parked, "the driver to sleep")
+        _wait_for(lambda: lp.loop._core.driver_sleeping and lp.loop._core.parked, "the driver to sleep")
         turns, driven = lp.loop.turns, lp.loop.driven_turns
         time.sleep(0.05)
         assert lp.loop.driven_turns - driven <= 1, "a sleeping driver polled"
@@ -423,7 +426,7 @@ def test_wake_reaches_a_sleeping_driver_not_the_parked_thread():
     ran: list[str] = []
     try:
         t, out = _drive_on_thread(lp, lambda: bool(ran))
-        _wait_for(lambda: lp.loop._driver_sleeping and lp.loop._parked, "the driver to sleep")
+        _wait_for(lambda: lp.loop._core.driver_sleeping and lp.loop._core.parked, "the driver to sleep")
         lp.calls.append(lambda: ran.append(threading.current_thread().name))
         lp.loop.wake()  # as a sender does after queueing work for the loop
         t.join(10)
@@ -574,7 +577,7 @@ def test_wake_ends_a_drivers_spin_and_its_work_runs_on_the_driver(monkeypatch):
     ran: list[str] = []
     try:
         t, out = _drive_on_thread(lp, lambda: bool(ran))
-        _wait_for(lambda: lp.loop._driver_spinning, "the driver to spin")
+        _wait_for(lambda: lp.loop._core.driver_spinning, "the driver to spin")
         lp.calls.append(lambda: ran.append(threading.current_thread().name))
         lp.loop.wake()  # as a sender does after queueing work for the loop
         t.join(10)
@@ -630,7 +633,7 @@ def test_the_parked_thread_sleeps_through_a_drive_and_its_linger_timer_resumes_i
     try:
         t, out = _drive_on_thread(lp, done)
         # One look (LINGER_S) sees the same drive: the thread parks deep.
-        _wait_for(lambda: lp.loop._park_deep, "the progress thread to park deep")
+        _wait_for(lambda: lp.loop._core.park_deep, "the progress thread to park deep")
         wakes = lp.loop.park_wakes
         time.sleep(0.2)  # a hundred LINGER_S
         assert lp.loop.park_wakes == wakes, "the parked thread woke while the driver drove"
@@ -652,9 +655,6 @@ def test_short_drives_leave_the_linger_timer_alone(monkeypatch):
     # call on each side, ~2 µs each on a VM, one on the call's critical
     # path (Run AS).  While drives come and go, the parked thread looks
     # every LINGER_S instead, and the timer is not touched.
-    arms: list[float] = []
-    real = progress.timer_arm
-    monkeypatch.setattr(progress, "timer_arm", lambda fd, s: (arms.append(s), real(fd, s)))
     lp = _Loop(Polling(), awaited=lambda: Why.NOTHING_DUE)  # each drive leaves it lingering
     lp.loop.start()
     try:
@@ -667,7 +667,8 @@ def test_short_drives_leave_the_linger_timer_alone(monkeypatch):
         assert lp.loop.drives == drives > 100
         # (A drive preempted for a whole look may park it deep once: far
         # from the two a drive of a timer per drive.)
-        assert len(arms) <= drives // 10, (len(arms), drives)
+        arms = lp.loop._core.timer_sets  # (armed or disarmed: csrc/loop.c)
+        assert arms <= drives // 10, (arms, drives)
         lp.fire()
         assert lp.seen.wait(10), "the progress thread did not resume after the drives"
     finally:
@@ -684,15 +685,15 @@ def test_a_send_in_flight_nudges_the_loop_but_leaves_a_lingering_thread_parked(m
     lp.loop.start()
     try:
         t, out = _drive_on_thread(lp, done)
-        _wait_for(lambda: lp.loop._parked, "the progress thread to park")
+        _wait_for(lambda: lp.loop._core.parked, "the progress thread to park")
         answered.set()
         t.join(10)
         assert out.get("reached") is True, out
-        assert lp.loop._parked and lp.loop.owner is progress.Owner.LINGER
+        assert lp.loop._core.parked and lp.loop.owner is progress.Owner.LINGER
         turns = lp.loop.turns
         lp.loop.nudge()
         time.sleep(0.2)
-        assert lp.loop._parked and lp.loop.turns == turns, "a nudge unparked the lingering thread"
+        assert lp.loop._core.parked and lp.loop.turns == turns, "a nudge unparked the lingering thread"
         lp.loop.wake()  # a caller that needs the loop turning now gets it
         _wait_for(lambda: lp.loop.turns > turns, "wake to unpark the progress thread")
         assert lp.loop.owner is progress.Owner.THREAD
@@ -703,7 +704,7 @@ def test_a_send_in_flight_nudges_the_loop_but_leaves_a_lingering_thread_parked(m
 def test_a_nudge_wakes_a_progress_thread_asleep_in_epoll():
     lp = _started(Polling(), expect=False)
     try:
-        _wait_for(lambda: lp.loop.sleeps >= 1 and lp.loop._sleeping, "the loop to sleep")
+        _wait_for(lambda: lp.loop.sleeps >= 1 and lp.loop._core.sleeping, "the loop to sleep")
         sleeps = lp.loop.sleeps
         lp.calls.append(lambda: None)  # work only a turn finds
         lp.loop.nudge()

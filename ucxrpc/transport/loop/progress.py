@@ -28,13 +28,19 @@ without a Python call until something happens, a chunk
 (:data:`SPIN_CHUNK_S`) at a time.  The frames it finds come taken and are
 handed on (``on_taken``) without another turn; a drive that starts on a
 quiet transport, or whose spin just handed frames on, spins again without
-a turn where it will spin (``_drive`` says why).
+a turn where it will spin (csrc/loop.c's ``drive_turns`` says why).
+
+Everything a driver does (the owner's moves, the baton, its turns and
+spins, the strategy's questions) runs in the native core's ``Loop``
+(csrc/loop.c): a drive runs twice on each side of every call, and in
+Python it was ~40 calls a side of a no-op (issue 52, Run AZ).  The
+progress thread's own loop, its parking and the epoll waits stay here.
 
 Two pieces of state say everything about the loop at a glance, both in
 ``_get_debug_info()["progress"]``:
 
-* **Who turns it** (:class:`Owner`), moved only by
-  :meth:`ProgressThread._hand`, checked against :data:`_MOVES`: the
+* **Who turns it** (:class:`Owner`), moved only by the core's ``hand``
+  (:meth:`ProgressThread._hand`), checked against :data:`_MOVES`: the
   progress thread; a driver; the progress thread parked for
   :data:`LINGER_S` after a driver left with nothing left to do (its
   caller is likely back at once); or stopped.
@@ -56,7 +62,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..._core import timer_arm, timer_new
+from ..._core import Loop, timer_new, turning, turning_bind
+from ..._core import guard as _guard
+from ..._core import unguard as _unguard
 from ..._states import StateEnum
 from .interrupts import SigintGuard
 from .strategy import POLLS, Strategy, Why
@@ -86,7 +94,7 @@ IDLE_AFTER_S = 2.0
 #: from it.  Also the longest a message nobody waits for can wait then.
 #: The parked thread looks every LINGER_S while drives come and go; once one
 #: drive lasted a whole look, it sleeps through the drives (a one-shot timer,
-#: ``timer_arm`` in csrc/timer.c, measures the lingering then: see _park).
+#: csrc/loop.c arms it, measures the lingering then: see _park).
 LINGER_S = 0.002
 #: A deep-parked thread's longest wait all the same: a safety net only (the
 #: linger timer or a wake-up ends every wait that matters).
@@ -99,31 +107,29 @@ STALL_S = 0.5
 #: the timeouts thread passed, say, is seen within it.
 SPIN_CHUNK_S = 250e-6
 
-#: Set on a thread while it drives the loop or sends (:func:`guard`): a
-#: callback it runs must not drive again (turns do not nest), and Ctrl-C
-#: waits until the section ends (interrupts.py).
-_turning = threading.local()
-_sigint = SigintGuard(lambda: getattr(_turning, "on", False))
+#: Ctrl-C held while the main thread drives the loop or sends: the thread's
+#: flag is the native core's (``turning``), set by :func:`guard` and by a
+#: drive (interrupts.py).
+_sigint = SigintGuard(turning)
+turning_bind(_sigint)
+
+#: Enter a section Ctrl-C must not cut in half (a send: a frame handed to
+#: UCX but not yet watched would leave the pipe waiting for it for good);
+#: returns what :func:`unguard` needs.  Nests.  (Native, csrc/loop.c: a
+#: send's two calls.)
+guard = _guard
+#: Leave the section; the outermost one raises a Ctrl-C held meanwhile.
+unguard = _unguard
 
 
-def guard() -> bool:
-    """Enter a section Ctrl-C must not cut in half (a send: a frame handed
-    to UCX but not yet watched would leave the pipe waiting for it for
-    good); returns what :func:`unguard` needs.  Nests."""
-    outer = getattr(_turning, "on", False)
-    _turning.on = True
-    return outer
-
-
-def unguard(outer: bool) -> None:
-    """Leave the section; the outermost one raises a Ctrl-C held meanwhile."""
-    _turning.on = outer
-    if not outer and _sigint.held is not None:  # (a call fewer a send)
-        _sigint.deliver()
+def _loop_error(exc: BaseException) -> None:
+    # A turn's or a spin's error, logged by the native loop (csrc/loop.c's
+    # swallow): the loop goes on.
+    logger.error("progress loop error (continuing)", exc_info=exc)
 
 
 class Owner(StateEnum):
-    """Who turns the loop (:meth:`ProgressThread._hand` moves it)."""
+    """Who turns the loop (the core's ``hand``, :meth:`ProgressThread._hand`, moves it)."""
 
     THREAD = "progress thread"
     DRIVER = "a waiting caller"
@@ -131,7 +137,8 @@ class Owner(StateEnum):
     STOPPED = "stopped"
 
 
-#: The moves :meth:`ProgressThread._hand` allows.  A driver takes the loop
+#: The moves :meth:`ProgressThread._hand` allows (the core's copy of it is
+#: made from this one, once per loop).  A driver takes the loop
 #: from the progress thread, turning or lingering, never from another
 #: driver; it gives it back at once (work left, or it gave up) or lets the
 #: progress thread linger; stopping ends everything.
@@ -191,21 +198,10 @@ class ProgressThread:
                  spin: Callable[[int, float, float], tuple[int, int, float, Any]] | None = None,
                  quiet: Callable[[], bool] | None = None,
                  on_taken: Callable[[Any], None] | None = None) -> None:
-        self.strategy = strategy
-        self._spin = spin if quiet is not None and on_taken is not None else None
-        self._on_taken = on_taken
-        self._quiet = quiet or (lambda: False)
         self._on_start = on_start
-        self._progress = progress
-        self._turn = turn
-        self._expected = expected
-        self._spin_s = spin_s
         self._pending = pending
         self._arm = arm
         self._on_stall = on_stall
-        self._sleeping = False         # the progress thread waits in _sleep
-        self._driver_sleeping = False  # a driver waits in _sleep
-        self._driver_spinning = False  # a driver spins natively (_spun)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._epoll.register(fd, select.EPOLLIN)
@@ -219,29 +215,62 @@ class ProgressThread:
         self._park_poll.register(self._park_fd, select.EPOLLIN)
         # The linger timer, for a thread parked deep (_park): armed as a
         # driver leaves the loop to linger, disarmed as the next one takes
-        # it (_hand), it ends the wait when the lingering ran out, so the
-        # thread need not wake to look during long drives.  Looking every
-        # LINGER_S through them woke it three to four times a 16 MiB call
-        # across two hosts on each side, each wake-up preempting a thread
-        # that moved the data, ~25% of the call; arming it for every drive
-        # cost a no-op call two timerfd_settime on each side, ~2 µs each
-        # on a VM, one on its critical path (benchmarks/runs/AS.md).
+        # it (the core's hand), it ends the wait when the lingering ran out,
+        # so the thread need not wake to look during long drives.  Looking
+        # every LINGER_S through them woke it three to four times a 16 MiB
+        # call across two hosts on each side, each wake-up preempting a
+        # thread that moved the data, ~25% of the call; arming it for every
+        # drive cost a no-op call two timerfd_settime on each side, ~2 µs
+        # each on a VM, one on its critical path (benchmarks/runs/AS.md).
         self._linger_fd = timer_new()
-        self._linger_armed = False
-        self._park_deep = False      # the parked thread waits for the timer
-        self._drive_started = 0.0    # when the current drive took the loop
         self._park_poll.register(self._linger_fd, select.EPOLLIN)
-        self._baton = threading.Lock()  # held for a turn, by whoever turns
-        self._owner_lock = threading.Lock()  # held to move _owner (_hand)
-        self._owner = Owner.THREAD
-        # Whether the owner is STOPPED, kept by _hand: the loops read it
-        # every turn, a property's call each time (~9 per no-op call).
-        self._stopping = False
-        self._driver: int | None = None  # the driving thread's ident, while Owner.DRIVER
-        self._driver_left = 0.0          # when the last driver left
-        self._parked = False             # the progress thread waits in _park
-        #: The last answer of :meth:`decide` (for debug info; read unlocked).
-        self.last_why = Why.QUIET
+        # The owner (moved only by the core's hand, as _MOVES allows), the
+        # baton (held for a turn, by whoever turns), the flags wakers read,
+        # and a driver's turns: the native core (csrc/loop.c), as a drive
+        # runs on both sides of every call (issue 52).
+        self._core = Loop(
+            (Owner.THREAD, Owner.DRIVER, Owner.LINGER, Owner.STOPPED), _MOVES, Why.AWAITED,
+            POLLS, progress=progress, turn=turn, expected=expected, pending=pending,
+            quiet=quiet or (lambda: False),
+            spin=spin if quiet is not None and on_taken is not None else None,
+            on_taken=on_taken, sleep=self._sleep, on_error=_loop_error, strategy=strategy,
+            wake_fd=self._wake_fd, park_fd=self._park_fd, linger_fd=self._linger_fd,
+            spin_s=spin_s, spin_chunk_s=SPIN_CHUNK_S, linger_s=LINGER_S, sleep_s=SLEEP_S)
+        self._core.last_why = Why.QUIET  # (for debug info, until a turn decides)
+        #: Turn the loop on the calling thread until ``done()`` holds, or
+        #: until nothing is expected for ``spin_s``: the caller then blocks
+        #: as it would have, and the progress thread takes over again.
+        #: Between turns the driver polls where the strategy lets it (its
+        #: idle turns the native ``spin`` while the transport is ``quiet``),
+        #: and otherwise waits in epoll itself (``_sleep``).  Returns
+        #: whether ``done()`` held; at once (False) where driving cannot
+        #: help: on the progress thread, inside a turn (a callback), or while
+        #: another thread drives.  On the main thread, Ctrl-C ends the drive
+        #: between two turns and raises ``KeyboardInterrupt`` from here
+        #: (interrupts.py).  As it ends, a driver that reached ``done()``
+        #: with nothing more expected or pending leaves the progress thread
+        #: parked to linger (:data:`LINGER_S`); otherwise it hands the loop
+        #: back at once.  Native (``Loop.drive``, csrc/loop.c).
+        self.drive: Callable[[Callable[[], bool]], bool] = self._core.drive
+        #: Make the loop turn again now if it sleeps (a few flag tests when
+        #: it does not): whoever waits in _sleep or spins, or the progress
+        #: thread parked with no driver (lingering after one left); with
+        #: ``force``, the parked thread whoever drives.  Any thread.
+        self.wake: Callable[..., None] = self._core.wake
+        #: :meth:`wake` for a send left in flight: whoever sleeps in the
+        #: loop (the progress thread, or a driver in epoll or in its native
+        #: spin) turns again, but a progress thread parked while lingering
+        #: after a driver (:data:`LINGER_S`) is left to linger.  The sender
+        #: is that driver more often than not (a caller about to wait for
+        #: its reply, a pool thread about to wait for the next request),
+        #: back within microseconds; woken, the progress thread took the
+        #: loop and the GIL in between, once a call: a 16 MiB ``rpc_sync``
+        #: across two hosts had it turn 376 times in 400 calls, two threads
+        #: of the sending process progressing one transfer
+        #: (benchmarks/runs/AR.md).  Where no driver comes, the progress
+        #: thread resumes on its own within LINGER_S.
+        self.nudge: Callable[[], None] = self._core.nudge
+        self._yield = self._core.yield_
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._ident: int | None = None  # the thread's, set as it starts (current)
         self._release_on_exit = False
@@ -249,10 +278,16 @@ class ProgressThread:
         self.turns = 0
         self.sleeps = 0
         self.arm_busy = 0
-        self.drives = 0
-        self.driven_turns = 0
-        self.spins = 0
         self.park_wakes = 0
+
+    @property
+    def strategy(self) -> Strategy:
+        """When to poll rather than sleep."""
+        return self._core.strategy
+
+    @strategy.setter
+    def strategy(self, value: Strategy) -> None:
+        self._core.strategy = value
 
     @property
     def current(self) -> bool:
@@ -262,50 +297,42 @@ class ProgressThread:
     @property
     def owner(self) -> Owner:
         """Who turns the loop now."""
-        return self._owner
+        return self._core.owner
+
+    @property
+    def last_why(self) -> Why:
+        """The last answer of :meth:`decide` (for debug info)."""
+        return self._core.last_why
+
+    @property
+    def drives(self) -> int:
+        return self._core.drives
+
+    @property
+    def driven_turns(self) -> int:
+        return self._core.driven_turns
+
+    @property
+    def spins(self) -> int:
+        return self._core.spins
 
     def _hand(self, to: Owner, driver: int | None = None, *, only_from: Owner | None = None
               ) -> bool:
         """Move the loop to ``to`` (``driver``: the driving thread's ident)
         if :data:`_MOVES` allows it from where it is (and it is at
         ``only_from``, where given); whether it moved.  The one place
-        ownership changes."""
-        with self._owner_lock:
-            was = self._owner
-            if to not in _MOVES[was] or (only_from is not None and was is not only_from):
-                return False
-            if was is Owner.DRIVER:
-                self._driver_left = time.monotonic()
-            if self._park_deep:  # (the parked thread sleeps through drives)
-                if to is Owner.LINGER:
-                    # The timer ends its linger.
-                    timer_arm(self._linger_fd, LINGER_S)
-                    self._linger_armed = True
-                    if self._driver_left - self._drive_started < LINGER_S:
-                        # A short drive: back to looks, once the timer has
-                        # woken it (no later driver disarms it: not deep).
-                        self._park_deep = False
-                elif to is Owner.DRIVER and self._linger_armed:
-                    # (One that fires anyway costs the thread a look.)
-                    timer_arm(self._linger_fd, 0.0)
-                    self._linger_armed = False
-            if to is Owner.DRIVER:
-                self._drive_started = time.monotonic()
-            self._driver = driver if to is Owner.DRIVER else None
-            self._owner = to
-            self._stopping = to is Owner.STOPPED
-            return True
+        ownership changes (the native core's ``hand``: a drive moves it
+        there without a call back to Python).  A move to LINGER out of a
+        deep park arms the linger timer; one to DRIVER disarms it."""
+        return self._core.hand(to, driver, only_from)
 
     def decide(self, now: float, idle_s: float) -> Why:
         """Whether the next turn may poll, and why (:data:`POLLS` poll):
         what ``expected`` says, idle over ``spin_s`` making it overdue; then
         the strategy, which may refuse to poll what is expected.  The
-        answer is kept in :attr:`last_why`."""
-        why = self._expected(idle_s >= self._spin_s)
-        if why in POLLS and now < self.strategy.blocked_until:  # (may_poll, inline)
-            why = self.strategy.refusal
-        self.last_why = why
-        return why
+        answer is kept in :attr:`last_why`.  (Native: a drive decides
+        without a call back to Python.)"""
+        return self._core.decide(now, idle_s)
 
     def start(self) -> None:
         self._sigint_counted = _sigint.install()
@@ -342,169 +369,17 @@ class ProgressThread:
             os.close(self._park_fd)
             os.close(self._linger_fd)
 
-    def wake(self, force: bool = False) -> None:
-        """Make the loop turn again now if it sleeps (a few flag tests when
-        it does not): whoever waits in _sleep, or the progress thread parked
-        with no driver (lingering after one left)."""
-        try:
-            if self._sleeping or self._driver_sleeping or self._driver_spinning or force:
-                os.eventfd_write(self._wake_fd, 1)
-            if self._parked and (self._owner is not Owner.DRIVER or force):
-                os.eventfd_write(self._park_fd, 1)
-        except OSError:  # closed: the loop is gone
-            pass
-
-    def nudge(self) -> None:
-        """:meth:`wake` for a send left in flight: whoever sleeps in the loop
-        (the progress thread, or a driver in epoll or in its native spin)
-        turns again, but a progress thread parked while lingering after a
-        driver (:data:`LINGER_S`) is left to linger.  The sender is that
-        driver more often than not (a caller about to wait for its reply, a
-        pool thread about to wait for the next request), back within
-        microseconds; woken, the progress thread took the loop and the GIL
-        in between, once a call: a 16 MiB ``rpc_sync`` across two hosts had
-        it turn 376 times in 400 calls, two threads of the sending process
-        progressing one transfer (benchmarks/runs/AR.md).  Where no driver
-        comes, the progress thread resumes on its own within LINGER_S."""
-        try:
-            if self._sleeping or self._driver_sleeping or self._driver_spinning:
-                os.eventfd_write(self._wake_fd, 1)
-            if self._parked and self._owner is Owner.THREAD:
-                os.eventfd_write(self._park_fd, 1)
-        except OSError:  # closed: the loop is gone
-            pass
-
-    def _unpark(self) -> None:
-        try:
-            os.eventfd_write(self._park_fd, 1)
-        except OSError:
-            pass
-
     def info(self) -> dict[str, Any]:
-        return {**self.strategy.info(), "owner": self._owner.value,
-                "poll_decision": self.last_why.value, "turns": self.turns,
-                "sleeps": self.sleeps, "arm_busy": self.arm_busy, "drives": self.drives,
-                "driven_turns": self.driven_turns, "spins": self.spins,
+        core = self._core
+        return {**core.strategy.info(), "owner": core.owner.value,
+                "poll_decision": core.last_why.value, "turns": self.turns,
+                "sleeps": self.sleeps, "arm_busy": self.arm_busy, "drives": core.drives,
+                "driven_turns": core.driven_turns, "spins": core.spins,
                 "park_wakes": self.park_wakes}
-
-    def drive(self, done: Callable[[], bool]) -> bool:
-        """Turn the loop on the calling thread until ``done()`` holds, or
-        until nothing is expected for ``spin_s``: the caller then blocks as
-        it would have, and the progress thread takes over again.  Between
-        turns the driver polls where the strategy lets it, and otherwise
-        waits in epoll itself (see _drive).
-
-        Returns whether ``done()`` held; at once (False) where driving
-        cannot help: on the progress thread, inside a turn (a callback), or
-        while another thread drives.  On the main thread, Ctrl-C ends the
-        drive between two turns and raises ``KeyboardInterrupt`` from here
-        (interrupts.py).
-        """
-        # (current, inline: a drive starts once a call made or served)
-        if (self._stopping or threading.get_ident() == self._ident
-                or getattr(_turning, "on", False)):
-            return False
-        _turning.on = True  # first: nothing below may be cut short by Ctrl-C
-        try:
-            if not self._hand(Owner.DRIVER, threading.get_ident()):
-                return False  # another thread drives, or the loop stopped
-            self.drives += 1
-            handed_back = True
-            try:
-                reached = self._drive(done)
-                handed_back = (not reached or self._expected(False) in POLLS
-                               or self._pending())
-                return reached
-            finally:
-                # Parked, the progress thread lingers (LINGER_S) unless
-                # woken: a driver that gave up, or left work behind, hands
-                # the loop back at once.  (It reads the owner after setting
-                # _parked, and we read _parked after moving the owner, so
-                # one of us sees the other.)
-                self._hand(Owner.THREAD if handed_back else Owner.LINGER)
-                if handed_back and self._parked:
-                    self._unpark()
-        finally:
-            _turning.on = False
-            if _sigint.held is not None:
-                _sigint.deliver()
-
-    def _drive(self, done: Callable[[], bool]) -> bool:
-        """Turn until ``done()`` (True) or nothing is expected (False).
-
-        Where the strategy may not poll (a contended core, or the blocking
-        mode), the driver waits for UCX's next event in epoll itself rather
-        than handing the loop back: the message then wakes the thread that
-        wants it, one wake-up instead of two (the progress thread's, then
-        the waiter's), and the core is free meanwhile.
-        """
-        last_event = time.monotonic()
-        # A quiet transport (nothing in flight, due or queued) gives a turn
-        # nothing to do that the native spin does not, where the driver will
-        # spin: as a drive opens, and after a spin that handed frames on,
-        # it goes straight to the spin, which takes whatever already waits.
-        # Each such turn cost a call to ucxx's progress and three Python
-        # calls, one a drive on each side of a call, one a reply or two in
-        # a burst of rpc_async (Run AU).  A driver that will not spin (a
-        # pool thread while another runs user code, say) turns first: it
-        # may leave at once, and what already waited would then wait for
-        # the progress thread.
-        spin_next = self._spin is not None
-        while not done():
-            if self._stopping or _sigint.held is not None:
-                return False
-            why = None
-            if spin_next:
-                spin_next = False
-                if self._quiet():
-                    now = time.monotonic()
-                    idle = now - last_event
-                    why = self.decide(now, idle)
-                    if why is not Why.AWAITED:
-                        why = None  # a turn first
-            quiet = why is not None
-            if why is None:
-                busy = False
-                if self._baton.acquire(blocking=False):
-                    # _one_turn, inline: a driver turns two or three times a
-                    # call made or served, and a call is most of a turn's cost.
-                    try:
-                        self.driven_turns += 1
-                        self._progress()
-                        busy = self._turn()
-                    except Exception:
-                        logger.exception("progress loop error (continuing)")
-                        busy = True
-                    finally:
-                        self._baton.release()
-                now = time.monotonic()
-                if busy:
-                    last_event = now
-                    continue
-                idle = now - last_event
-                why = self.decide(now, idle)
-            if why in POLLS:
-                if why is Why.AWAITED and self._spin is not None and (quiet or self._quiet()):
-                    if self._spun(idle):
-                        last_event = time.monotonic()
-                        spin_next = True
-                else:
-                    self._yield(now)
-                continue
-            if why is not self.strategy.refusal:
-                return False  # nothing expected: the progress thread takes over
-            self._driver_sleeping = True
-            try:
-                # Until the awaited message is overdue; data in flight keeps
-                # it expected, and its events end the wait.
-                left = self._spin_s - idle
-                self._sleep(now, left if left > 0 else SLEEP_S)
-            finally:
-                self._driver_sleeping = False
-        return True
 
     def _run(self) -> None:
         self._ident = threading.get_ident()
+        self._core.thread_ident = self._ident  # (it never drives)
         try:
             if self._on_start is not None:
                 self._on_start()
@@ -514,19 +389,19 @@ class ProgressThread:
                 self._release()
 
     def _loop(self) -> None:
+        core = self._core
         checked = last_event = time.monotonic()
         slept = 0.0  # the timeout of the wait since `checked`: no stall
-        while not self._stopping:
-            if self._owner is Owner.DRIVER:
+        while not core.stopping:
+            if core.owner is Owner.DRIVER:
                 self._park()
                 checked = last_event = time.monotonic()
                 slept = 0.0
                 continue
-            if self._owner is Owner.LINGER:  # a driver left while this thread turned
-                self._hand(Owner.THREAD, only_from=Owner.LINGER)
+            if core.owner is Owner.LINGER:  # a driver left while this thread turned
+                core.hand(Owner.THREAD, only_from=Owner.LINGER)
             self.turns += 1
-            with self._baton:
-                busy = self._one_turn()
+            busy = core.turn()  # (under the baton)
             now = time.monotonic()
             # Turns are measured from here to here, so a stall anywhere (UCX,
             # a callback, an epoll wait overrunning its timeout, the GIL) is
@@ -537,15 +412,15 @@ class ProgressThread:
             if busy:
                 last_event = now
                 continue  # more may be there: look again before anything else
-            if self.decide(now, now - last_event) in POLLS:
-                self._yield(now)
+            if core.decide(now, now - last_event) in POLLS:
+                core.yield_(now)
                 continue
             slept = IDLE_SLEEP_S if now - last_event > IDLE_AFTER_S else SLEEP_S
-            self._sleeping = True
+            core.sleeping = True
             try:
                 woken = self._sleep(now, slept)
             finally:
-                self._sleeping = False
+                core.sleeping = False
             if woken:
                 # A waker (a call just sent: its reply is due) ended the
                 # sleep: expect a message.  Not after a sleep that timed out
@@ -553,15 +428,6 @@ class ProgressThread:
                 # whether anything came): an idle worker would then poll for
                 # spin_s each time, 10% of a core (2026-11-26).
                 last_event = time.monotonic()
-
-    def _one_turn(self) -> bool:
-        """UCX progress and the transport's turn (under the baton)."""
-        try:
-            self._progress()
-            return self._turn()
-        except Exception:
-            logger.exception("progress loop error (continuing)")
-            return True
 
     def _park(self) -> None:
         """Wait while another thread drives, and for :data:`LINGER_S` after
@@ -571,15 +437,18 @@ class ProgressThread:
         every LINGER_S, as a timer per drive would cost each call two
         syscalls; once one drive has lasted a whole look (a large transfer),
         it parks *deep*: it sleeps until the linger timer, armed as a driver
-        leaves (_hand), says the lingering ran out, or until woken, and
-        looks again after a short drive."""
-        self._parked = True
-        seen = self.drives
+        leaves (the core's hand), says the lingering ran out, or until
+        woken, and looks again after a short drive.  What it changes of the
+        owner's state it changes in one native call each (``fired``,
+        ``deepen``): a driver's hand never sees half of it."""
+        core = self._core
+        core.parked = True  # (a driver leaving reads it after moving the owner)
+        seen = core.drives
         try:
-            while self._owner is Owner.DRIVER or (
-                    self._owner is Owner.LINGER
-                    and time.monotonic() - self._driver_left < LINGER_S):
-                events = self._park_poll.poll(PARK_CHECK_S if self._park_deep else LINGER_S)
+            while core.owner is Owner.DRIVER or (
+                    core.owner is Owner.LINGER
+                    and time.monotonic() - core.driver_left < LINGER_S):
+                events = self._park_poll.poll(PARK_CHECK_S if core.park_deep else LINGER_S)
                 self.park_wakes += 1
                 if any(fd == self._park_fd for fd, _ in events):
                     break  # woken: work for the loop
@@ -588,61 +457,18 @@ class ProgressThread:
                         os.read(self._linger_fd, 8)
                     except BlockingIOError:
                         pass
-                    with self._owner_lock:
-                        self._linger_armed = False
-                        self._park_deep = False
-                elif not self._park_deep:
-                    with self._owner_lock:  # (a driver leaving reads it under it)
-                        if self._owner is Owner.DRIVER and self.drives == seen:
-                            self._park_deep = True  # one drive lasted a look
-                    seen = self.drives
+                    core.fired()
+                elif not core.park_deep:
+                    core.deepen(seen)  # one drive lasted a look: deep
+                    seen = core.drives
         finally:
-            with self._owner_lock:
-                self._park_deep = False
-            self._parked = False
+            core.park_deep = False
+            core.parked = False
             try:
                 os.eventfd_read(self._park_fd)
             except BlockingIOError:
                 pass
-        self._hand(Owner.THREAD, only_from=Owner.LINGER)  # a new driver keeps it
-
-    def _spun(self, idle: float) -> bool:
-        """The driver's idle turns in native code, under the baton, until a
-        frame waits, a yield comes back late, someone wakes the loop, or
-        the awaited message is overdue (or :data:`SPIN_CHUNK_S` passed):
-        an idle turn in Python cost ~23 calls (Run AM), several per call
-        made or served.  The frames it finds are handed on here, still
-        under the baton: left for the next turn, each cost one on both
-        sides of every call (Run AU).  Whether it handed any on."""
-        if not self._baton.acquire(blocking=False):
-            self._yield(time.monotonic())
-            return False
-        assert self._spin is not None and self._on_taken is not None
-        self._driver_spinning = True
-        quick, late, taken = 0, 0.0, None
-        try:
-            self.spins += 1
-            _, quick, late, taken = self._spin(
-                self._wake_fd, min(self._spin_s - idle, SPIN_CHUNK_S), self.strategy.late_s)
-            self._driver_spinning = False
-            if taken is not None:
-                self._on_taken(taken)
-        except Exception:
-            # As a turn's (_one_turn): UCX's progress raising must not end
-            # the wait of the caller who happened to drive.
-            logger.exception("progress loop error (continuing)")
-        finally:
-            self._driver_spinning = False
-            self._baton.release()
-        self.strategy.spun(time.monotonic(), quick, late)
-        return taken is not None
-
-    def _yield(self, now: float) -> None:
-        # Give the core to whoever wants it, and learn whether anyone did
-        # from how long that took.
-        before = time.monotonic()
-        os.sched_yield()
-        self.strategy.yielded(now, time.monotonic() - before)
+        core.hand(Owner.THREAD, only_from=Owner.LINGER)  # a new driver keeps it
 
     def _sleep(self, now: float, timeout: float) -> bool:
         """Wait in epoll for UCX or :meth:`wake`, up to ``timeout``; the
@@ -652,7 +478,7 @@ class ProgressThread:
         it ran out or UCX ended it (or had work before it could wait)."""
         woken = False
         try:
-            if self._pending() or self._stopping:
+            if self._pending() or self._core.stopping:
                 return True
             if self._arm():
                 self.sleeps += 1

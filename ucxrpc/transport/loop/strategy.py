@@ -108,7 +108,7 @@ class Strategy:
         """The loop gave up the CPU between two polls, for ``took`` seconds."""
 
     def spun(self, now: float, quick: int, late: float) -> None:
-        """The native spin (:meth:`.progress.ProgressThread._spun`) gave up
+        """The native spin (csrc/loop.c's ``spun``) gave up
         the CPU ``quick`` times promptly, then, if ``late``, once for
         ``late`` seconds: as many :meth:`yielded` calls, in one."""
         if late:
