@@ -297,6 +297,9 @@ static int spun(Loop *self, double idle) {
     self->driver_spinning = 0;
     PyThread_release_lock(self->baton);
     if (failed) return -1;
+    /* A spin with no yield to report (a message found before the first)
+     * tells the strategy nothing: not asked, a Python call fewer a drive. */
+    if (!quick && !late) return handed;
     double v[3] = {now_monotonic(), (double)quick, late};
     return call_floats(self->strategy, str_spun, v, 3) < 0 ? -1 : handed;
 }

@@ -110,7 +110,8 @@ class Strategy:
     def spun(self, now: float, quick: int, late: float) -> None:
         """The native spin (csrc/loop.c's ``spun``) gave up
         the CPU ``quick`` times promptly, then, if ``late``, once for
-        ``late`` seconds: as many :meth:`yielded` calls, in one."""
+        ``late`` seconds: as many :meth:`yielded` calls, in one.  Not
+        called for a spin that yielded neither way (nothing to count)."""
         if late:
             self.yielded(now, late)
 
