@@ -25,6 +25,13 @@ int core_frame_init(PyObject *module);
 extern PyMethodDef core_loop_methods[];
 int core_loop_init(PyObject *module);
 
+/* reply.c */
+extern PyTypeObject core_ReplyType;
+int core_reply_init(PyObject *module);
+/* A Reply's flag (1 done, 0 not), or -1 if `o` is no Reply: a drive reads
+ * it without a call. */
+int core_reply_done(PyObject *o);
+
 /* timer.c */
 extern PyMethodDef core_timer_methods[];
 

@@ -158,6 +158,13 @@ static int call_truth(PyObject *fn) {
     return t;
 }
 
+/* done(): a Reply's flag read (an rpc_sync's, csrc/reply.c), any other
+ * test called. */
+static int is_done(PyObject *done) {
+    int t = core_reply_done(done);
+    return t >= 0 ? t : call_truth(done);
+}
+
 /* The Exception now raised, handed to on_error (it logs "progress loop
  * error (continuing)"): 0, or -1 if it is no Exception (Ctrl-C, a
  * SystemExit: left raised) or on_error raised. */
@@ -335,7 +342,7 @@ static int drive_turns(Loop *self, PyObject *done) {
     int spin_next = self->spin != Py_None;
     PyObject *why;
     for (;;) {
-        int t = call_truth(done);
+        int t = is_done(done);
         if (t != 0) return t;
         if (self->stopping) return 0;
         if ((t = sigint_held()) != 0) return t < 0 ? -1 : 0;

@@ -89,7 +89,7 @@ def test_an_rpc_sync_reply_slot_blocks_its_waiter_until_it_is_set() -> None:
     got: list[object] = []
     waiter = threading.Thread(target=lambda: got.append(slot.wait()))
     waiter.start()
-    _wait(lambda: slot._event is not None, "the waiter to block")
+    _wait(lambda: slot.waiting == 1, "the waiter to block")
     assert waiter.is_alive() and not got
     slot.set_result(42)
     waiter.join(10)

@@ -25,7 +25,6 @@ machinery.
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from .. import _torch_futures
-from .._core import Calls
+from .._core import Calls, Reply
 from .pool import WorkerPool
 from .remote_errors import timeout_error
 
@@ -128,60 +127,19 @@ class CallFuture(torch.futures.Future):
             event.set()
 
 
-class SyncReply:
-    """Where an ``rpc_sync`` call's reply lands: its caller polls
-    :meth:`done` while it turns the transport, then takes it with
-    :meth:`wait`.  Creating, completing and polling a torch Future cost ~5
-    µs a call, a tenth of a no-op round trip.  Host-only workers without
-    call wrappers: a CUDA worker's replies need a CUDA-aware Future, and a
-    wrapper (distributed autograd's) chains onto a real one."""
-
-    #: kept: what the call's arguments need held until it is answered
-    #: (set only then: RpcAgent.keep_until_answered).
-    __slots__ = ("_done", "_value", "_exc", "_event", "kept")
-
-    def __init__(self) -> None:
-        self._done = False
-        self._value: Any = None
-        self._exc: BaseException | None = None
-        self._event: threading.Event | None = None  # made by a waiter that blocks
-
-    def done(self) -> bool:
-        return self._done
-
-    def done_test(self) -> Callable[[], bool]:
-        """:meth:`done` for a driver, which asks after every turn (two to
-        four times a call): its flag read through C (a partial of
-        ``getattr``), not a Python call each time (issue 52)."""
-        return functools.partial(getattr, self, "_done")
-
-    # (set_result and set_exception each finish inline: a call fewer on
-    # every reply's way to its caller; issue 52.)
-    def set_result(self, value: Any) -> None:
-        self._value = value
-        # Set before the event is read, as wait() makes the event before it
-        # reads _done: one of the two sees the other.
-        self._done = True
-        event = self._event
-        if event is not None:
-            event.set()
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._exc = exc
-        self._done = True  # before the event is read, as in set_result
-        event = self._event
-        if event is not None:
-            event.set()
-
-    def wait(self) -> Any:
-        """The result, or raise the call's error; blocks until there is one."""
-        if not self._done:
-            event = self._event = threading.Event()
-            if not self._done:
-                event.wait()
-        if self._exc is not None:
-            raise self._exc
-        return self._value
+#: Where an ``rpc_sync`` call's reply lands: its caller drives the loop
+#: until it is done, then takes it with ``wait()`` (the value, or raises the
+#: call's error; blocks until there is one).  Creating, completing and
+#: polling a torch Future cost ~5 µs a call, a tenth of a no-op round trip;
+#: this class in Python four calls a call.  So it is the native core's
+#: (``_core.Reply``, csrc/reply.c): ``done()``, ``set_result``,
+#: ``set_exception``, ``wait()``, ``kept`` (what the call's arguments need
+#: held until it is answered: :meth:`.core.RpcAgent.keep_until_answered`);
+#: called, it says whether it is done, and a drive reads that flag without
+#: a call.  Host-only workers without call wrappers: a CUDA worker's replies
+#: need a CUDA-aware Future, and a wrapper (distributed autograd's) chains
+#: onto a real one.
+SyncReply = Reply
 
 
 class Call(NamedTuple):

@@ -412,7 +412,7 @@ class RpcAgent:
             # A user's thread: no pool to tell (and no context manager's
             # four calls per rpc_sync; issue 52).
             if not fut.done():
-                self._drive(fut.done_test() if type(fut) is SyncReply else fut.done)
+                self._drive(fut if type(fut) is SyncReply else fut.done)  # (its own test)
             return _torch_futures.result(fut)
         with self._pool.blocking():
             if not fut.done():
