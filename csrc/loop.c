@@ -277,10 +277,13 @@ static int spun(Loop *self, double idle) {
     self->spins++;
     double budget = self->spin_s - idle;
     if (budget > self->spin_chunk_s) budget = self->spin_chunk_s;
-    double late_s = strategy_float(self, str_late_s);
-    PyObject *res = NULL;
-    if (!(late_s == -1.0 && PyErr_Occurred()))
-        res = PyObject_CallFunction(self->spin, "idd", self->wake_fd, budget, late_s);
+    /* spin(wake_fd, budget_s, late_s), called without an argument tuple:
+     * the transport's is a partial of ucp_spin, which takes them on. */
+    PyObject *res = NULL, *args[3] = {PyLong_FromLong(self->wake_fd),
+                                       PyFloat_FromDouble(budget),
+                                       PyObject_GetAttr(self->strategy, str_late_s)};
+    if (args[0] && args[1] && args[2]) res = PyObject_Vectorcall(self->spin, args, 3, NULL);
+    for (int i = 0; i < 3; i++) Py_XDECREF(args[i]);
     self->driver_spinning = 0;
     if (res) {
         PyObject *taken = NULL;

@@ -62,7 +62,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -183,8 +183,7 @@ class BufferSpec:
     device: str
 
 
-@dataclass(slots=True)
-class Pickled:
+class Pickled(NamedTuple):
     """One serialized message: a pickle stream and its out-of-band buffers.
 
     The buffers view the sender's memory (zero-copy): the tensors and arrays
@@ -205,11 +204,18 @@ class Pickled:
     buffers: list[Buffer]
     cuda: bool = False  # whether any buffer is CUDA memory
 
+    # (A NamedTuple, built by _new_pickled: every message is pickled into
+    # one, and a dataclass's __init__ was a Python call each; issue 52.)
+
     @property
     def specs(self) -> list[BufferSpec]:
         """What the receiver must allocate: one spec per buffer, in order."""
         return [BufferSpec(b.numel(), "cpu" if isinstance(b, Gather) else _device_name(b))
                 for b in self.buffers]
+
+
+#: Builds a :class:`Pickled` without its Python ``__new__``.
+_new_pickled = tuple.__new__
 
 
 # ---------------------------------------------------------------------------
@@ -629,7 +635,7 @@ class Serializer:
             # None before any hook or dispatch table could see it, so these
             # are its bytes whatever they are (a call's ~1 µs of pickler
             # set-up and reset; issue 52).
-            return Pickled(_NONE, [], False)
+            return _new_pickled(Pickled, (_NONE, [], False))
         # A hook or a dispatch table must see every object, and a run's
         # tensors are never handed to them.
         if self.bundle and self._hook is None and not self._dispatch:
@@ -642,7 +648,7 @@ class Serializer:
         if len(buffers) > self.max_buffers:
             raise SerializationError(f"message needs {len(buffers)} buffers; the limit is "
                                      f"{self.max_buffers}")
-        return Pickled(payload, buffers, cuda)
+        return _new_pickled(Pickled, (payload, buffers, cuda))
 
     def loads(self, payload: bytes | memoryview, buffers: Sequence[torch.Tensor]) -> object:
         """Rebuild an object from ``payload`` and the received ``buffers``.
