@@ -88,6 +88,7 @@ static double now_monotonic(void) {
 
 static int timer_set(Loop *self, double seconds) {
     int fd = self->linger_fd;
+    if (fd < 0) return 0; /* released (forget) */
     self->timer_sets++;
     struct itimerspec spec = {{0, 0}, {0, 0}};
     if (seconds > 0) {
@@ -105,6 +106,7 @@ static int timer_set(Loop *self, double seconds) {
 
 /* eventfd_write(fd, 1), a closed descriptor ignored (the loop is gone). */
 static void poke(int fd) {
+    if (fd < 0) return; /* released (forget) */
     uint64_t one = 1;
     ssize_t n = write(fd, &one, sizeof one);
     (void)n;
@@ -555,6 +557,16 @@ static PyObject *loop_deepen(Loop *self, PyObject *seen) {
     Py_RETURN_NONE;
 }
 
+/* forget() -> None: the loop's descriptors are about to be closed: never
+ * written again.  A wake-up after close (a caller's, racing the shutdown)
+ * wrote to the number, which the process may have given to another file
+ * meanwhile (another agent's wake descriptor, in a process that starts
+ * RPC again). */
+static PyObject *loop_forget(Loop *self, PyObject *unused) {
+    self->wake_fd = self->park_fd = self->linger_fd = -1;
+    Py_RETURN_NONE;
+}
+
 /* fired() -> None: the linger timer woke the parked thread. */
 static PyObject *loop_fired(Loop *self, PyObject *unused) {
     self->linger_armed = 0;
@@ -813,6 +825,8 @@ static PyMethodDef loop_methods[] = {
      "nudge(): wake() for a send in flight, leaving a lingering thread parked."},
     {"deepen", (PyCFunction)loop_deepen, METH_O,
      "deepen(seen): park deep if the drive seen at the last look is still on."},
+    {"forget", (PyCFunction)loop_forget, METH_NOARGS,
+     "forget(): the descriptors are about to be closed; never write them again."},
     {"fired", (PyCFunction)loop_fired, METH_NOARGS,
      "fired(): the linger timer woke the parked thread."},
     {NULL, NULL, 0, NULL}};

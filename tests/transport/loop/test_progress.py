@@ -299,6 +299,25 @@ def test_pending_work_keeps_it_awake():
         lp.close()
 
 
+def test_a_wake_after_close_writes_no_descriptor_the_process_reused():
+    # A caller's wake racing a shutdown wrote the closed wake descriptor's
+    # number, which the process may have given to another file since (in a
+    # process that starts RPC again, another agent's wake descriptor).
+    lp = _Loop(Polling())
+    lp.loop.start()
+    lp.close()
+    reused = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(4)]
+    try:
+        lp.loop.wake(force=True)
+        lp.loop.nudge()
+        for fd in reused:
+            with pytest.raises(BlockingIOError):
+                os.eventfd_read(fd)  # nothing was written to it
+    finally:
+        for fd in reused:
+            os.close(fd)
+
+
 def test_stop_and_close_from_its_own_thread_release_everything():
     lp = _Loop(Polling())
     stopped = threading.Event()

@@ -363,6 +363,9 @@ class ProgressThread:
 
     def _release(self) -> None:
         if not self._epoll.closed:
+            # First: a wake-up racing the close must not write a number the
+            # process may give to another file (another agent's descriptor).
+            self._core.forget()
             self._epoll.close()
             self._park_poll.close()
             os.close(self._wake_fd)
