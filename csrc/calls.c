@@ -19,7 +19,6 @@
 #include "core.h"
 
 #include <structmember.h>
-#include <time.h>
 
 typedef struct {
     double deadline;
@@ -41,12 +40,6 @@ typedef struct {
     Fifo *fifos;
     int nfifos;
 } Calls;
-
-static double now_monotonic(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic()'s clock */
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static int calls_traverse(Calls *self, visitproc visit, void *arg) {
     Py_VISIT(self->by_id);
@@ -143,7 +136,7 @@ static int push_deadline(Calls *self, long long id, double t) {
         }
     }
     int was_empty = f->len == f->head;
-    f->items[f->len].deadline = now_monotonic() + t;
+    f->items[f->len].deadline = core_monotonic() + t;
     f->items[f->len].id = id;
     f->len++;
     return was_empty;

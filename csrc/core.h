@@ -14,6 +14,10 @@ int core_parse(const char *func, const char *const *names, Py_ssize_t nnames,
                Py_ssize_t required, PyObject *const *args, Py_ssize_t nargs,
                PyObject *kwnames, PyObject **out);
 
+/* time.monotonic()'s clock (CLOCK_MONOTONIC), in seconds: the deadlines
+ * and the loop's timings compare with what Python code reads. */
+double core_monotonic(void);
+
 /* calls.c */
 int core_calls_init(PyObject *module);
 
@@ -34,6 +38,9 @@ int core_reply_done(PyObject *o);
 
 /* timer.c */
 extern PyMethodDef core_timer_methods[];
+/* Arm the timerfd `fd` to fire once after `seconds` (0 disarms it): 0, or
+ * -1 with OSError set. */
+int core_timer_arm(int fd, double seconds);
 
 /* ucp.c */
 extern PyMethodDef core_ucp_methods[];

@@ -21,11 +21,8 @@
  * by the progress thread only (`turn`). */
 #include "core.h"
 
-#include <errno.h>
 #include <sched.h>
 #include <structmember.h>
-#include <sys/timerfd.h>
-#include <time.h>
 #include <unistd.h>
 
 /* The owners, in the order Loop() is given them (progress.py's Owner). */
@@ -80,28 +77,12 @@ typedef struct {
         *on_error, *strategy, *awaited, *polls, *last_why;
 } Loop;
 
-static double now_monotonic(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic()'s clock */
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
+/* The linger timer (csrc/timer.c), counted. */
 static int timer_set(Loop *self, double seconds) {
-    int fd = self->linger_fd;
-    if (fd < 0) return 0; /* released (forget) */
+    if (self->linger_fd < 0) return 0; /* released (forget) */
     self->timer_sets++;
-    struct itimerspec spec = {{0, 0}, {0, 0}};
-    if (seconds > 0) {
-        long long ns = (long long)(seconds * 1e9);
-        if (ns < 1) ns = 1;
-        spec.it_value.tv_sec = (time_t)(ns / 1000000000LL);
-        spec.it_value.tv_nsec = (long)(ns % 1000000000LL);
-    }
-    if (timerfd_settime(fd, 0, &spec, NULL) < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
-    return 0;
+    return core_timer_arm(self->linger_fd, seconds);
 }
 
 /* eventfd_write(fd, 1), a closed descriptor ignored (the loop is gone). */
@@ -110,6 +91,15 @@ static void poke(int fd) {
     uint64_t one = 1;
     ssize_t n = write(fd, &one, sizeof one);
     (void)n;
+}
+
+/* Whether the collector cleared it (tp_clear: a cycle found unreachable,
+ * whose other members' finalizers may still reach it): every method that
+ * calls back into Python asks first. */
+static int cleared(Loop *self) {
+    if (self->expected && self->strategy && self->owners[0]) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "the progress loop was torn down");
+    return 1;
 }
 
 /* ------------------------------------------------------------ the owner */
@@ -127,7 +117,7 @@ static int owner_index(Loop *self, PyObject *owner) {
 static int hand_to(Loop *self, int to, unsigned long driver, int only_from) {
     int was = self->owner;
     if (!(self->moves[was] & (1u << to)) || (only_from >= 0 && was != only_from)) return 0;
-    if (was == DRIVER) self->driver_left = now_monotonic();
+    if (was == DRIVER) self->driver_left = core_monotonic();
     if (self->park_deep) { /* the parked thread sleeps through drives */
         if (to == LINGER) {
             /* The timer ends its linger. */
@@ -142,7 +132,7 @@ static int hand_to(Loop *self, int to, unsigned long driver, int only_from) {
             self->linger_armed = 0;
         }
     }
-    if (to == DRIVER) self->drive_started = now_monotonic();
+    if (to == DRIVER) self->drive_started = core_monotonic();
     self->has_driver = to == DRIVER;
     self->driver = to == DRIVER ? driver : 0;
     self->owner = to;
@@ -241,11 +231,11 @@ fail:
 /* Give the core to whoever wants it, and learn whether anyone did from how
  * long that took (the strategy's yielded). */
 static int yield_core(Loop *self, double now) {
-    double before = now_monotonic();
+    double before = core_monotonic();
     Py_BEGIN_ALLOW_THREADS
     sched_yield();
     Py_END_ALLOW_THREADS
-    double v[2] = {now, now_monotonic() - before};
+    double v[2] = {now, core_monotonic() - before};
     return call_floats(self->strategy, str_yielded, v, 2);
 }
 
@@ -271,7 +261,7 @@ static int one_turn(Loop *self) {
  * Whether it handed any on; -1 on an error that is no Exception. */
 static int spun(Loop *self, double idle) {
     if (!PyThread_acquire_lock(self->baton, NOWAIT_LOCK))
-        return yield_core(self, now_monotonic()) < 0 ? -1 : 0;
+        return yield_core(self, core_monotonic()) < 0 ? -1 : 0;
     long quick = 0;
     double late = 0.0;
     int handed = 0, failed = 0;
@@ -312,7 +302,7 @@ static int spun(Loop *self, double idle) {
     /* A spin with no yield to report (a message found before the first)
      * tells the strategy nothing: not asked, a Python call fewer a drive. */
     if (!quick && !late) return handed;
-    double v[3] = {now_monotonic(), (double)quick, late};
+    double v[3] = {core_monotonic(), (double)quick, late};
     return call_floats(self->strategy, str_spun, v, 3) < 0 ? -1 : handed;
 }
 
@@ -334,7 +324,7 @@ static int driver_sleep(Loop *self, double now, double timeout) {
  * one wake-up instead of two (the progress thread's, then the waiter's),
  * and the core is free meanwhile. */
 static int drive_turns(Loop *self, PyObject *done) {
-    double last_event = now_monotonic(), now = last_event, idle = 0.0;
+    double last_event = core_monotonic(), now = last_event, idle = 0.0;
     /* A quiet transport (nothing in flight, due or queued) gives a turn
      * nothing to do that the native spin does not, where the driver will
      * spin: as a drive opens, and after a spin that handed frames on, it
@@ -357,7 +347,7 @@ static int drive_turns(Loop *self, PyObject *done) {
             int q = call_truth(self->quiet);
             if (q < 0) return -1;
             if (q) {
-                now = now_monotonic();
+                now = core_monotonic();
                 idle = now - last_event;
                 if (!(why = decide(self, now, idle))) return -1;
                 if (why != self->awaited) Py_CLEAR(why); /* a turn first */
@@ -373,7 +363,7 @@ static int drive_turns(Loop *self, PyObject *done) {
                 PyThread_release_lock(self->baton);
                 if (busy < 0) return -1;
             }
-            now = now_monotonic();
+            now = core_monotonic();
             if (busy) {
                 last_event = now;
                 continue;
@@ -393,7 +383,7 @@ static int drive_turns(Loop *self, PyObject *done) {
                 int s = spun(self, idle);
                 if (s < 0) goto fail;
                 if (s) {
-                    last_event = now_monotonic();
+                    last_event = core_monotonic();
                     spin_next = 1;
                 }
             } else if (yield_core(self, now) < 0) {
@@ -420,6 +410,7 @@ fail:
 
 /* drive(done) -> bool: see progress.py's ProgressThread, where it is bound. */
 static PyObject *loop_drive(Loop *self, PyObject *done) {
+    if (cleared(self)) return NULL;
     unsigned long me = PyThread_get_thread_ident();
     if (self->stopping || (self->has_thread && me == self->thread_ident) || turning)
         Py_RETURN_FALSE;
@@ -475,6 +466,7 @@ static PyObject *loop_drive(Loop *self, PyObject *done) {
 /* turn() -> bool: the progress thread's turn, under the baton (waited for
  * without the GIL: a driver's turn or spin ends within a chunk). */
 static PyObject *loop_turn(Loop *self, PyObject *unused) {
+    if (cleared(self)) return NULL;
     if (!PyThread_acquire_lock(self->baton, NOWAIT_LOCK)) {
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->baton, WAIT_LOCK);
@@ -489,6 +481,7 @@ static PyObject *loop_turn(Loop *self, PyObject *unused) {
 /* hand(to, driver=None, only_from=None) -> bool. */
 static PyObject *loop_hand(Loop *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
+    if (cleared(self)) return NULL;
     static const char *const names[] = {"to", "driver", "only_from"};
     PyObject *a[3];
     if (core_parse("hand", names, 3, 1, args, nargs, kwnames, a) < 0) return NULL;
@@ -507,6 +500,7 @@ static PyObject *loop_hand(Loop *self, PyObject *const *args, Py_ssize_t nargs,
 }
 
 static PyObject *loop_decide(Loop *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (cleared(self)) return NULL;
     double now, idle;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "decide() takes 2 arguments (now, idle_s)");
@@ -518,6 +512,7 @@ static PyObject *loop_decide(Loop *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 static PyObject *loop_yield(Loop *self, PyObject *now) {
+    if (cleared(self)) return NULL;
     double t = PyFloat_AsDouble(now);
     if (t == -1.0 && PyErr_Occurred()) return NULL;
     if (yield_core(self, t) < 0) return NULL;
@@ -732,6 +727,7 @@ fail:
 }
 
 static PyObject *loop_get_owner(Loop *self, void *unused) {
+    if (cleared(self)) return NULL;
     Py_INCREF(self->owners[self->owner]);
     return self->owners[self->owner];
 }
@@ -759,6 +755,7 @@ static int loop_set_thread(Loop *self, PyObject *value, void *unused) {
 }
 
 static PyObject *loop_get_strategy(Loop *self, void *unused) {
+    if (cleared(self)) return NULL;
     Py_INCREF(self->strategy);
     return self->strategy;
 }

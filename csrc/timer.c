@@ -6,17 +6,41 @@
  * or when woken.  Looking every LINGER_S instead woke it three to four
  * times a 16 MiB call across two hosts on each side, each wake-up
  * preempting a thread moving the data (issue 48).  Python's os module has
- * timerfd from 3.13 only. */
+ * timerfd from 3.13 only.  The native loop (csrc/loop.c) arms and disarms
+ * it as drivers come and go (core_timer_arm); core_monotonic is the clock
+ * the core's deadlines and timings share with time.monotonic(). */
 #include "core.h"
 
 #include <errno.h>
 #include <sys/timerfd.h>
+#include <time.h>
 
 /* timer_new() -> fd: a non-blocking, close-on-exec CLOCK_MONOTONIC timerfd. */
 static PyObject *py_timer_new(PyObject *self, PyObject *unused) {
     int fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
     if (fd < 0) return PyErr_SetFromErrno(PyExc_OSError);
     return PyLong_FromLong(fd);
+}
+
+int core_timer_arm(int fd, double seconds) {
+    struct itimerspec spec = {{0, 0}, {0, 0}};
+    if (seconds > 0) {
+        long long ns = (long long)(seconds * 1e9);
+        if (ns < 1) ns = 1; /* all zero would disarm it */
+        spec.it_value.tv_sec = (time_t)(ns / 1000000000LL);
+        spec.it_value.tv_nsec = (long)(ns % 1000000000LL);
+    }
+    if (timerfd_settime(fd, 0, &spec, NULL) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+double core_monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 /* timer_arm(fd, seconds): fire once after `seconds` (replacing any earlier
@@ -33,14 +57,7 @@ static PyObject *py_timer_arm(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "timer_arm(): seconds must be >= 0");
         return NULL;
     }
-    struct itimerspec spec = {{0, 0}, {0, 0}};
-    if (seconds > 0) {
-        long long ns = (long long)(seconds * 1e9);
-        if (ns < 1) ns = 1; /* all zero would disarm it */
-        spec.it_value.tv_sec = (time_t)(ns / 1000000000LL);
-        spec.it_value.tv_nsec = (long)(ns % 1000000000LL);
-    }
-    if (timerfd_settime(fd, 0, &spec, NULL) < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    if (core_timer_arm(fd, seconds) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
