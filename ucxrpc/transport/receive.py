@@ -198,8 +198,12 @@ class Receiver:
                         # Most frames: wanted, whole already, and nothing
                         # of an earlier turn to wait behind: handled now,
                         # not queued and looked at again in poll (a call
-                        # and a pass fewer a frame; issue 52).
-                        self._message(pipe, got, tag)
+                        # and a pass fewer a frame; issue 52).  (_message,
+                        # inline: a call fewer a frame.)
+                        try:
+                            self._message_frame(pipe, got, tag & HINT_MASK)
+                        except (AuthenticationError, FrameError) as exc:
+                            self._judged_bad(pipe, exc)
                         continue
                     drop = None
                 else:
