@@ -10,7 +10,7 @@ CLOCK_MONOTONIC in every process of a host) at the seams of one call:
     caller  request frame sent          Sender._frame_alone entered
     callee  frame taken off UCX         Receiver.taken entered (a turn's take or
                                         a driver's spin took frames)
-    callee  frame handled               Receiver._message entered
+    callee  frame handled               Receiver._message_frame entered
     callee  message to the agent        RpcAgent._on_message entered
     callee  request claimed             WorkerPool.submit entered (by the pool
                                         thread driving, usually)
@@ -21,7 +21,8 @@ CLOCK_MONOTONIC in every process of a host) at the seams of one call:
     callee  reply frame sent            Sender._frame_alone entered
     caller  frame taken, handled, to the agent (as the callee's)
     caller  reply completed             CallTable.complete entered
-    caller  its drive over              RpcAgent._drive returned
+    caller  its drive over              _torch_futures.result entered (the wait's
+                                        next step: a user's thread drives inline)
     caller  rpc_sync returned
 
 and prints, per stage (the time from one seam to the next), p10 / p50 /
@@ -93,29 +94,31 @@ def _stamps() -> dict[str, list[int]]:
     return _STAMPS
 
 
-def _stamp_entry(cls: type, name: str, seam: str, *, on_return: bool = False) -> None:
-    """Stamp ``seam`` as ``cls.name`` is entered, or as it returns."""
-    inner = getattr(cls, name)
+def _stamp_entry(owner: Any, name: str, seam: str, *, on_return: bool = False) -> None:
+    """Stamp ``seam`` as ``owner.name`` (a class's method, or a module's
+    function looked up at each call) is entered, or as it returns."""
+    inner = getattr(owner, name)
     stamps = _STAMPS[seam]
 
-    def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def stamped(*args: Any, **kwargs: Any) -> Any:
         if not on_return:
             stamps.append(_ns())
-            return inner(self, *args, **kwargs)
+            return inner(*args, **kwargs)
         try:
-            return inner(self, *args, **kwargs)
+            return inner(*args, **kwargs)
         finally:
             stamps.append(_ns())
 
-    setattr(cls, name, stamped)
+    setattr(owner, name, stamped)
 
 
 def _install() -> None:
     """Wrap the seams, in this process, before the agent starts."""
+    from ucxrpc import _torch_futures
     from ucxrpc.agent import calls, core, pool, serving
     from ucxrpc.transport import receive, send
 
-    _stamp_entry(receive.Receiver, "_message", "frame")
+    _stamp_entry(receive.Receiver, "_message_frame", "frame")
     _stamp_entry(core.RpcAgent, "_on_message", "message")
     _stamp_entry(serving.Server, "_serve", "serve")
     _stamp_entry(serving.Server, "_reply", "reply")
@@ -129,8 +132,11 @@ def _install() -> None:
     _stamp_entry(core.RpcAgent, "dumps_for", "pickled", on_return=True)
     _stamp_entry(pool.WorkerPool, "submit", "claim")
     # A drive's end: the loop handed on, the thread back to its caller
-    # (wrapped on the class before init_rpc binds it anywhere).
+    # (wrapped on the class before init_rpc binds it anywhere): the pool
+    # thread's idle drive returning on the callee; on the caller, whose
+    # RpcAgent.wait drives inline, the wait's next step.
     _stamp_entry(core.RpcAgent, "_drive", "drove", on_return=True)
+    _stamp_entry(_torch_futures, "result", "drove")
 
 
 def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:
