@@ -760,23 +760,13 @@ static PyObject *loop_get_strategy(Loop *self, void *unused) {
     return self->strategy;
 }
 
-static int loop_set_strategy(Loop *self, PyObject *value, void *unused) {
-    if (!value) {
-        PyErr_SetString(PyExc_TypeError, "the strategy cannot be deleted");
-        return -1;
-    }
-    Py_INCREF(value);
-    Py_SETREF(self->strategy, value);
-    return 0;
-}
-
 static PyGetSetDef loop_getset[] = {
     {"owner", (getter)loop_get_owner, NULL, "who turns the loop now (an Owner)", NULL},
     {"driver", (getter)loop_get_driver, NULL, "the driving thread's ident, or None", NULL},
     {"thread_ident", (getter)loop_get_thread, (setter)loop_set_thread,
      "the progress thread's ident (it never drives), or None before it runs", NULL},
-    {"strategy", (getter)loop_get_strategy, (setter)loop_set_strategy,
-     "when to poll rather than sleep", NULL},
+    {"strategy", (getter)loop_get_strategy, NULL,
+     "when to poll rather than sleep (the one given, for the loop's life)", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyMemberDef loop_members[] = {

@@ -62,9 +62,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..._core import Loop, timer_new, turning, turning_bind
-from ..._core import guard as _guard
-from ..._core import unguard as _unguard
+from ..._core import Loop, guard, timer_new, turning, turning_bind, unguard
 from ..._states import StateEnum
 from .interrupts import SigintGuard
 from .strategy import POLLS, Strategy, Why
@@ -113,13 +111,11 @@ SPIN_CHUNK_S = 250e-6
 _sigint = SigintGuard(turning)
 turning_bind(_sigint)
 
-#: Enter a section Ctrl-C must not cut in half (a send: a frame handed to
-#: UCX but not yet watched would leave the pipe waiting for it for good);
-#: returns what :func:`unguard` needs.  Nests.  (Native, csrc/loop.c: a
-#: send's two calls.)
-guard = _guard
-#: Leave the section; the outermost one raises a Ctrl-C held meanwhile.
-unguard = _unguard
+# guard() enters a section Ctrl-C must not cut in half (a send: a frame
+# handed to UCX but not yet watched would leave the pipe waiting for it for
+# good) and returns what unguard() needs; it nests.  unguard(outer) leaves
+# it, the outermost one raising a Ctrl-C held meanwhile.  Both native
+# (csrc/loop.c): a send's two calls.
 
 
 def _loop_error(exc: BaseException) -> None:
@@ -282,12 +278,9 @@ class ProgressThread:
 
     @property
     def strategy(self) -> Strategy:
-        """When to poll rather than sleep."""
+        """When to poll rather than sleep: the one given, for the loop's
+        life (the transport reads it for every frame it sends too)."""
         return self._core.strategy
-
-    @strategy.setter
-    def strategy(self, value: Strategy) -> None:
-        self._core.strategy = value
 
     @property
     def current(self) -> bool:
