@@ -7,7 +7,8 @@ CLOCK_MONOTONIC in every process of a host) at the seams of one call:
 
     caller  rpc_sync entered            (the loop, around the call)
     caller  call pickled                RpcAgent.dumps_for returned
-    caller  request frame sent          Sender._frame_alone entered
+    caller  request frame sent          Endpoint.send_frame entered (libucp's
+                                        send, which the C send calls)
     callee  frame taken off UCX         Receiver.taken entered (a turn's take or
                                         a driver's spin took frames)
     callee  frame handled               Receiver._message_frame entered
@@ -18,7 +19,7 @@ CLOCK_MONOTONIC in every process of a host) at the seams of one call:
     callee  request served              Server._serve entered (a pool thread)
     callee  user function               noop entered
     callee  reply made                  Server._reply entered
-    callee  reply frame sent            Sender._frame_alone entered
+    callee  reply frame sent            Endpoint.send_frame entered
     caller  frame taken, handled, to the agent (as the callee's)
     caller  reply completed             CallTable.complete entered
     caller  its drive over              _torch_futures.result entered (the wait's
@@ -116,13 +117,23 @@ def _install() -> None:
     """Wrap the seams, in this process, before the agent starts."""
     from ucxrpc import _torch_futures
     from ucxrpc.agent import calls, core, pool, serving
-    from ucxrpc.transport import receive, send
+    from ucxrpc.transport import receive
+    from ucxrpc.transport.ucx import binding
 
     _stamp_entry(receive.Receiver, "_message_frame", "frame")
     _stamp_entry(core.RpcAgent, "_on_message", "message")
     _stamp_entry(serving.Server, "_serve", "serve")
     _stamp_entry(serving.Server, "_reply", "reply")
-    _stamp_entry(send.Sender, "_frame_alone", "send")
+    # A frame without buffers is made and sent in one C call (the
+    # Outlet, csrc/send.c): the seam is its endpoint's send_frame, which
+    # each endpoint binds to libucp's send as it opens.
+    opened = binding.Endpoint.__init__
+
+    def open_stamped(self: Any, *args: Any, **kwargs: Any) -> None:
+        opened(self, *args, **kwargs)
+        _stamp_entry(self, "send_frame", "send")
+
+    binding.Endpoint.__init__ = open_stamped  # type: ignore[method-assign]
     _stamp_entry(calls.CallTable, "complete", "complete")
     # Frames taken off UCX, by a turn's take or a driver's native spin,
     # all reach the receiver through here.

@@ -6,6 +6,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stdint.h>
+
 /* Keyword-aware argument parsing for METH_FASTCALL | METH_KEYWORDS
  * functions: fills out[0..nnames) from positional arguments and keywords,
  * leaving NULL what was not given.  Returns -1 with TypeError set on an
@@ -24,10 +26,25 @@ int core_calls_init(PyObject *module);
 /* frame.c */
 extern PyMethodDef core_frame_methods[];
 int core_frame_init(PyObject *module);
+/* A frame without buffers whose payload is `head` then `body`, sealed with
+ * `key` (16 bytes), as bytes: encode()'s frame and checks for such a
+ * message (FrameError over a limit of `limits`, a wire.frame.Limits). */
+/* FrameError (handed down by frame_bind) with a PyUnicode_FromFormat
+ * message: always -1. */
+int core_frame_errorf(const char *fmt, ...);
+PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
+                           const Py_buffer *body, const Py_buffer *key, PyObject *limits,
+                           uint64_t ack, int busy);
 
 /* loop.c */
 extern PyMethodDef core_loop_methods[];
 int core_loop_init(PyObject *module);
+
+/* guard() and unguard(outer) of loop.c, for C callers: whether this
+ * thread was already in a section Ctrl-C must not cut in half; leaving
+ * the outermost one delivers a Ctrl-C held meanwhile (-1 with it raised). */
+int core_guard(void);
+int core_unguard(int outer);
 
 /* reply.c */
 extern PyTypeObject core_ReplyType;
@@ -35,6 +52,9 @@ int core_reply_init(PyObject *module);
 /* A Reply's flag (1 done, 0 not), or -1 if `o` is no Reply: a drive reads
  * it without a call. */
 int core_reply_done(PyObject *o);
+
+/* send.c */
+int core_send_init(PyObject *module);
 
 /* timer.c */
 extern PyMethodDef core_timer_methods[];

@@ -74,7 +74,7 @@ static inline uint64_t get64(const uint8_t *p) {
     return v;
 }
 
-static int frame_errorf(const char *fmt, ...) {
+int core_frame_errorf(const char *fmt, ...) {
     va_list va;
     va_start(va, fmt);
     PyObject *msg = PyUnicode_FromFormatV(fmt, va);
@@ -221,12 +221,26 @@ static PyObject *frame_mac(PyObject *self, PyObject *const *args, Py_ssize_t nar
 /* FrameError "<what> of <n> bytes exceeds <name>=<limit>", the numbers exact. */
 static void over_limit(const char *what, u128 n, const char *name, u128 limit) {
     PyObject *a = u128_long(n), *b = a ? u128_long(limit) : NULL;
-    if (b) frame_errorf("%s of %S bytes exceeds %s=%S", what, a, name, b);
+    if (b) core_frame_errorf("%s of %S bytes exceeds %s=%S", what, a, name, b);
     Py_XDECREF(a);
     Py_XDECREF(b);
 }
 
 static inline u128 align_up128(u128 n) { return (n + ALIGN - 1) & ~(u128)(ALIGN - 1); }
+
+/* A frame's prefix (wire/frame.py's layout). */
+static void put_prefix(uint8_t *p, long kind, Py_ssize_t nbuf, int busy, uint32_t payload_len,
+                       uint64_t seq, uint64_t ack) {
+    p[0] = MAGIC0;
+    p[1] = MAGIC1;
+    p[2] = VERSION;
+    p[3] = (uint8_t)kind;
+    put16(p + 4, (uint16_t)nbuf);
+    put16(p + 6, busy ? BUSY : 0);
+    put32(p + 8, payload_len);
+    put64(p + 12, seq);
+    put64(p + 20, ack);
+}
 
 /* One buffer of a message being encoded. */
 typedef struct {
@@ -292,13 +306,13 @@ static PyObject *frame_encode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if ((u128)nbuf > lim.max_buffers) {
         PyObject *m = u128_long(lim.max_buffers);
         if (m) {
-            frame_errorf("message has %zd buffers; the limit is %S", nbuf, m);
+            core_frame_errorf("message has %zd buffers; the limit is %S", nbuf, m);
             Py_DECREF(m);
         }
         return NULL;
     }
     if (nbuf > 0xFFFF) {
-        frame_errorf("message has %zd buffers; a frame can describe 65535", nbuf);
+        core_frame_errorf("message has %zd buffers; a frame can describe 65535", nbuf);
         return NULL;
     }
     if (ways && (!(PyTuple_Check(ways) || PyList_Check(ways)) ||
@@ -322,7 +336,7 @@ static PyObject *frame_encode(PyObject *self, PyObject *const *args, Py_ssize_t 
     separate = PyList_New(0);
     if (!separate) goto done;
     if (payload.len > UINT32_MAX) {
-        frame_errorf("payload of %zd bytes; a frame carries at most 4 GiB", payload.len);
+        core_frame_errorf("payload of %zd bytes; a frame carries at most 4 GiB", payload.len);
         goto done;
     }
 
@@ -417,15 +431,7 @@ static PyObject *frame_encode(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_buffer out;
     if (PyObject_GetBuffer(arr, &out, PyBUF_WRITABLE) < 0) goto done;
     uint8_t *p = out.buf;
-    p[0] = MAGIC0;
-    p[1] = MAGIC1;
-    p[2] = VERSION;
-    p[3] = (uint8_t)kind;
-    put16(p + 4, (uint16_t)nbuf);
-    put16(p + 6, busy ? BUSY : 0);
-    put32(p + 8, (uint32_t)payload.len);
-    put64(p + 12, seq);
-    put64(p + 20, ack);
+    put_prefix(p, kind, nbuf, busy, (uint32_t)payload.len, seq, ack);
     for (Py_ssize_t i = 0; i < nbuf; i++) {
         uint8_t *d = p + PREFIX_LEN + DESC_LEN * i;
         put64(d, slots[i].nbytes);
@@ -478,6 +484,43 @@ done:
     return result;
 }
 
+PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
+                           const Py_buffer *body, const Py_buffer *key, PyObject *limits,
+                           uint64_t ack, int busy) {
+    if (read_limits(limits) < 0) return NULL;
+    /* encode()'s checks, as they fall for a message without buffers. */
+    uint64_t plen = (uint64_t)head->len + (uint64_t)body->len;
+    if (plen > UINT32_MAX) {
+        core_frame_errorf("payload of %llu bytes; a frame carries at most 4 GiB",
+                     (unsigned long long)plen);
+        return NULL;
+    }
+    uint64_t head_len = PREFIX_LEN + plen, size = head_len + MAC_LEN;
+    if (size > lim.max_frame_bytes) {
+        over_limit("frame", size, "max_frame_bytes", lim.max_frame_bytes);
+        return NULL;
+    }
+    if (kind != KIND_BATCH && size > lim.max_message_bytes) {
+        over_limit("message", size, "max_message_bytes", lim.max_message_bytes);
+        return NULL;
+    }
+    /* bytes, not a numpy array: filled here before anyone sees it, then
+     * never written again, and made without a call into numpy (~0.4 µs a
+     * frame on the project's VM).  UCX reads it through the buffer
+     * protocol; the request keeps it. */
+    PyObject *frame = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (!frame) return NULL;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(frame);
+    put_prefix(p, kind, 0, busy, (uint32_t)plen, seq, ack);
+    memcpy(p + PREFIX_LEN, head->buf, (size_t)head->len);
+    memcpy(p + PREFIX_LEN + head->len, body->buf, (size_t)body->len);
+    if (mac_into(key, p, (size_t)head_len, size, p + size - MAC_LEN) < 0) {
+        Py_DECREF(frame);
+        return NULL;
+    }
+    return frame;
+}
+
 /* A tuple subclass instance (Frame, BufferDesc: NamedTuples) of n items,
  * stolen from `items`, made as structseq makes its instances: without
  * calling the class's Python __new__. */
@@ -501,7 +544,7 @@ static PyObject *named(PyTypeObject *type, Py_ssize_t n, PyObject **items) {
 static void inline_error(Py_ssize_t i, uint64_t off, uint64_t nbytes, Py_ssize_t n) {
     PyObject *end = u128_long((u128)off + nbytes);
     if (end) {
-        frame_errorf("buffer %zd claims inline bytes [%llu, %S) outside the %zd-byte frame", i,
+        core_frame_errorf("buffer %zd claims inline bytes [%llu, %S) outside the %zd-byte frame", i,
                      (unsigned long long)off, end, n);
         Py_DECREF(end);
     }
@@ -532,30 +575,30 @@ static Py_ssize_t check_ways(const desc *d, Py_ssize_t nbuf, u128 *total) {
     for (Py_ssize_t i = 0; i < nbuf; i++) {
         uint8_t f = d[i].flags;
         if (!flags_known(f))
-            return frame_errorf("buffer %zd has unknown flags 0x%x", i, f);
+            return core_frame_errorf("buffer %zd has unknown flags 0x%x", i, f);
         if (!!(f & PACK) != (i >= first_pack))
-            return frame_errorf("buffer %zd: packs must come after every other buffer", i);
+            return core_frame_errorf("buffer %zd: packs must come after every other buffer", i);
         if ((f & STAGED) && d[i].arg < MIN_CHUNK_KIB)
-            return frame_errorf("buffer %zd is staged in chunks of %u KiB; the minimum is %d KiB",
+            return core_frame_errorf("buffer %zd is staged in chunks of %u KiB; the minimum is %d KiB",
                                 i, d[i].arg, MIN_CHUNK_KIB);
         if ((f & (STAGED | PACK)) || f == REMOTE || f == WRITTEN) {
             *total += d[i].nbytes;
             if (f == REMOTE && d[i].device != -1)
-                return frame_errorf("buffer %zd is to be read by address from device %d; only "
+                return core_frame_errorf("buffer %zd is to be read by address from device %d; only "
                                     "host memory can be", i, d[i].device);
             if (f == WRITTEN && d[i].device != -1)
-                return frame_errorf("buffer %zd was written into host memory here, but its "
+                return core_frame_errorf("buffer %zd was written into host memory here, but its "
                                     "descriptor names device %d", i, d[i].device);
         } else if (f == PACKED) {
             if (!(first_pack <= (Py_ssize_t)d[i].arg && (Py_ssize_t)d[i].arg < nbuf))
-                return frame_errorf("buffer %zd claims to sit in buffer %u, which is not a pack",
+                return core_frame_errorf("buffer %zd claims to sit in buffer %u, which is not a pack",
                                     i, d[i].arg);
             const desc *pack = &d[d[i].arg];
             if ((u128)d[i].where + d[i].nbytes > pack->nbytes ||
                 d[i].device != pack->device) {
                 PyObject *end = u128_long((u128)d[i].where + d[i].nbytes);
                 if (end) {
-                    frame_errorf("buffer %zd claims bytes [%llu, %S) on device %d of a "
+                    core_frame_errorf("buffer %zd claims bytes [%llu, %S) on device %d of a "
                                  "%llu-byte pack on device %d", i,
                                  (unsigned long long)d[i].where, end, d[i].device,
                                  (unsigned long long)pack->nbytes, pack->device);
@@ -588,41 +631,41 @@ static PyObject *frame_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *result = NULL, *descs = NULL;
     desc few[8], *d = NULL;
     if (n < PREFIX_LEN + MAC_LEN) {
-        frame_errorf("truncated frame: %zd bytes is shorter than a frame header", n);
+        core_frame_errorf("truncated frame: %zd bytes is shorter than a frame header", n);
         goto done;
     }
     if (p[0] != MAGIC0 || p[1] != MAGIC1) {
         PyObject *m = PyBytes_FromStringAndSize((const char *)p, 2);
         if (m) {
-            frame_errorf("bad frame magic %R", m);
+            core_frame_errorf("bad frame magic %R", m);
             Py_DECREF(m);
         }
         goto done;
     }
     if (p[2] != VERSION) {
-        frame_errorf("frame version %d not supported (this side speaks %d)", p[2], VERSION);
+        core_frame_errorf("frame version %d not supported (this side speaks %d)", p[2], VERSION);
         goto done;
     }
     PyObject *kind = p[3] < NKINDS ? kinds[p[3]] : NULL;
     if (!kind) {
-        frame_errorf("unknown frame kind %d", p[3]);
+        core_frame_errorf("unknown frame kind %d", p[3]);
         goto done;
     }
     uint16_t nbuf = get16(p + 4), state = get16(p + 6);
     uint32_t plen = get32(p + 8);
     uint64_t seq = get64(p + 12), ack = get64(p + 20);
     if (state & ~BUSY) {
-        frame_errorf("unknown frame state bits 0x%04x", state);
+        core_frame_errorf("unknown frame state bits 0x%04x", state);
         goto done;
     }
     if (nbuf > lim.max_buffers) {
-        frame_errorf("frame declares %u buffers; the limit is %u", nbuf,
+        core_frame_errorf("frame declares %u buffers; the limit is %u", nbuf,
                      (unsigned)lim.max_buffers);  /* under nbuf, so under 65536 */
         goto done;
     }
     uint64_t head_len = PREFIX_LEN + (uint64_t)DESC_LEN * nbuf + plen;
     if (head_len + MAC_LEN > (uint64_t)n) {
-        frame_errorf("truncated frame: header declares %llu bytes, got %zd",
+        core_frame_errorf("truncated frame: header declares %llu bytes, got %zd",
                      (unsigned long long)(head_len + MAC_LEN), n);
         goto done;
     }
@@ -638,7 +681,7 @@ static PyObject *frame_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
         unsigned diff = 0;
         for (int i = 0; i < MAC_LEN; i++) diff |= want[i] ^ p[n - MAC_LEN + i];
         if (diff) {
-            frame_errorf("frame authentication failed (MAC mismatch)");
+            core_frame_errorf("frame authentication failed (MAC mismatch)");
             goto done;
         }
     }

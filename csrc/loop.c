@@ -834,20 +834,28 @@ static PyTypeObject LoopType = {
 
 /* ------------------------------------------------- the guard functions */
 
+int core_guard(void) {
+    int outer = turning;
+    turning = 1;
+    return outer;
+}
+
+int core_unguard(int outer) {
+    turning = outer;
+    return outer ? 0 : sigint_deliver();
+}
+
 /* guard() -> bool: enter a section Ctrl-C must not cut in half; returns
  * what unguard() needs.  Nests. */
 static PyObject *py_guard(PyObject *m, PyObject *unused) {
-    int outer = turning;
-    turning = 1;
-    return PyBool_FromLong(outer);
+    return PyBool_FromLong(core_guard());
 }
 
 /* unguard(outer): leave it; the outermost one delivers a Ctrl-C held. */
 static PyObject *py_unguard(PyObject *m, PyObject *outer) {
     int o = PyObject_IsTrue(outer);
     if (o < 0) return NULL;
-    turning = o;
-    if (!o && sigint_deliver() < 0) return NULL;
+    if (core_unguard(o) < 0) return NULL;
     Py_RETURN_NONE;
 }
 

@@ -135,8 +135,9 @@ def _capture_sends() -> list[tuple[int, bytes]]:
     original = bindings.send
 
     def send(handle, buf, tag):
-        if isinstance(buf, np.ndarray) and len(sent) < 32:
-            sent.append((tag, buf.tobytes()))
+        # (frames without buffers are bytes: csrc/send.c; the others arrays)
+        if isinstance(buf, (bytes, np.ndarray)) and len(sent) < 32:
+            sent.append((tag, bytes(buf) if isinstance(buf, bytes) else buf.tobytes()))
         return original(handle, buf, tag)
 
     # Every host frame leaves through libucp's send, bound per endpoint as

@@ -100,6 +100,8 @@ class RpcAgent:
                                    cuda_devices=[*options.device_list(),
                                                  *(d for m in (options.device_maps or {}).values()
                                                    for d in m)])
+        # A message without buffers to a peer: one C call (send_message).
+        self._send_alone = self.transport.send_alone
         self._pool = WorkerPool(options.num_worker_threads, on_quiet=self.transport.wake,
                                 idle_wait=self._drive)
         self._server = Server(self, self._pool)
@@ -384,11 +386,17 @@ class RpcAgent:
                      buffers: list[Buffer], targets: list[int] | None = None) -> None:
         """Send one message (a request, or the server's answer) to ``peer``,
         this worker included; ``targets`` as :meth:`Members.cuda_targets` gives them."""
+        if not buffers and peer != self.info.id and self._send_alone(
+                # (envelope.hint and the header, inline: issue 52)
+                peer, (msg_id << 3) | kind, envelope.pack(kind, envelope.VERSION, 0, 0, msg_id),
+                body):
+            return
         payload = envelope.encode(kind, msg_id, body)
         if peer == self.info.id:
             self._loopback(payload, buffers)
         else:
-            self.transport.send(peer, payload, buffers, envelope.hint(kind, msg_id), targets)
+            self.transport.send(peer, payload, buffers, envelope.hint(kind, msg_id), targets,
+                                alone=False)
 
     def _loopback(self, payload: bytes, buffers: list[Buffer]) -> None:
         # A call to oneself gets copies, as a remote callee would.  The

@@ -42,6 +42,12 @@ class Header(NamedTuple):
 _new_header = tuple.__new__
 
 
+#: The header alone, ``pack(kind, VERSION, flags, 0, msg_id)``: for the
+#: agent's message without buffers, whose header and body the transport
+#: copies into the frame as two parts (issue 52: no join, no call here).
+pack = _HEAD.pack
+
+
 def encode(kind: MsgKind, msg_id: int, body: bytes | memoryview, flags: int = 0) -> bytes:
     return _HEAD.pack(kind, VERSION, flags, 0, msg_id) + body
 

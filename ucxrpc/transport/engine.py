@@ -179,10 +179,16 @@ class Transport:
         self._tasks = shared.tasks
         self._inflight = shared.inflight
         self._watch = shared.watch
+        # The loop's strategy, kept here too: every frame sent asks it
+        # (the sender's contended()), and the loop's own is behind a property.
+        self._strategy = strategy.strategy(progress_mode)
         self._sender = Sender(my_id=my_id, limits=limits,
                               host_as_device=self._host_as_device, inflight=shared.inflight,
                               wake=self._loop_nudge, failed=self._send_failed,
-                              contended=self._contended, bounce=self._bounce)
+                              pipes=shared.pipes, strategy=self._strategy, bounce=self._bounce)
+        #: :attr:`.send.Sender.send_alone`: the agent's way for a message
+        #: without buffers, before :meth:`send`.
+        self.send_alone = self._sender.send_alone
         self._by_address = ByAddress(sender=self._sender, send=self._send_or_queue,
                                      endpoint=self._endpoint,
                                      offered=self.cma_offer is not None)
@@ -221,9 +227,6 @@ class Transport:
         self._queue_check = self._liveness.queue_check
         #: What peers need to watch this process's lifeline (published).
         self.lifeline = self._liveness.address
-        # The loop's strategy, kept here too: every frame sent asks it
-        # (_contended), and the loop's own is behind a property.
-        self._strategy = strategy.strategy(progress_mode)
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
             expected=self._expected, spin_s=spin_s,
@@ -304,16 +307,19 @@ class Transport:
             self._liveness.watch(pipe)
 
     def send(self, peer_id: int, payload: bytes | memoryview, buffers: Sequence[Buffer],
-             hint: int = 0, devices: list[int] | None = None) -> None:
+             hint: int = 0, devices: list[int] | None = None, alone: bool = True) -> None:
         """Queue a message; returns once UCX holds it (not once delivered).
 
         ``devices``: where each buffer is to land on the peer (-1 host memory,
-        else a CUDA index); by default where it is here.
+        else a CUDA index); by default where it is here.  ``alone=False``:
+        the caller's :attr:`send_alone` just declined it (not tried again).
 
         Raises:
             ClosedError / BrokenError: the transport or pipe is down.
             FrameError: the message breaks a configured limit.
         """
+        if alone and not buffers and self.send_alone(peer_id, hint, payload, b""):
+            return
         pipe = self._pipes.get(peer_id)
         if pipe is None:
             raise BrokenError(f"no pipe to worker id {peer_id}")
@@ -468,13 +474,6 @@ class Transport:
         (the native core's ``Loop``, csrc/loop.c) instead of turning."""
         return not (self._watch or self._inflight or self._tasks or self._rx.frames
                     or self._queue_check.waiting or self._by_address.due)
-
-    def _contended(self) -> bool:
-        """Whether the loop may not poll now (a contended core, or the
-        blocking mode): every frame then costs its receiver a wake-up,
-        likely a scheduler slice, and every copy a share of a core."""
-        # (may_poll, inline: every frame sent asks)
-        return time.monotonic() < self._strategy.blocked_until
 
     # --------------------------------------------------------------- peers
 

@@ -34,9 +34,10 @@ from .cuda import staging
 from .wire.frame import REMOTE, WRITTEN, FrameKind, Limits, encode
 from .wire.gather import Buffer, Gather
 from .pipe import OutState, Pipe
-from .wire.tags import FRAME, data_tag, kind_base
+from .wire.tags import FRAME, HINT_MASK, data_tag, kind_base
 from .ucx.binding import Request
 from .ucx.ucp import DONE
+from .._core import Outlet
 
 __all__ = ["Sender"]
 
@@ -68,26 +69,47 @@ class Sender:
             ``nudge``: a progress thread lingering after a driver is left to it).
         failed: ``(pipe, error)`` for a send that failed at once (the pipe
             breaks; called later, not under its lock).
-        contended: whether this worker's loop may not poll now (every
-            frame says so to the peer; :data:`.hostmem.cma.BUSY_MIN_BYTES`).
+        pipes: the transport's pipes by peer id (:attr:`send_alone` looks
+            its peer up there).
+        strategy: the loop's strategy: its ``blocked_until`` says whether
+            this worker's loop may not poll now (every frame says so to the
+            peer; :data:`.hostmem.cma.BUSY_MIN_BYTES`); None, never.
     """
 
     def __init__(self, *, my_id: int, limits: Limits, host_as_device: bool,
                  inflight: deque[tuple[Request, Any]], wake: Callable[[], None],
                  failed: Callable[[Pipe, BaseException], None],
-                 contended: Callable[[], bool] = lambda: False, bounce: bool = False) -> None:
+                 pipes: dict[int, Pipe] | None = None, strategy: Any = None,
+                 bounce: bool = False) -> None:
         self.my_id = my_id
         # Device buffers sent directly go through buffers CUDA IPC can
         # share: this process's own device memory cannot be (bounce.py).
         self._bounce = bounce
         self.bounced_bytes = 0
-        self._contended = contended
         self.limits = limits
         self._host_as_device = host_as_device
         self._inflight = inflight
         self._wake = wake
         self._failed = failed
         self._frame_base = kind_base(FRAME, my_id)
+        #: A frame without buffers, made, sealed, sent and watched in one C
+        #: call (csrc/send.c): ``frame`` for :meth:`send`, and
+        #: :attr:`send_alone` for a message to a peer whose pipe lets it go
+        #: at once.
+        self._outlet = Outlet(pipes={} if pipes is None else pipes, limits=limits,
+                              strategy=strategy, inflight=inflight, wake=wake, failed=failed,
+                              open=OutState.OPEN, done=DONE, frame_base=self._frame_base,
+                              hint_mask=HINT_MASK, message_kind=FrameKind.MESSAGE)
+        self._contended = self._outlet.contended
+        #: ``send_alone(peer, hint, head, body) -> bool``: a message of
+        #: ``head`` then ``body`` without buffers to worker id ``peer``, as
+        #: one frame, under the pipe's lock and the thread's guard; False
+        #: (nothing changed) where it cannot go so now: no open pipe, or
+        #: something waits to go first (an outbox, a frame in flight that
+        #: small messages wait behind).  Every message without buffers
+        #: tries it first: a no-op's request and reply cost seven Python
+        #: calls a side on the way here before (issue 52).
+        self.send_alone = self._outlet.send
         self.staged_bytes = 0
         self.packed_buffers = 0
         self.batches = 0
@@ -116,7 +138,9 @@ class Sender:
             elif pipe.out.outbox:
                 self.flush(pipe)  # what waits goes first
         if not buffers:
-            self._frame_alone(pipe, payload, kind, hint)
+            # Nothing to read by address, stage or send apart: the frame
+            # alone, in C (raises FrameError over the peer's limit too).
+            self._outlet.frame(pipe, kind, hint, payload, b"")
             return
         out = None
         busy = self._contended()
@@ -172,28 +196,6 @@ class Sender:
             pipe.out.sent += 1
             self._track(pipe, reqs, sent)
 
-    def _frame_alone(self, pipe: Pipe, payload: bytes | memoryview, kind: FrameKind,
-                     hint: int) -> None:
-        """A message without buffers (a no-op's request, most replies, the
-        control frames): nothing to read by address, stage or send apart,
-        so the frame goes without :meth:`send`'s look at its buffers (five
-        Python calls a message fewer, Run AN)."""
-        ack = pipe.cma.read_through  # read once: the loop may move it on meanwhile
-        frame, _ = encode(kind, pipe.out.seq + 1, payload, (), pipe.auth.out_key, self.limits,
-                          None, pipe.out.peer_max_frame, ack=ack, busy=self._contended())
-        if frame.nbytes > pipe.out.peer_max_frame:
-            raise FrameError(f"frame of {frame.nbytes} bytes exceeds max_frame_bytes="
-                             f"{pipe.out.peer_max_frame} of the receiver ({pipe.name})")
-        pipe.out.seq += 1
-        assert pipe.ep is not None
-        sent = pipe.ep.send_frame(frame, self._frame_base | hint)
-        pipe.cma.ack_sent = ack
-        pipe.out.sent += 1
-        if sent is DONE:  # most: it left at once, nothing waits behind it
-            pipe.out.last_frame = None
-        else:
-            self._track(pipe, [(sent, pipe)], sent)
-
     def flush(self, pipe: Pipe) -> None:
         """Send ``pipe``'s outbox as one BATCH frame (under its lock)."""
         frames, pipe.out.outbox = pipe.out.outbox, []
@@ -231,6 +233,9 @@ class Sender:
         return {"staged_bytes": self.staged_bytes, "bounced_bytes": self.bounced_bytes,
                 "packed_buffers": self.packed_buffers,
                 "batches": self.batches, "batched_messages": self.batched_messages,
+                # send_alone's: went in its one call, or left to send().
+                "messages_sent_alone": self._outlet.sent,
+                "messages_not_sent_alone": self._outlet.declined,
                 "buffers_read_by_peers": self.read_buffers,
                 "buffers_written_into_peers": self.written_buffers,
                 "buffers_sent_as_parts": self.gathered_buffers,

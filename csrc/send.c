@@ -1,0 +1,457 @@
+/* A message without buffers onto its pipe, in one C call (transport/send.py's
+ * Sender keeps an Outlet and sends every such frame through it).
+ *
+ * Most messages have no buffers: a no-op's request and reply, most
+ * replies, the control frames.  In Python their way from the agent to
+ * libucp was seven calls a message (Transport.send, _send_or_queue,
+ * Sender.send, _frame_alone, the strategy's look, the envelope's encode
+ * and hint: ~4.8 µs a side of a no-op on the project's VM, Run AZ).  Here
+ * it is one, `Outlet.send`, and the agent's envelope head and its body are
+ * copied into the frame once, not joined first.
+ *
+ * What it does is `Sender._frame_alone`'s, under the pipe's own lock (a
+ * threading.Lock: taken with its acquire(), which waits without the GIL),
+ * inside the thread's guard (Ctrl-C waits for the send to end): the frame
+ * made and sealed (frame.c), the pipe's sequence number moved on, the frame
+ * given to the endpoint's send_frame (libucp's send, bound to the handle;
+ * a test's fake network is below it), and the request watched as _track
+ * watches it.  The pipe's records are read by their names (pipe.py's
+ * `out`, `auth`, `cma`): this is the transport's top layer written in C,
+ * not a layer below it, and the Python records stay the one place that
+ * state lives.  Where the message cannot go alone at once (no open pipe, a
+ * frame in flight that small messages wait behind, an outbox), send()
+ * changes nothing and says so; the caller takes the Python path, which
+ * handles every case. */
+#include "core.h"
+
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *pipes;    /* peer id -> Pipe (the transport's, shared) */
+    PyObject *limits;   /* this side's wire.frame.Limits */
+    PyObject *strategy; /* its blocked_until says the loop may not poll; or None */
+    PyObject *inflight; /* the loop's deque of (request, owner) */
+    PyObject *wake;     /* the loop's nudge, for a frame left in flight */
+    PyObject *failed;   /* failed(pipe, error): a send that failed at once */
+    PyObject *open;     /* OutState.OPEN */
+    PyObject *done;     /* UCP_DONE: a request complete when made */
+    uint64_t frame_base, hint_mask;
+    long message_kind;  /* FrameKind.MESSAGE */
+    unsigned long long sent, declined; /* send()'s: alone, and left to Python */
+} Outlet;
+
+static PyObject *str_lock, *str_out, *str_auth, *str_cma, *str_ep, *str_state, *str_outbox,
+    *str_last_frame, *str_seq, *str_peer_max_frame, *str_sent, *str_out_key, *str_read_through,
+    *str_ack_sent, *str_send_frame, *str_name, *str_acquire, *str_release, *str_done,
+    *str_error, *str_blocked_until, *str_append;
+
+/* getattr(o, name) as a uint64: 0, or -1 with an error set. */
+static int attr_u64(PyObject *o, PyObject *name, uint64_t *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    unsigned long long n = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = n;
+    return 0;
+}
+
+static int set_u64(PyObject *o, PyObject *name, uint64_t v) {
+    PyObject *n = PyLong_FromUnsignedLongLong(v);
+    if (!n) return -1;
+    int rc = PyObject_SetAttr(o, name, n);
+    Py_DECREF(n);
+    return rc;
+}
+
+/* Whether the loop may not poll now (the transport's contended()). */
+static int contended(Outlet *self) {
+    if (self->strategy == Py_None) return 0;
+    PyObject *v = PyObject_GetAttr(self->strategy, str_blocked_until);
+    if (!v) return -1;
+    double until = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    if (until == -1.0 && PyErr_Occurred()) return -1;
+    return core_monotonic() < until;
+}
+
+/* The frame's request watched as Sender._track watches one: in flight, it
+ * is the pipe's last frame (before the loop can see it complete) and the
+ * loop's to watch; failed at once, the pipe breaks. */
+static int track(Outlet *self, PyObject *pipe, PyObject *out, PyObject *req) {
+    if (req == self->done) return PyObject_SetAttr(out, str_last_frame, Py_None);
+    PyObject *d = PyObject_GetAttr(req, str_done);
+    if (!d) return -1;
+    int done = PyObject_IsTrue(d);
+    Py_DECREF(d);
+    if (done < 0) return -1;
+    if (!done) {
+        if (PyObject_SetAttr(out, str_last_frame, req) < 0) return -1;
+        PyObject *pair = PyTuple_Pack(2, req, pipe);
+        if (!pair) return -1;
+        PyObject *r = PyObject_CallMethodOneArg(self->inflight, str_append, pair);
+        Py_DECREF(pair);
+        if (!r) return -1;
+        Py_DECREF(r);
+        r = PyObject_CallNoArgs(self->wake);
+        if (!r) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    if (PyObject_SetAttr(out, str_last_frame, Py_None) < 0) return -1;
+    PyObject *err = PyObject_CallMethodNoArgs(req, str_error);
+    if (!err) return -1;
+    if (err != Py_None) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->failed, pipe, err, NULL);
+        Py_DECREF(err);
+        if (!r) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    Py_DECREF(err);
+    return 0;
+}
+
+/* Sender._frame_alone: `head` then `body` as one frame of `kind` on `pipe`
+ * (under its lock, its outgoing side open and nothing waiting to go
+ * first); `out` is pipe.out.  0, or -1 with the error set (FrameError
+ * over a limit, this side's or the peer's). */
+static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_t hint,
+                 PyObject *head_o, PyObject *body_o) {
+    PyObject *auth = NULL, *cma = NULL, *ep = NULL, *key_o = NULL, *ack_o = NULL,
+             *frame = NULL, *req = NULL;
+    Py_buffer head = {0}, body = {0}, key = {0};
+    int rc = -1;
+    uint64_t seq, peer_max;
+    if (!(auth = PyObject_GetAttr(pipe, str_auth)) || !(cma = PyObject_GetAttr(pipe, str_cma)) ||
+        !(ep = PyObject_GetAttr(pipe, str_ep)))
+        goto done;
+    if (ep == Py_None) {
+        PyErr_Format(PyExc_AssertionError, "pipe %R is open without an endpoint", pipe);
+        goto done;
+    }
+    /* Read once: the loop may move it on meanwhile. */
+    if (!(ack_o = PyObject_GetAttr(cma, str_read_through))) goto done;
+    uint64_t ack = PyLong_AsUnsignedLongLong(ack_o);
+    if (ack == (uint64_t)-1 && PyErr_Occurred()) goto done;
+    if (!(key_o = PyObject_GetAttr(auth, str_out_key)) || attr_u64(out, str_seq, &seq) < 0 ||
+        attr_u64(out, str_peer_max_frame, &peer_max) < 0)
+        goto done;
+    int busy = contended(self);
+    if (busy < 0) goto done;
+    if (PyObject_GetBuffer(head_o, &head, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(body_o, &body, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(key_o, &key, PyBUF_SIMPLE) < 0)
+        goto done;
+    frame = core_frame_alone(kind, seq + 1, &head, &body, &key, self->limits, ack, busy);
+    if (!frame) goto done;
+    Py_ssize_t n = PyBytes_GET_SIZE(frame);
+    if ((uint64_t)n > peer_max) {
+        /* Its header alone: a message without buffers has nothing to
+         * leave out for the peer's limit. */
+        PyObject *name = PyObject_GetAttr(pipe, str_name);
+        if (name) {
+            core_frame_errorf("frame of %zd bytes exceeds max_frame_bytes=%llu of the "
+                              "receiver (%S)", n, (unsigned long long)peer_max, name);
+            Py_DECREF(name);
+        }
+        goto done;
+    }
+    if (set_u64(out, str_seq, seq + 1) < 0) goto done;
+    PyObject *tag = PyLong_FromUnsignedLongLong(self->frame_base | (hint & self->hint_mask));
+    if (!tag) goto done;
+    req = PyObject_CallMethodObjArgs(ep, str_send_frame, frame, tag, NULL);
+    Py_DECREF(tag);
+    if (!req) goto done;
+    uint64_t sent;
+    if (PyObject_SetAttr(cma, str_ack_sent, ack_o) < 0 || attr_u64(out, str_sent, &sent) < 0 ||
+        set_u64(out, str_sent, sent + 1) < 0)
+        goto done;
+    rc = track(self, pipe, out, req);
+done:
+    if (head.obj) PyBuffer_Release(&head);
+    if (body.obj) PyBuffer_Release(&body);
+    if (key.obj) PyBuffer_Release(&key);
+    Py_XDECREF(auth);
+    Py_XDECREF(cma);
+    Py_XDECREF(ep);
+    Py_XDECREF(key_o);
+    Py_XDECREF(ack_o);
+    Py_XDECREF(frame);
+    Py_XDECREF(req);
+    return rc;
+}
+
+static int as_hint(PyObject *o, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* frame(pipe, kind, hint, head, body): Sender._frame_alone, the caller
+ * holding the pipe's lock. */
+static PyObject *outlet_frame(Outlet *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "frame() takes 5 arguments (pipe, kind, hint, head, "
+                        "body)");
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[1]);
+    if (kind == -1 && PyErr_Occurred()) return NULL;
+    uint64_t hint;
+    if (as_hint(args[2], &hint) < 0) return NULL;
+    PyObject *out = PyObject_GetAttr(args[0], str_out);
+    if (!out) return NULL;
+    int rc = alone(self, args[0], out, kind, hint, args[3], args[4]);
+    Py_DECREF(out);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Whether `out` lets a message go alone now: open, nothing in its outbox
+ * and no frame in flight for small messages to wait behind (batch.py).
+ * 1, 0, or -1 with an error. */
+static int goes_alone(Outlet *self, PyObject *out) {
+    PyObject *v = PyObject_GetAttr(out, str_state);
+    if (!v) return -1;
+    int open = v == self->open;
+    Py_DECREF(v);
+    if (!open) return 0;
+    if (!(v = PyObject_GetAttr(out, str_last_frame))) return -1;
+    int idle = v == Py_None;
+    Py_DECREF(v);
+    if (!idle) return 0;
+    if (!(v = PyObject_GetAttr(out, str_outbox))) return -1;
+    int empty = PyObject_Length(v);
+    Py_DECREF(v);
+    return empty < 0 ? -1 : empty == 0;
+}
+
+/* Put aside what is raised, leave the guard, and raise it again, chained
+ * under whatever leaving raised (a held Ctrl-C), as a `finally:` would. */
+static void unguard_raising(int outer) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    if (core_unguard(outer) == 0) {
+        PyErr_Restore(t, v, tb);
+        return;
+    }
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb) PyException_SetTraceback(v, tb);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    PyException_SetContext(v2, v); /* steals v */
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    PyErr_Restore(t2, v2, tb2);
+}
+
+/* send(peer, hint, head, body) -> bool: a message of `head` then `body`
+ * to worker id `peer` as a frame alone (True), or False where it cannot go
+ * so now (no pipe to it, not open, something waits to go first): nothing
+ * was changed, and Transport.send takes it.
+ *
+ * Raises FrameError over a limit, BrokenError where the endpoint refuses,
+ * KeyboardInterrupt held meanwhile. */
+static PyObject *outlet_send(Outlet *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "send() takes 4 arguments (peer, hint, head, body)");
+        return NULL;
+    }
+    uint64_t hint;
+    if (as_hint(args[1], &hint) < 0) return NULL;
+    PyObject *pipe = PyDict_GetItemWithError(self->pipes, args[0]);
+    if (!pipe) {
+        if (PyErr_Occurred()) return NULL;
+        self->declined++;
+        Py_RETURN_FALSE;
+    }
+    Py_INCREF(pipe);
+    PyObject *lock = NULL, *out = NULL, *r;
+    int outer = core_guard(), rc = -1, locked = 0;
+    if (!(lock = PyObject_GetAttr(pipe, str_lock)) || !(out = PyObject_GetAttr(pipe, str_out)))
+        goto done;
+    if (!(r = PyObject_CallMethodNoArgs(lock, str_acquire))) goto done;
+    Py_DECREF(r);
+    locked = 1;
+    rc = goes_alone(self, out);
+    if (rc == 1 && alone(self, pipe, out, self->message_kind, hint, args[2], args[3]) < 0)
+        rc = -1;
+done:
+    if (locked) {
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        r = PyObject_CallMethodNoArgs(lock, str_release);
+        if (r) {
+            Py_DECREF(r);
+            PyErr_Restore(t, v, tb);
+        } else {
+            rc = -1;
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        }
+    }
+    Py_XDECREF(lock);
+    Py_XDECREF(out);
+    Py_DECREF(pipe);
+    if (rc < 0) {
+        unguard_raising(outer);
+        return NULL;
+    }
+    if (core_unguard(outer) < 0) return NULL;
+    if (rc) {
+        self->sent++;
+        Py_RETURN_TRUE;
+    }
+    self->declined++;
+    Py_RETURN_FALSE;
+}
+
+/* contended() -> bool: whether the loop may not poll now. */
+static PyObject *outlet_contended(Outlet *self, PyObject *unused) {
+    int c = contended(self);
+    if (c < 0) return NULL;
+    return PyBool_FromLong(c);
+}
+
+static int outlet_traverse(Outlet *self, visitproc visit, void *arg) {
+    Py_VISIT(self->pipes);
+    Py_VISIT(self->limits);
+    Py_VISIT(self->strategy);
+    Py_VISIT(self->inflight);
+    Py_VISIT(self->wake);
+    Py_VISIT(self->failed);
+    Py_VISIT(self->open);
+    Py_VISIT(self->done);
+    return 0;
+}
+
+static int outlet_clear(Outlet *self) {
+    Py_CLEAR(self->pipes);
+    Py_CLEAR(self->limits);
+    Py_CLEAR(self->strategy);
+    Py_CLEAR(self->inflight);
+    Py_CLEAR(self->wake);
+    Py_CLEAR(self->failed);
+    Py_CLEAR(self->open);
+    Py_CLEAR(self->done);
+    return 0;
+}
+
+static void outlet_dealloc(Outlet *self) {
+    PyObject_GC_UnTrack(self);
+    outlet_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static const char *const outlet_names[] = {
+    "pipes", "limits", "strategy", "inflight", "wake", "failed", "open", "done",
+    "frame_base", "hint_mask", "message_kind"};
+#define NOUTLET_NAMES ((Py_ssize_t)(sizeof outlet_names / sizeof outlet_names[0]))
+
+/* Outlet(pipes, limits, strategy, inflight, wake, failed, open, done,
+ *        frame_base, hint_mask, message_kind), keywords only. */
+static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *a[NOUTLET_NAMES] = {0};
+    if (PyTuple_GET_SIZE(args)) {
+        PyErr_SetString(PyExc_TypeError, "Outlet() takes keyword arguments only");
+        return NULL;
+    }
+    if (kwargs) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwargs, &pos, &key, &value)) {
+            Py_ssize_t i = 0;
+            for (; i < NOUTLET_NAMES; i++)
+                if (PyUnicode_CompareWithASCIIString(key, outlet_names[i]) == 0) break;
+            if (i == NOUTLET_NAMES) {
+                PyErr_Format(PyExc_TypeError, "Outlet(): unexpected argument '%U'", key);
+                return NULL;
+            }
+            a[i] = value;
+        }
+    }
+    for (Py_ssize_t i = 0; i < NOUTLET_NAMES; i++)
+        if (!a[i]) {
+            PyErr_Format(PyExc_TypeError, "Outlet() missing argument '%s'", outlet_names[i]);
+            return NULL;
+        }
+    if (!PyDict_Check(a[0])) {
+        PyErr_SetString(PyExc_TypeError, "Outlet(): pipes must be a dict");
+        return NULL;
+    }
+    uint64_t base, mask;
+    long kind = PyLong_AsLong(a[10]);
+    if (as_hint(a[8], &base) < 0 || as_hint(a[9], &mask) < 0 ||
+        (kind == -1 && PyErr_Occurred()))
+        return NULL;
+    Outlet *self = (Outlet *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    PyObject **slots[] = {&self->pipes, &self->limits, &self->strategy, &self->inflight,
+                          &self->wake, &self->failed, &self->open, &self->done};
+    for (int i = 0; i < 8; i++) {
+        Py_INCREF(a[i]);
+        *slots[i] = a[i];
+    }
+    self->frame_base = base;
+    self->hint_mask = mask;
+    self->message_kind = kind;
+    return (PyObject *)self;
+}
+
+static PyMethodDef outlet_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))outlet_send, METH_FASTCALL,
+     "send(peer, hint, head, body) -> bool: the message as a frame alone, or False (nothing "
+     "changed) where it cannot go so now."},
+    {"frame", (PyCFunction)(void (*)(void))outlet_frame, METH_FASTCALL,
+     "frame(pipe, kind, hint, head, body): Sender._frame_alone, under the pipe's lock."},
+    {"contended", (PyCFunction)outlet_contended, METH_NOARGS,
+     "contended() -> bool: whether the loop may not poll now (the strategy's blocked_until)."},
+    {NULL},
+};
+
+static PyMemberDef outlet_members[] = {
+    {"sent", T_ULONGLONG, offsetof(Outlet, sent), READONLY, "messages send() sent alone"},
+    {"declined", T_ULONGLONG, offsetof(Outlet, declined), READONLY,
+     "messages send() left to the Python path"},
+    {NULL},
+};
+
+static PyTypeObject OutletType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ucxrpc._core.Outlet",
+    .tp_basicsize = sizeof(Outlet),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A message without buffers onto its pipe in one call (transport/send.py).",
+    .tp_new = outlet_new,
+    .tp_dealloc = (destructor)outlet_dealloc,
+    .tp_traverse = (traverseproc)outlet_traverse,
+    .tp_clear = (inquiry)outlet_clear,
+    .tp_methods = outlet_methods,
+    .tp_members = outlet_members,
+};
+
+int core_send_init(PyObject *module) {
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&str_lock, "lock"}, {&str_out, "out"}, {&str_auth, "auth"}, {&str_cma, "cma"},
+        {&str_ep, "ep"}, {&str_state, "state"}, {&str_outbox, "outbox"},
+        {&str_last_frame, "last_frame"}, {&str_seq, "seq"},
+        {&str_peer_max_frame, "peer_max_frame"}, {&str_sent, "sent"},
+        {&str_out_key, "out_key"}, {&str_read_through, "read_through"},
+        {&str_ack_sent, "ack_sent"}, {&str_send_frame, "send_frame"}, {&str_name, "name"},
+        {&str_acquire, "acquire"}, {&str_release, "release"}, {&str_done, "done"},
+        {&str_error, "error"}, {&str_blocked_until, "blocked_until"}, {&str_append, "append"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text))) return -1;
+    if (PyType_Ready(&OutletType) < 0) return -1;
+    Py_INCREF(&OutletType);
+    if (PyModule_AddObject(module, "Outlet", (PyObject *)&OutletType) < 0) {
+        Py_DECREF(&OutletType);
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,215 @@
+"""The native core's ``Outlet`` (csrc/send.c; transport/send.py's send of a
+message without buffers) as C code: the frame it makes is ``encode``'s,
+byte for byte; what it declines it leaves untouched; the pipe's lock and
+the thread's guard are given back on every path; reference counts stay
+balanced.  What the frames mean on a live pipe is tests/transport's and
+tests/fuzz's to hold (every message without buffers there goes through
+it)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ucxrpc import _core
+from ucxrpc.errors import FrameError
+from ucxrpc.transport.pipe import OutState, Pipe
+from ucxrpc.transport.ucx.ucp import DONE
+from ucxrpc.transport.wire.frame import FrameKind, Limits, decode, encode
+from ucxrpc.transport.wire.tags import HINT_MASK
+
+KEY = b"k" * 16
+BASE = 7 << 56
+
+
+class _Request:
+    def __init__(self, done: bool, error: BaseException | None = None) -> None:
+        self.done = done
+        self._error = error
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+
+class _Endpoint:
+    """What a pipe's endpoint is to the outlet: ``send_frame(frame, tag)``."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, int]] = []
+        self.answer: Any = DONE
+        self.refuse: BaseException | None = None
+
+    def send_frame(self, frame: bytes, tag: int) -> Any:
+        if self.refuse is not None:
+            raise self.refuse
+        self.sent.append((frame, tag))
+        return self.answer
+
+
+class _Strategy:
+    blocked_until = 0.0
+
+
+class _Rig:
+    def __init__(self, limits: Limits = Limits()) -> None:
+        self.pipe = Pipe(1, "worker1", b"")
+        self.pipe.ep = self.ep = _Endpoint()  # type: ignore[assignment]
+        self.pipe.out.state = OutState.OPEN
+        self.pipe.auth.out_key = KEY
+        self.pipe.cma.read_through = 5
+        self.inflight: deque = deque()
+        self.woken = 0
+        self.failures: list[tuple[Pipe, BaseException]] = []
+        self.strategy = _Strategy()
+        self.outlet = _core.Outlet(
+            pipes={1: self.pipe}, limits=limits, strategy=self.strategy,
+            inflight=self.inflight, wake=self._wake,
+            failed=lambda pipe, exc: self.failures.append((pipe, exc)),
+            open=OutState.OPEN, done=DONE, frame_base=BASE, hint_mask=HINT_MASK,
+            message_kind=FrameKind.MESSAGE)
+
+    def _wake(self) -> None:
+        self.woken += 1
+
+
+def test_the_frame_is_encodes_byte_for_byte_with_the_pipes_sequence_ack_and_busy_flag():
+    rig = _Rig()
+    rig.strategy.blocked_until = time.monotonic() + 60  # the loop may not poll
+    assert rig.outlet.send(1, 42 | (1 << 60), b"head:", b"body") is True
+    (frame, tag), = rig.ep.sent
+    assert tag == BASE | 42  # the hint masked
+    want, _ = encode(FrameKind.MESSAGE, 1, b"head:body", [], KEY, Limits(), ack=5, busy=True)
+    assert frame == want.tobytes()
+    got = decode(np.frombuffer(frame, dtype=np.uint8), KEY, Limits())
+    assert (got.seq, bytes(got.payload), got.ack, got.busy) == (1, b"head:body", 5, True)
+    out = rig.pipe.out
+    assert (out.seq, out.sent, out.last_frame, rig.pipe.cma.ack_sent) == (1, 1, None, 5)
+    assert (rig.outlet.sent, rig.outlet.declined) == (1, 0)
+
+
+def test_a_frame_left_in_flight_is_the_pipes_last_and_the_loops_to_watch():
+    rig = _Rig()
+    rig.ep.answer = req = _Request(done=False)
+    assert rig.outlet.send(1, 0, b"", b"x")
+    assert rig.pipe.out.last_frame is req
+    assert list(rig.inflight) == [(req, rig.pipe)] and rig.woken == 1
+    # Small messages now wait behind it: the outlet leaves them to Python.
+    assert rig.outlet.send(1, 0, b"", b"y") is False
+    assert rig.pipe.out.seq == 1 and len(rig.ep.sent) == 1
+
+
+def test_a_send_that_failed_at_once_breaks_the_pipe_through_failed():
+    rig = _Rig()
+    err = ConnectionError("endpoint failed")
+    rig.ep.answer = _Request(done=True, error=err)
+    assert rig.outlet.send(1, 0, b"", b"x")
+    assert rig.failures == [(rig.pipe, err)] and rig.pipe.out.last_frame is None
+    assert not rig.inflight
+
+
+@pytest.mark.parametrize("why", ["no pipe", "not open", "outbox", "in flight"])
+def test_what_it_declines_it_leaves_as_it_was(why):
+    rig = _Rig()
+    peer = 1
+    if why == "no pipe":
+        peer = 2
+    elif why == "not open":
+        rig.pipe.out.state = OutState.HELLO_SENT
+    elif why == "outbox":
+        rig.pipe.out.outbox.append(np.zeros(4, dtype=np.uint8))
+    else:
+        rig.pipe.out.last_frame = _Request(done=False)  # type: ignore[assignment]
+    assert rig.outlet.send(peer, 0, b"h", b"b") is False
+    assert (rig.pipe.out.seq, rig.pipe.out.sent, rig.ep.sent) == (0, 0, [])
+    assert not rig.pipe.lock.locked() and not _core.turning()
+    assert rig.outlet.declined == 1
+
+
+def test_a_frame_over_a_limit_is_a_frame_error_and_the_lock_and_guard_are_given_back():
+    rig = _Rig(Limits(max_frame_bytes=256))
+    with pytest.raises(FrameError, match="frame of .* exceeds max_frame_bytes=256"):
+        rig.outlet.send(1, 0, b"h", b"b" * 300)
+    rig.pipe.out.peer_max_frame = 100
+    with pytest.raises(FrameError, match=r"max_frame_bytes=100 of the receiver \(worker1\)"):
+        rig.outlet.send(1, 0, b"h", b"b" * 80)
+    assert not rig.pipe.lock.locked() and not _core.turning()
+    assert rig.pipe.out.seq == 0 and rig.ep.sent == []
+    rig.ep.refuse = ConnectionResetError("closed")
+    with pytest.raises(ConnectionResetError):
+        rig.outlet.send(1, 0, b"h", b"b")
+    assert not rig.pipe.lock.locked() and not _core.turning()
+
+
+def test_frame_is_the_same_frame_for_a_pipe_the_caller_holds():
+    rig = _Rig()
+    with rig.pipe.lock:
+        rig.outlet.frame(rig.pipe, FrameKind.CMA_OK, 3, b"payload", b"")
+    (frame, tag), = rig.ep.sent
+    want, _ = encode(FrameKind.CMA_OK, 1, b"payload", [], KEY, Limits(), ack=5)
+    assert frame == want.tobytes() and tag == BASE | 3
+
+
+def test_every_path_keeps_reference_counts_balanced():
+    rig = _Rig(Limits(max_frame_bytes=4096))
+    head, body, big = b"head", b"body" * 10, b"x" * 5000
+    inflight = _Request(done=False)
+    failed = _Request(done=True, error=ConnectionError("failed at once"))
+    refused = ConnectionResetError("closed")
+    watched = [rig.pipe, head, body, big, inflight, failed, refused, DONE, OutState.OPEN]
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
+            rig.pipe.out.last_frame = None
+            rig.ep.answer = DONE
+            assert rig.outlet.send(1, 9, head, body)
+            assert not rig.outlet.send(2, 9, head, body)
+            rig.ep.answer = inflight
+            assert rig.outlet.send(1, 9, head, body)
+            assert not rig.outlet.send(1, 9, head, body)  # behind it
+            rig.pipe.out.last_frame = None
+            rig.ep.answer = failed
+            assert rig.outlet.send(1, 9, head, body)
+            with pytest.raises(FrameError):
+                rig.outlet.send(1, 9, head, big)
+            rig.ep.refuse = refused
+            with pytest.raises(ConnectionResetError):
+                rig.outlet.send(1, 9, head, body)
+            rig.ep.refuse = None
+            rig.ep.sent.clear()
+            rig.inflight.clear()
+            rig.failures.clear()
+
+    rounds(3)
+    refused.__traceback__ = None
+    gc.collect()
+    before = [sys.getrefcount(o) for o in watched]
+    rounds(500)
+    refused.__traceback__ = None
+    gc.collect()
+    assert [sys.getrefcount(o) for o in watched] == before
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda o: o.send(1, 0, b""), r"send\(\) takes 4 arguments"),
+    (lambda o: o.send(1, -1, b"", b""), "can't convert negative"),
+    (lambda o: o.send(1, 0, "text", b""), "bytes-like"),
+    (lambda o: o.frame(None, 0, 0, b""), r"frame\(\) takes 5 arguments"),
+])
+def test_bad_arguments_are_named(call, message):
+    rig = _Rig()
+    with pytest.raises((TypeError, OverflowError), match=message):
+        call(rig.outlet)
+    assert not rig.pipe.lock.locked() and not _core.turning()
+
+
+def test_the_constructor_names_what_is_missing():
+    with pytest.raises(TypeError, match="missing argument 'pipes'"):
+        _core.Outlet()
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        _core.Outlet({})
