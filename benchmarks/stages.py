@@ -10,9 +10,10 @@ CLOCK_MONOTONIC in every process of a host) at the seams of one call:
     caller  request frame sent          Endpoint.send_frame entered (libucp's
                                         send, which the C send calls)
     callee  frame taken off UCX         Receiver.taken entered (a turn's take or
-                                        a driver's spin took frames)
-    callee  frame handled               Receiver._message_frame entered
-    callee  message to the agent        RpcAgent._on_message entered
+                                        a driver's spin took frames; the
+                                        native core's Inlet.taken)
+    callee  message to the agent        RpcAgent._on_message entered (from the
+                                        Inlet, which decodes and checks it)
     callee  request claimed             WorkerPool.submit entered (by the pool
                                         thread driving, usually)
     callee  its drive over              RpcAgent._drive returned
@@ -56,7 +57,7 @@ from ucxrpc._launch import free_port, start  # noqa: E402  (after the path)
 _ns = time.perf_counter_ns
 #: seam name -> stamps (ns), in this process.
 _STAMPS: dict[str, list[int]] = {k: [] for k in (
-    "pickled", "take", "frame", "message", "claim", "drove", "serve", "user", "reply", "send",
+    "pickled", "take", "message", "claim", "drove", "serve", "user", "reply", "send",
     "complete")}
 
 #: (label, from seam, to seam, side of each seam): the table's rows, in
@@ -65,8 +66,7 @@ STAGES = (
     ("caller: rpc_sync -> call pickled", ("c", "start"), ("c", "pickled")),
     ("caller: pickled -> request frame sent", ("c", "pickled"), ("c", "send")),
     ("wire + callee detects the frame", ("c", "send"), ("e", "take")),
-    ("callee: take -> _message", ("e", "take"), ("e", "frame")),
-    ("callee: _message -> agent's _on_message", ("e", "frame"), ("e", "message")),
+    ("callee: take -> agent's _on_message", ("e", "take"), ("e", "message")),
     ("callee: _on_message -> request claimed", ("e", "message"), ("e", "claim")),
     ("callee: claimed -> its drive over", ("e", "claim"), ("e", "drove")),
     ("callee: drive over -> _serve (pool)", ("e", "drove"), ("e", "serve")),
@@ -74,8 +74,7 @@ STAGES = (
     ("callee: user function -> _reply", ("e", "user"), ("e", "reply")),
     ("callee: _reply -> reply frame sent", ("e", "reply"), ("e", "send")),
     ("wire + caller detects the reply", ("e", "send"), ("c", "take")),
-    ("caller: take -> _message", ("c", "take"), ("c", "frame")),
-    ("caller: _message -> agent's _on_message", ("c", "frame"), ("c", "message")),
+    ("caller: take -> agent's _on_message", ("c", "take"), ("c", "message")),
     ("caller: _on_message -> reply completed", ("c", "message"), ("c", "complete")),
     ("caller: completed -> its drive over", ("c", "complete"), ("c", "drove")),
     ("caller: drive over -> rpc_sync returned", ("c", "drove"), ("c", "end")),
@@ -120,7 +119,6 @@ def _install() -> None:
     from ucxrpc.transport import receive
     from ucxrpc.transport.ucx import binding
 
-    _stamp_entry(receive.Receiver, "_message_frame", "frame")
     _stamp_entry(core.RpcAgent, "_on_message", "message")
     _stamp_entry(serving.Server, "_serve", "serve")
     _stamp_entry(serving.Server, "_reply", "reply")
@@ -136,8 +134,16 @@ def _install() -> None:
     binding.Endpoint.__init__ = open_stamped  # type: ignore[method-assign]
     _stamp_entry(calls.CallTable, "complete", "complete")
     # Frames taken off UCX, by a turn's take or a driver's native spin,
-    # all reach the receiver through here.
-    _stamp_entry(receive.Receiver, "taken", "take")
+    # all reach the receiver through its taken, the native core's
+    # Inlet.taken bound on each receiver as it is made (before the loop
+    # binds it in turn).
+    made = receive.Receiver.__init__
+
+    def made_stamped(self: Any, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        _stamp_entry(self, "taken", "take")
+
+    receive.Receiver.__init__ = made_stamped  # type: ignore[method-assign]
     # (dumps_for pickles the callee's replies too: only the caller's
     # stamps are matched, as the stages above say.)
     _stamp_entry(core.RpcAgent, "dumps_for", "pickled", on_return=True)

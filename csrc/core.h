@@ -40,6 +40,13 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
 extern PyMethodDef core_loop_methods[];
 int core_loop_init(PyObject *module);
 
+/* decode(raw, key, limits) -> Frame, as wire.frame.decode (FrameError,
+ * AuthenticationError as it raises them). */
+PyObject *core_frame_decode(PyObject *raw, PyObject *key, PyObject *limits);
+
+/* receive.c */
+int core_receive_init(PyObject *module);
+
 /* guard() and unguard(outer) of loop.c, for C callers: whether this
  * thread was already in a section Ctrl-C must not cut in half; leaving
  * the outermost one delivers a Ctrl-C held meanwhile (-1 with it raised). */

@@ -757,6 +757,11 @@ done:
     return result;
 }
 
+PyObject *core_frame_decode(PyObject *raw, PyObject *key, PyObject *limits) {
+    PyObject *args[3] = {raw, key, limits};
+    return frame_decode(NULL, args, 3);
+}
+
 /* frame_bind(Frame, BufferDesc, kinds, FrameError, numpy.empty, numpy.uint8):
  * the Python types decode builds, handed down once by wire/frame.py. */
 static PyObject *frame_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -127,3 +127,17 @@ class Outlet:
     def frame(self, pipe: Any, kind: int, hint: int, head: bytes | memoryview,
               body: bytes | memoryview) -> None: ...
     def contended(self) -> bool: ...
+
+class Inlet:
+    """The frames taken off UCX handed on in one call (csrc/receive.c;
+    transport/receive.py's Receiver)."""
+    handled: int
+    passed: int
+    def __init__(self, *, receiver: Any, pipes: dict[int, Any], limits: Any,
+                 queue: Callable[..., None], decoded: Callable[..., None],
+                 judged_bad: Callable[..., None],
+                 handler_failed: Callable[..., None],
+                 bad: tuple[type[BaseException], ...], message: Any, done: Any, id_shift: int,
+                 id_mask: int, kind_shift: int, handshake: int, hint_mask: int, max_frame: int,
+                 max_message: int) -> None: ...
+    def taken(self, taken: list[Any]) -> None: ...

@@ -18,18 +18,17 @@ assert _spec is not None and _spec.loader is not None
 stages = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(stages)
 
-SEAMS_C = ("pickled", "send", "take", "frame", "message", "complete", "drove")
-SEAMS_E = ("take", "frame", "message", "claim", "drove", "serve", "user", "reply", "send")
+SEAMS_C = ("pickled", "send", "take", "message", "complete", "drove")
+SEAMS_E = ("take", "message", "claim", "drove", "serve", "user", "reply", "send")
 
 
 def _call(t0: int, caller: dict, callee: dict) -> None:
     """One call's stamps, each seam 10 ns after the one before."""
     t = t0
     caller["start"].append(t)
-    order = [("c", "pickled"), ("c", "send"), ("e", "take"), ("e", "frame"), ("e", "message"),
-             ("e", "claim"), ("e", "drove"), ("e", "serve"), ("e", "user"), ("e", "reply"),
-             ("e", "send"), ("c", "take"), ("c", "frame"), ("c", "message"), ("c", "complete"),
-             ("c", "drove")]
+    order = [("c", "pickled"), ("c", "send"), ("e", "take"), ("e", "message"), ("e", "claim"),
+             ("e", "drove"), ("e", "serve"), ("e", "user"), ("e", "reply"), ("e", "send"),
+             ("c", "take"), ("c", "message"), ("c", "complete"), ("c", "drove")]
     for side, seam in order:
         t += 10
         (caller if side == "c" else callee)[seam].append(t)

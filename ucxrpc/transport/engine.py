@@ -806,6 +806,10 @@ class Transport:
 
     def stats(self) -> dict[str, Any]:
         return {"refused_frames": self._rx.refused, "frame_errors": self._rx.frame_errors,
+                # The Inlet's (csrc/receive.c): messages it handed to the
+                # agent itself, frames it queued for the Python.
+                "messages_received_at_once": self._rx._inlet.handled,
+                "frames_queued": self._rx._inlet.passed,
                 **self._sender.stats(), "bytes_read_by_address": self._rx.read_bytes,
                 # Peers whose buffers we read and have not yet said so.
                 "acknowledgements_held": sum(p.cma.ack_sent < p.cma.read_through

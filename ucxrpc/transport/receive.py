@@ -40,6 +40,7 @@ from .wire.tags import (HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT, KIND_SHIFT, dat
                         epoch_base, epoch_mask, kind_of, sender_of)
 from .ucx.binding import Request, Taken, Worker
 from .ucx.ucp import DONE
+from .._core import Inlet
 
 __all__ = ["Receiver", "MAX_HANDSHAKE_FRAME"]
 
@@ -133,6 +134,23 @@ class Receiver:
                                 int]] = []
         self.refused = 0
         self.frame_errors = 0
+        u64 = (1 << 64) - 1
+        #: :meth:`taken`, in C (csrc/receive.c): an authenticated peer's
+        #: message without buffers, whole already and with nothing
+        #: waiting before it (most frames), decoded, checked and handed to
+        #: ``_on_message`` there; the rest handed back to the methods below
+        #: (``_queue_taken``, ``_message_decoded``, ``_judged_bad``,
+        #: ``_handler_failed``).  Three Python calls a message fewer
+        #: (issue 52).
+        self._inlet = Inlet(
+            receiver=self, pipes=self._pipes, limits=limits, queue=self._queue_taken,
+            decoded=self._message_decoded, judged_bad=self._judged_bad,
+            handler_failed=self._handler_failed, bad=(AuthenticationError, FrameError),
+            message=FrameKind.MESSAGE, done=DONE, id_shift=ID_SHIFT, id_mask=ID_MASK,
+            kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK,
+            max_frame=min(limits.max_frame_bytes, u64),
+            max_message=min(limits.max_message_bytes, u64))
+        self.taken = self._inlet.taken  # type: ignore[method-assign]
 
     # ------------------------------------------------------------- frames
 
@@ -178,46 +196,28 @@ class Receiver:
         """Hand on the frames taken off UCX (a turn's ``ucp_take``, or a
         driver's native spin): each sender's in order, a whole one of an
         authenticated peer with nothing queued before it at once, the
-        others queued for :meth:`poll` to look at as they complete."""
-        # A small frame is received at once (it is in UCX's memory already);
-        # a larger one is judged first and, where it is not wanted, goes into
-        # one byte: UCX truncates and drops it, so it costs no memory here.
-        max_frame = self.limits.max_frame_bytes
-        seen = 0
-        try:
-            for tag, length, req, got in taken:
-                seen += 1
-                # (tags.py's sender_of, inline: once a frame, not four calls)
-                sender = (tag >> ID_SHIFT) & ID_MASK
-                pipe = self._pipes.get(sender)
-                # unwanted()'s common answer inline, a call fewer a frame:
-                # an authenticated peer's message within the limit is wanted.
-                if (pipe is not None and length <= max_frame
-                        and tag >> KIND_SHIFT != HANDSHAKE and pipe.auth.in_key is not None):
-                    if req is DONE and not self.frames:
-                        # Most frames: wanted, whole already, and nothing
-                        # of an earlier turn to wait behind: handled now,
-                        # not queued and looked at again in poll (a call
-                        # and a pass fewer a frame; issue 52).  (_message,
-                        # inline: a call fewer a frame.)
-                        try:
-                            self._message_frame(pipe, got, tag & HINT_MASK)
-                        except (AuthenticationError, FrameError) as exc:
-                            self._judged_bad(pipe, exc)
-                        continue
-                    drop = None
-                else:
-                    drop = self.unwanted(tag, length, sender)
-                self._queue_frame(tag, length, req, got, drop, pipe, sender)
-        finally:
-            # A handler that raised (a BaseException from unpickling, which
-            # _deliver's ``except Exception`` lets through) ends the turn:
-            # what was taken and not looked at is received and kept.
-            for tag, length, req, got in taken[seen:]:
-                sender = (tag >> ID_SHIFT) & ID_MASK
-                pipe = self._pipes.get(sender)
-                self._queue_frame(tag, length, req, got, self.unwanted(tag, length, sender),
-                                  pipe, sender)
+        others queued for :meth:`poll` to look at as they complete.  A
+        handler that raised a BaseException (which the handlers' ``except
+        Exception`` lets through) ends the call, what was not looked at
+        queued first.  (The native core's ``Inlet.taken``, bound over this
+        in ``__init__``: see csrc/receive.c.)"""
+
+    def _queue_taken(self, tag: int, length: int, req: Request | None, got: Any, sender: int,
+                     pipe: Pipe | None) -> None:
+        """A taken frame not to be handled at once (the ``Inlet``'s word):
+        queued, received whole where it is wanted, into one byte where it
+        is not (UCX truncates and drops it: it costs no memory here)."""
+        if (pipe is not None and length <= self.limits.max_frame_bytes
+                and tag >> KIND_SHIFT != HANDSHAKE and pipe.auth.in_key is not None):
+            drop = None  # an authenticated peer's, within the limit: wanted
+        else:
+            drop = self.unwanted(tag, length, sender)
+        self._queue_frame(tag, length, req, got, drop, pipe, sender)
+
+    def _handler_failed(self, pipe: Pipe, exc: Exception) -> None:
+        """The agent's handler raised ``exc`` for a message of ``pipe``'s
+        (the ``Inlet``'s word): logged, and the turn goes on."""
+        logger.error("message handler failed for a message from %s", pipe.name, exc_info=exc)
 
     def _queue_frame(self, tag: int, length: int, req: Request | None, got: Any,
                      drop: str | None, pipe: Pipe | None, sender: int) -> None:
@@ -316,7 +316,13 @@ class Receiver:
 
     def _message_frame(self, pipe: Pipe, buf: np.ndarray, hint: int) -> None:
         assert pipe.auth.in_key is not None
-        frame = decode(buf, pipe.auth.in_key, self.limits)
+        self._message_decoded(pipe, buf, decode(buf, pipe.auth.in_key, self.limits), hint)
+
+    def _message_decoded(self, pipe: Pipe, buf: np.ndarray, frame: Frame, hint: int) -> None:
+        """An authenticated peer's frame, decoded (its MAC and limits
+        checked): its sequence number checked and taken, then what it
+        holds acted on.  (The ``Inlet`` hands on here, unchanged, every
+        frame it does not deliver itself.)"""
         if frame.seq <= pipe.inbound.seq:
             raise FrameError(f"replayed or reordered frame (seq {frame.seq} after {pipe.inbound.seq})")
         pipe.inbound.seq = frame.seq

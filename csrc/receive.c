@@ -1,0 +1,411 @@
+/* The frames a turn or a driver's spin took off UCX, handed on in one C
+ * call (transport/receive.py's Receiver keeps an Inlet; its `taken` is
+ * the Inlet's).
+ *
+ * Most frames are an authenticated peer's message without buffers (a
+ * no-op's request, most replies), whole already and with nothing of an
+ * earlier turn to wait behind.  In Python each cost three calls on its
+ * way to the agent (Receiver.taken, _message_frame, _hand_on: Run AZ
+ * timed the take to the agent's handler at ~4 µs a side on the project's
+ * VM).  Here such a frame is decoded and checked (frame.c: the MAC, the
+ * limits), its sequence number checked and moved on, and its payload
+ * handed to the receiver's `_on_message` (the agent's), all in this call.  Everything else
+ * goes to the Receiver's Python, which handles every case:
+ *
+ * - a frame not to be handled at once (no pipe or not authenticated yet,
+ *   over max_frame_bytes, a handshake frame, one still being received,
+ *   one behind an earlier turn's): `queue(tag, length, req, got, sender,
+ *   pipe)`;
+ * - a frame that decoded but is no plain message (a BATCH, a control
+ *   frame, one with buffers), or one whose checks have something to say
+ *   (a replay, an acknowledgement of ours, a message over
+ *   max_message_bytes, a pipe that ended): `decoded(pipe, got, frame,
+ *   hint)`, before anything of it was changed here;
+ * - a frame that failed its MAC or a check: `judged_bad(pipe, error)`;
+ * - a handler that raised an Exception: `handler_failed(pipe, error)`.
+ *
+ * Whatever else ends the call (a BaseException from a handler, which
+ * Python's `except Exception` lets through), the frames not yet looked
+ * at are queued first (`queue`), as taken()'s `finally:` did.  The pipe's
+ * records are read by their names (pipe.py's `auth`, `inbound`, `cma`),
+ * as send.c reads them: the transport's top layer written in C. */
+#include "core.h"
+
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *receiver; /* its `frames` (an earlier turn's still waiting), `_on_message` */
+    PyObject *pipes, *limits, *queue, *decoded, *judged_bad, *handler_failed;
+    PyObject *bad;      /* (AuthenticationError, FrameError): judged, not raised */
+    PyObject *message;  /* FrameKind.MESSAGE */
+    PyObject *done;     /* UCP_DONE: a frame received whole when taken */
+    int id_shift, kind_shift, handshake;
+    uint64_t id_mask, hint_mask, max_frame, max_message;
+    unsigned long long handled, passed; /* at once here, and left to Python */
+} Inlet;
+
+static PyObject *str_frames, *str_auth, *str_in_key, *str_inbound, *str_seq, *str_peer_busy,
+    *str_abandoned, *str_received, *str_cma, *str_acked, *str_peer_id, *str_on_message;
+
+/* Frame's fields by position (wire/frame.py's Frame NamedTuple). */
+enum { F_KIND, F_SEQ, F_PAYLOAD, F_BUFFERS, F_RAW, F_TOTAL, F_DELIVERED, F_ACK, F_BUSY };
+
+static int attr_u64(PyObject *o, PyObject *name, uint64_t *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    unsigned long long n = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = n;
+    return 0;
+}
+
+static int attr_true(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* fn(args...) with its result dropped: 0, or -1 with its error. */
+static int call_drop(PyObject *fn, PyObject *const *args, size_t n) {
+    PyObject *r = PyObject_Vectorcall(fn, args, n, NULL);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The error just raised, if one of `bad`, handed to judged_bad(pipe, it)
+ * (0); else -1, still raised. */
+static int judge(Inlet *self, PyObject *pipe) {
+    if (!PyErr_ExceptionMatches(self->bad)) return -1;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *args[2] = {pipe, v};
+    int rc = call_drop(self->judged_bad, args, 2);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+    return rc;
+}
+
+/* Whether `frame` may go straight to the agent (1), must go to the
+ * Python (0); -1 on error. */
+static int plain(Inlet *self, PyObject *pipe, PyObject *frame, PyObject **inbound) {
+    if (PyTuple_GET_ITEM(frame, F_KIND) != self->message) return 0;
+    PyObject *bufs = PyTuple_GET_ITEM(frame, F_BUFFERS);
+    if (!PyTuple_Check(bufs) || PyTuple_GET_SIZE(bufs)) return 0;
+    uint64_t seq, last, ack, acked, total;
+    if (!(*inbound = PyObject_GetAttr(pipe, str_inbound))) return -1;
+    if (attr_u64(*inbound, str_seq, &last) < 0) return -1;
+    seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(frame, F_SEQ));
+    if (seq == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    if (seq <= last) return 0; /* a replay: the Python names it */
+    ack = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(frame, F_ACK));
+    total = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(frame, F_TOTAL));
+    if (PyErr_Occurred()) return -1;
+    if (ack || total > self->max_message) {
+        if (total > self->max_message) return 0;
+        PyObject *cma = PyObject_GetAttr(pipe, str_cma);
+        if (!cma) return -1;
+        int rc = attr_u64(cma, str_acked, &acked);
+        Py_DECREF(cma);
+        if (rc < 0) return -1;
+        if (ack > acked) return 0; /* by_address hears of it */
+    }
+    int ended = attr_true(*inbound, str_abandoned);
+    return ended < 0 ? -1 : !ended;
+}
+
+/* A frame taken whole, of an authenticated peer, nothing waiting before
+ * it: handled here where it is a plain message, else by the Python. */
+static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, uint64_t hint) {
+    PyObject *frame = core_frame_decode(got, key, self->limits);
+    if (!frame) return judge(self, pipe);
+    PyObject *inbound = NULL, *hint_o = NULL;
+    int rc = -1;
+    int p = plain(self, pipe, frame, &inbound);
+    if (p < 0) goto done;
+    if (!p) {
+        if (!(hint_o = PyLong_FromUnsignedLongLong(hint))) goto done;
+        PyObject *args[4] = {pipe, got, frame, hint_o};
+        rc = call_drop(self->decoded, args, 4) < 0 ? judge(self, pipe) : 0;
+        goto done;
+    }
+    uint64_t received;
+    if (PyObject_SetAttr(inbound, str_seq, PyTuple_GET_ITEM(frame, F_SEQ)) < 0 ||
+        PyObject_SetAttr(inbound, str_peer_busy, PyTuple_GET_ITEM(frame, F_BUSY)) < 0 ||
+        attr_u64(inbound, str_received, &received) < 0)
+        goto done;
+    PyObject *n = PyLong_FromUnsignedLongLong(received + 1);
+    if (!n) goto done;
+    int set = PyObject_SetAttr(inbound, str_received, n);
+    Py_DECREF(n);
+    if (set < 0) goto done;
+    /* The receiver's handler, read at each message: the agent's, or a
+     * test's put in its place. */
+    PyObject *peer = PyObject_GetAttr(pipe, str_peer_id), *bufs = PyList_New(0),
+             *handler = PyObject_GetAttr(self->receiver, str_on_message);
+    if (peer && bufs && handler) {
+        self->handled++;
+        PyObject *args[3] = {peer, PyTuple_GET_ITEM(frame, F_PAYLOAD), bufs};
+        rc = call_drop(handler, args, 3);
+        if (rc < 0 && PyErr_ExceptionMatches(PyExc_Exception)) {
+            /* The agent's handler failed: logged, and the turn goes on. */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            if (tb) PyException_SetTraceback(v, tb);
+            PyObject *fargs[2] = {pipe, v};
+            rc = call_drop(self->handler_failed, fargs, 2);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        }
+    }
+    Py_XDECREF(peer);
+    Py_XDECREF(bufs);
+    Py_XDECREF(handler);
+done:
+    Py_XDECREF(inbound);
+    Py_XDECREF(hint_o);
+    Py_DECREF(frame);
+    return rc;
+}
+
+/* One taken frame, (tag, length, req, got). */
+static int one(Inlet *self, PyObject *item) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+        PyErr_SetString(PyExc_TypeError, "a taken frame is (tag, length, req, got)");
+        return -1;
+    }
+    PyObject *tag_o = PyTuple_GET_ITEM(item, 0), *len_o = PyTuple_GET_ITEM(item, 1),
+             *req = PyTuple_GET_ITEM(item, 2), *got = PyTuple_GET_ITEM(item, 3);
+    uint64_t tag = PyLong_AsUnsignedLongLong(tag_o), length = PyLong_AsUnsignedLongLong(len_o);
+    if (PyErr_Occurred()) return -1;
+    PyObject *sender = PyLong_FromUnsignedLongLong((tag >> self->id_shift) & self->id_mask);
+    if (!sender) return -1;
+    PyObject *pipe = PyDict_GetItemWithError(self->pipes, sender), *key = NULL;
+    int rc = -1;
+    if (!pipe && PyErr_Occurred()) goto done;
+    Py_XINCREF(pipe);
+    if (pipe && length <= self->max_frame && (int)(tag >> self->kind_shift) != self->handshake &&
+        req == self->done) {
+        PyObject *auth = PyObject_GetAttr(pipe, str_auth);
+        if (!auth) goto done;
+        key = PyObject_GetAttr(auth, str_in_key);
+        Py_DECREF(auth);
+        if (!key) goto done;
+        PyObject *frames = PyObject_GetAttr(self->receiver, str_frames);
+        if (!frames) goto done;
+        int waiting = PyObject_IsTrue(frames);
+        Py_DECREF(frames);
+        if (waiting < 0) goto done;
+        if (key != Py_None && !waiting) {
+            rc = at_once(self, pipe, key, got, tag & self->hint_mask);
+            goto done;
+        }
+    }
+    self->passed++;
+    PyObject *args[6] = {tag_o, len_o, req, got, sender, pipe ? pipe : Py_None};
+    rc = call_drop(self->queue, args, 6);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(pipe);
+    Py_DECREF(sender);
+    return rc;
+}
+
+/* taken(frames): see the top of this file. */
+static PyObject *inlet_taken(Inlet *self, PyObject *taken) {
+    if (!PyList_Check(taken)) {
+        PyErr_SetString(PyExc_TypeError, "taken() takes a list of taken frames");
+        return NULL;
+    }
+    Py_INCREF(taken);
+    Py_ssize_t i = 0, n = PyList_GET_SIZE(taken);
+    for (; i < n; i++)
+        if (one(self, PyList_GET_ITEM(taken, i)) < 0) break;
+    if (i < n) {
+        /* As taken()'s finally: what was not looked at is received and
+         * kept (queued); the error that ended the call is raised. */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        for (i++; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(taken, i);
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) continue;
+            PyObject *tag_o = PyTuple_GET_ITEM(item, 0);
+            uint64_t tag = PyLong_AsUnsignedLongLong(tag_o);
+            PyObject *sender = PyErr_Occurred()
+                ? NULL : PyLong_FromUnsignedLongLong((tag >> self->id_shift) & self->id_mask);
+            PyObject *pipe = sender ? PyDict_GetItemWithError(self->pipes, sender) : NULL;
+            if (sender && !PyErr_Occurred()) {
+                PyObject *args[6] = {tag_o, PyTuple_GET_ITEM(item, 1), PyTuple_GET_ITEM(item, 2),
+                                     PyTuple_GET_ITEM(item, 3), sender, pipe ? pipe : Py_None};
+                call_drop(self->queue, args, 6);
+            }
+            Py_XDECREF(sender);
+            PyErr_Clear(); /* the first error is the one raised */
+        }
+        PyErr_Restore(t, v, tb);
+        Py_DECREF(taken);
+        return NULL;
+    }
+    Py_DECREF(taken);
+    Py_RETURN_NONE;
+}
+
+static int inlet_traverse(Inlet *self, visitproc visit, void *arg) {
+    Py_VISIT(self->receiver);
+    Py_VISIT(self->pipes);
+    Py_VISIT(self->limits);
+    Py_VISIT(self->queue);
+    Py_VISIT(self->decoded);
+    Py_VISIT(self->judged_bad);
+    Py_VISIT(self->handler_failed);
+    Py_VISIT(self->bad);
+    Py_VISIT(self->message);
+    Py_VISIT(self->done);
+    return 0;
+}
+
+static int inlet_clear(Inlet *self) {
+    Py_CLEAR(self->receiver);
+    Py_CLEAR(self->pipes);
+    Py_CLEAR(self->limits);
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->decoded);
+    Py_CLEAR(self->judged_bad);
+    Py_CLEAR(self->handler_failed);
+    Py_CLEAR(self->bad);
+    Py_CLEAR(self->message);
+    Py_CLEAR(self->done);
+    return 0;
+}
+
+static void inlet_dealloc(Inlet *self) {
+    PyObject_GC_UnTrack(self);
+    inlet_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static const char *const inlet_names[] = {
+    "receiver", "pipes", "limits", "queue", "decoded", "judged_bad",
+    "handler_failed", "bad", "message", "done", "id_shift", "id_mask", "kind_shift",
+    "handshake", "hint_mask", "max_frame", "max_message"};
+#define NINLET_NAMES ((Py_ssize_t)(sizeof inlet_names / sizeof inlet_names[0]))
+#define NINLET_OBJECTS 10
+
+static int as_u64(PyObject *o, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* Inlet(receiver, pipes, limits, queue, decoded, judged_bad,
+ *       handler_failed, bad, message, done, id_shift, id_mask, kind_shift,
+ *       handshake, hint_mask, max_frame, max_message), keywords only. */
+static PyObject *inlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *a[NINLET_NAMES] = {0};
+    if (PyTuple_GET_SIZE(args)) {
+        PyErr_SetString(PyExc_TypeError, "Inlet() takes keyword arguments only");
+        return NULL;
+    }
+    if (kwargs) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwargs, &pos, &key, &value)) {
+            Py_ssize_t i = 0;
+            for (; i < NINLET_NAMES; i++)
+                if (PyUnicode_CompareWithASCIIString(key, inlet_names[i]) == 0) break;
+            if (i == NINLET_NAMES) {
+                PyErr_Format(PyExc_TypeError, "Inlet(): unexpected argument '%U'", key);
+                return NULL;
+            }
+            a[i] = value;
+        }
+    }
+    for (Py_ssize_t i = 0; i < NINLET_NAMES; i++)
+        if (!a[i]) {
+            PyErr_Format(PyExc_TypeError, "Inlet() missing argument '%s'", inlet_names[i]);
+            return NULL;
+        }
+    if (!PyDict_Check(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "Inlet(): pipes must be a dict");
+        return NULL;
+    }
+    uint64_t v[7];
+    for (int i = 0; i < 7; i++)
+        if (as_u64(a[NINLET_OBJECTS + i], &v[i]) < 0) return NULL;
+    if (v[0] > 63 || v[2] > 63) {
+        PyErr_SetString(PyExc_ValueError, "Inlet(): a shift is under 64");
+        return NULL;
+    }
+    Inlet *self = (Inlet *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    PyObject **slots[NINLET_OBJECTS] = {
+        &self->receiver, &self->pipes, &self->limits, &self->queue,
+        &self->decoded, &self->judged_bad, &self->handler_failed, &self->bad, &self->message,
+        &self->done};
+    for (int i = 0; i < NINLET_OBJECTS; i++) {
+        Py_INCREF(a[i]);
+        *slots[i] = a[i];
+    }
+    self->id_shift = (int)v[0];
+    self->id_mask = v[1];
+    self->kind_shift = (int)v[2];
+    self->handshake = (int)v[3];
+    self->hint_mask = v[4];
+    self->max_frame = v[5];
+    self->max_message = v[6];
+    return (PyObject *)self;
+}
+
+static PyMethodDef inlet_methods[] = {
+    {"taken", (PyCFunction)inlet_taken, METH_O,
+     "taken(frames): hand on the frames taken off UCX (see csrc/receive.c)."},
+    {NULL},
+};
+
+static PyMemberDef inlet_members[] = {
+    {"handled", T_ULONGLONG, offsetof(Inlet, handled), READONLY,
+     "messages handed to on_message here"},
+    {"passed", T_ULONGLONG, offsetof(Inlet, passed), READONLY,
+     "frames queued for the Python (not to be handled at once)"},
+    {NULL},
+};
+
+static PyTypeObject InletType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ucxrpc._core.Inlet",
+    .tp_basicsize = sizeof(Inlet),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The frames taken off UCX handed on in one call (transport/receive.py).",
+    .tp_new = inlet_new,
+    .tp_dealloc = (destructor)inlet_dealloc,
+    .tp_traverse = (traverseproc)inlet_traverse,
+    .tp_clear = (inquiry)inlet_clear,
+    .tp_methods = inlet_methods,
+    .tp_members = inlet_members,
+};
+
+int core_receive_init(PyObject *module) {
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&str_frames, "frames"}, {&str_auth, "auth"}, {&str_in_key, "in_key"},
+        {&str_inbound, "inbound"}, {&str_seq, "seq"}, {&str_peer_busy, "peer_busy"},
+        {&str_abandoned, "abandoned"}, {&str_received, "received"}, {&str_cma, "cma"},
+        {&str_acked, "acked"}, {&str_peer_id, "peer_id"}, {&str_on_message, "_on_message"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text))) return -1;
+    if (PyType_Ready(&InletType) < 0) return -1;
+    Py_INCREF(&InletType);
+    if (PyModule_AddObject(module, "Inlet", (PyObject *)&InletType) < 0) {
+        Py_DECREF(&InletType);
+        return -1;
+    }
+    return 0;
+}

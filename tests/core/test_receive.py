@@ -1,0 +1,205 @@
+"""The native core's ``Inlet`` (csrc/receive.c; transport/receive.py's
+``Receiver.taken``) as C code: which frames it hands to the agent itself
+and which it hands back, unchanged, to the Python; a bad frame judged, a
+failing handler logged and the turn going on, a BaseException queueing
+what was not looked at; reference counts balanced.  What the frames mean
+on a live pipe is tests/transport's and tests/fuzz's to hold (every frame
+taken there goes through it)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ucxrpc import _core
+from ucxrpc.errors import AuthenticationError, FrameError
+from ucxrpc.transport.pipe import Pipe
+from ucxrpc.transport.ucx.ucp import DONE
+from ucxrpc.transport.wire.frame import FrameKind, Limits, encode
+from ucxrpc.transport.wire.tags import (FRAME, HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT,
+                                        KIND_SHIFT, kind_base)
+
+KEY = b"k" * 16
+
+
+def _frame(seq: int, payload: bytes = b"hello", kind: FrameKind = FrameKind.MESSAGE,
+           key: bytes = KEY, **kw: Any) -> np.ndarray:
+    return encode(kind, seq, payload, [], key, Limits(), **kw)[0]
+
+
+class _Receiver:
+    """What the Inlet reads off its receiver, and hands back to it."""
+
+    def __init__(self, limits: Limits = Limits()) -> None:
+        self.frames: list = []
+        self.got: list[tuple[int, bytes, list]] = []
+        self.queued: list[tuple] = []
+        self.decoded: list[tuple] = []
+        self.judged: list[tuple[Pipe, BaseException]] = []
+        self.failed: list[tuple[Pipe, BaseException]] = []
+        self.raise_in_handler: BaseException | None = None
+        self.pipe = Pipe(3, "worker3", b"")
+        self.pipe.auth.in_key = KEY
+        self.inlet = _core.Inlet(
+            receiver=self, pipes={3: self.pipe}, limits=limits,
+            queue=lambda *a: self.queued.append(a), decoded=lambda *a: self.decoded.append(a),
+            judged_bad=lambda pipe, exc: self.judged.append((pipe, exc)),
+            handler_failed=lambda pipe, exc: self.failed.append((pipe, exc)),
+            bad=(AuthenticationError, FrameError), message=FrameKind.MESSAGE, done=DONE,
+            id_shift=ID_SHIFT, id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE,
+            hint_mask=HINT_MASK, max_frame=limits.max_frame_bytes,
+            max_message=limits.max_message_bytes)
+
+    def _on_message(self, peer: int, payload: memoryview, buffers: list) -> None:
+        if self.raise_in_handler is not None:
+            raise self.raise_in_handler
+        self.got.append((peer, bytes(payload), buffers))
+
+
+def _tag(sender: int = 3, hint: int = 17) -> int:
+    return kind_base(FRAME, sender) | hint
+
+
+def test_a_plain_message_goes_to_the_handler_and_moves_the_pipe_on():
+    rx = _Receiver()
+    frame = _frame(1, busy=True)
+    rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame)])
+    assert rx.got == [(3, b"hello", [])]
+    inbound = rx.pipe.inbound
+    assert (inbound.seq, inbound.peer_busy, inbound.received) == (1, True, 1)
+    assert (rx.inlet.handled, rx.inlet.passed) == (1, 0)
+    assert not (rx.queued or rx.decoded or rx.judged)
+
+
+@pytest.mark.parametrize("why", ["no pipe", "unauthenticated", "over max_frame", "handshake",
+                                 "still arriving", "earlier frames wait"])
+def test_a_frame_not_to_be_handled_at_once_is_queued_for_the_python(why):
+    rx = _Receiver(Limits(max_frame_bytes=4096))
+    frame = _frame(1)
+    tag, length, req = _tag(), frame.nbytes, DONE
+    if why == "no pipe":
+        tag = _tag(sender=9)
+    elif why == "unauthenticated":
+        rx.pipe.auth.in_key = None
+    elif why == "over max_frame":
+        length = 5000
+    elif why == "handshake":
+        tag = (HANDSHAKE << KIND_SHIFT) | (3 << ID_SHIFT)
+    elif why == "still arriving":
+        req = object()
+    else:
+        rx.frames.append("an earlier turn's")
+    rx.inlet.taken([(tag, length, req, frame)])
+    (queued,) = rx.queued
+    assert queued[:4] == (tag, length, req, frame)
+    assert queued[4] == (tag >> ID_SHIFT) & ID_MASK
+    assert queued[5] is (None if why == "no pipe" else rx.pipe)
+    assert rx.got == [] and rx.pipe.inbound.seq == 0
+
+
+@pytest.mark.parametrize("why", ["replay", "ack", "batch", "buffers", "too big", "ended"])
+def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(why):
+    rx = _Receiver(Limits(max_message_bytes=1 << 20))
+    frame = _frame(5)
+    if why == "replay":
+        rx.pipe.inbound.seq = 5
+    elif why == "ack":
+        frame = _frame(5, ack=2)
+    elif why == "batch":
+        frame = _frame(5, kind=FrameKind.BATCH)
+    elif why == "buffers":
+        t = np.arange(8, dtype=np.uint8)
+        frame = encode(FrameKind.MESSAGE, 5, b"p", [(8, t.data, -1)], KEY, Limits())[0]
+    elif why == "too big":
+        frame = _frame(5, payload=b"x" * 100)  # 144 bytes: over the 64 below
+        rx.inlet = _core.Inlet(
+            receiver=rx, pipes={3: rx.pipe}, limits=Limits(), queue=lambda *a: None,
+            decoded=lambda *a: rx.decoded.append(a), judged_bad=lambda *a: None,
+            handler_failed=lambda *a: None, bad=(FrameError,), message=FrameKind.MESSAGE,
+            done=DONE, id_shift=ID_SHIFT, id_mask=ID_MASK, kind_shift=KIND_SHIFT,
+            handshake=HANDSHAKE, hint_mask=HINT_MASK, max_frame=1 << 30, max_message=64)
+    else:
+        rx.pipe.inbound.abandoned = True
+    rx.inlet.taken([(_tag(hint=33), frame.nbytes, DONE, frame)])
+    (decoded,) = rx.decoded
+    pipe, got, f, hint = decoded
+    assert pipe is rx.pipe and got is frame and f.seq == 5 and hint == 33
+    assert rx.got == [] and rx.pipe.inbound.received == 0
+    assert rx.pipe.inbound.seq == (5 if why == "replay" else 0)
+
+
+def test_a_frame_that_fails_its_mac_is_judged_and_the_next_is_handled():
+    rx = _Receiver()
+    bad, good = _frame(1, key=b"x" * 16), _frame(2)
+    rx.inlet.taken([(_tag(), bad.nbytes, DONE, bad), (_tag(), good.nbytes, DONE, good)])
+    ((pipe, exc),) = rx.judged
+    assert pipe is rx.pipe and isinstance(exc, FrameError) and "MAC" in str(exc)
+    assert [m[1] for m in rx.got] == [b"hello"] and rx.pipe.inbound.seq == 2
+
+
+def test_a_handler_that_raises_is_logged_and_the_turn_goes_on():
+    rx = _Receiver()
+    rx.raise_in_handler = ValueError("the agent failed")
+    frames = [_frame(1), _frame(2)]
+    rx.inlet.taken([(_tag(), f.nbytes, DONE, f) for f in frames])
+    assert [type(e) for _, e in rx.failed] == [ValueError, ValueError]
+    assert rx.failed[0][1].__traceback__ is not None  # logged with where it was raised
+    assert rx.pipe.inbound.received == 2
+
+
+def test_a_base_exception_from_a_handler_ends_the_call_with_the_rest_queued():
+    rx = _Receiver()
+    rx.raise_in_handler = KeyboardInterrupt()
+    frames = [_frame(1), _frame(2), _frame(3)]
+    with pytest.raises(KeyboardInterrupt):
+        rx.inlet.taken([(_tag(), f.nbytes, DONE, f) for f in frames])
+    assert [q[3] is f for q, f in zip(rx.queued, frames[1:])] == [True, True]
+    assert rx.pipe.inbound.seq == 1
+
+
+def test_every_path_keeps_reference_counts_balanced():
+    rx = _Receiver(Limits(max_frame_bytes=4096))
+    plain, bad, batch = _frame(1), _frame(1, key=b"x" * 16), _frame(1, kind=FrameKind.BATCH)
+    failure = ValueError("the agent failed")
+    watched = [rx.pipe, plain, bad, batch, failure, DONE]
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
+            rx.pipe.inbound.seq = 0
+            rx.inlet.taken([(_tag(), plain.nbytes, DONE, plain),
+                            (_tag(), bad.nbytes, DONE, bad),
+                            (_tag(), batch.nbytes, DONE, batch),
+                            (_tag(sender=9), plain.nbytes, DONE, plain)])
+            rx.pipe.inbound.seq = 0
+            rx.raise_in_handler = failure
+            rx.inlet.taken([(_tag(), plain.nbytes, DONE, plain)])
+            rx.raise_in_handler = KeyboardInterrupt()
+            rx.pipe.inbound.seq = 0
+            with pytest.raises(KeyboardInterrupt):
+                rx.inlet.taken([(_tag(), plain.nbytes, DONE, plain),
+                                (_tag(), plain.nbytes, DONE, plain)])
+            rx.raise_in_handler = None
+            failure.__traceback__ = None
+            for lst in (rx.got, rx.queued, rx.decoded, rx.judged, rx.failed):
+                lst.clear()
+
+    rounds(3)
+    gc.collect()
+    before = [sys.getrefcount(o) for o in watched]
+    rounds(300)
+    gc.collect()
+    assert [sys.getrefcount(o) for o in watched] == before
+
+
+def test_bad_arguments_are_named():
+    rx = _Receiver()
+    with pytest.raises(TypeError, match="a list of taken frames"):
+        rx.inlet.taken(())
+    with pytest.raises(TypeError, match=r"\(tag, length, req, got\)"):
+        rx.inlet.taken([(1, 2)])
+    with pytest.raises(TypeError, match="missing argument 'receiver'"):
+        _core.Inlet()
