@@ -247,8 +247,19 @@ def on_streams(streams: list[_cuda.Key]) -> contextlib.AbstractContextManager[No
     return _cuda.StreamScope(streams) if streams else NO_STREAMS
 
 
+class _NoStreams:
+    """No stream context: ``with`` on it runs no Python code.  Its
+    ``__enter__`` and ``__exit__`` are one C function, ``"".format``, which
+    takes any arguments and returns ``""``: falsy, so ``__exit__`` never
+    suppresses an exception.  (contextlib.nullcontext's were two Python
+    calls every request served on a worker without CUDA devices; issue 52.)"""
+
+    __slots__ = ()
+    __enter__ = __exit__ = "".format
+
+
 #: No stream context: what a worker without CUDA devices runs in (reusable).
-NO_STREAMS: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+NO_STREAMS: contextlib.AbstractContextManager[None] = _NoStreams()  # type: ignore[assignment]
 
 
 class ReadyEvents:

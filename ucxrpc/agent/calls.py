@@ -180,6 +180,9 @@ class CallTable:
         #: Its truth is "a call is in flight", which the loop's polling
         #: policy reads every idle turn, without a call (issue 52).
         self.by_id: dict[int, torch.futures.Future | SyncReply] = self._table.by_id
+        # pop is the table's own, bound over the method: every reply takes
+        # its call out, a Python call fewer each (issue 52).
+        self.pop = self._table.pop  # type: ignore[method-assign]
         self._timer_cv = threading.Condition()
         self._closed = False
         self._timer = threading.Thread(target=self._expire, name=f"ucxrpc-timeouts-{name}",

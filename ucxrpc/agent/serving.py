@@ -103,6 +103,7 @@ class Server:
             # (annotated, not cast(): typing.cast is a Python call a request)
             request: Any = agent.serializer.loads(body, buffers)
             func, args, kwargs = request
+            del request  # else it keeps the arguments alive past the del below
         except Exception as exc:
             self._reply_error(peer, msg_id, undecodable_request(exc, agent.info.name,
                                                                 agent.members.name_of(peer)))

@@ -48,6 +48,13 @@ _new_header = tuple.__new__
 pack = _HEAD.pack
 
 
+#: The header's fields, ``unpack(payload) -> (kind, version, flags, 0,
+#: msg_id)``, unchecked: for the agent's handler, which checks the version
+#: and the kind itself and calls :func:`decode` to name what is wrong
+#: (every message; issue 52).
+unpack = _HEAD.unpack_from
+
+
 def encode(kind: MsgKind, msg_id: int, body: bytes | memoryview, flags: int = 0) -> bytes:
     return _HEAD.pack(kind, VERSION, flags, 0, msg_id) + body
 
