@@ -44,6 +44,9 @@ int core_loop_init(PyObject *module);
  * AuthenticationError as it raises them). */
 PyObject *core_frame_decode(PyObject *raw, PyObject *key, PyObject *limits);
 
+/* expect.c */
+int core_expect_init(PyObject *module);
+
 /* receive.c */
 int core_receive_init(PyObject *module);
 

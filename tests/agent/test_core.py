@@ -1,12 +1,14 @@
 """When the agent lets its progress loop poll for the next message
-(``RpcAgent._spin_while``): calls in flight, or a peer that called us
-within ``CALLED_WITHIN_S``, and never while a pool thread runs code."""
+(``spin_while_rules``, read by the native core's ``Expect``): calls in
+flight, or a peer that called us within ``CALLED_WITHIN_S``, and never
+while a pool thread runs code."""
 
 from __future__ import annotations
 
 import time
 from types import SimpleNamespace
 
+from ucxrpc import _core
 from ucxrpc.serialization import envelope
 from ucxrpc.agent import core
 from ucxrpc.transport.loop.strategy import Why
@@ -37,6 +39,10 @@ def _agent() -> SimpleNamespace:
                            _requested_at=-core.CALLED_WITHIN_S, accepted=accepted)
 
 
+def _spin_while(agent: SimpleNamespace) -> Why:
+    return _core.Expect(core.spin_while_rules(agent))()
+
+
 def _message(agent: SimpleNamespace, kind: envelope.MsgKind, msg_id: int) -> None:
     RpcAgent._on_message(agent, 1, memoryview(envelope.encode(kind, msg_id, b"")), [])
 
@@ -47,16 +53,16 @@ def test_a_reply_after_a_request_leaves_the_peer_expected():
     # message, the reply made it stop expecting the peer's next request, and
     # its loop slept in epoll once per exchange (benchmarks/runs/W.md).
     agent = _agent()
-    assert RpcAgent._spin_while(agent) is Why.NOTHING_DUE  # nobody called yet
+    assert _spin_while(agent) is Why.NOTHING_DUE  # nobody called yet
     _message(agent, envelope.MsgKind.REQUEST, 7)
     assert len(agent.accepted) == 1
     _message(agent, envelope.MsgKind.RESPONSE, 8)
-    assert RpcAgent._spin_while(agent) is Why.AWAITED
+    assert _spin_while(agent) is Why.AWAITED
     agent._pool.busy = True  # a pool thread runs code: it needs the GIL
-    assert RpcAgent._spin_while(agent) is Why.COMPUTING
+    assert _spin_while(agent) is Why.COMPUTING
 
 
 def test_a_request_long_ago_is_no_reason_to_poll():
     agent = _agent()
     agent._requested_at = time.monotonic() - 2 * core.CALLED_WITHIN_S
-    assert RpcAgent._spin_while(agent) is Why.NOTHING_DUE
+    assert _spin_while(agent) is Why.NOTHING_DUE

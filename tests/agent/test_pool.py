@@ -1,5 +1,5 @@
 """WorkerPool's accounting of busy threads, which the progress thread's
-polling policy reads (agent._spin_while)."""
+polling policy reads (agent.core.spin_while_rules)."""
 
 from __future__ import annotations
 

@@ -47,6 +47,26 @@ CALLED_WITHIN_S = SPIN_S
 
 logger = logging.getLogger(__name__)
 
+def spin_while_rules(agent: Any) -> tuple[tuple[Any, ...], ...]:
+    """The agent's word on whether its progress loop may keep polling while
+    idle (:attr:`Why.AWAITED`), or why not: the transport's ``spin_while``,
+    rules the native core reads (csrc/expect.c) as every drive starts and
+    ends and before every spin.
+
+    Polling holds the GIL between UCX calls: a thread running Python code
+    (a user function, or the caller's own work between calls) gets it
+    back only at the interpreter's 5 ms switch interval, so a callee's
+    few-microsecond function took milliseconds.  So poll only while no
+    pool thread runs code (its ``running`` count) and a message is likely
+    soon: a reply to a call in flight (the call table's ``by_id``), or the
+    next request of a peer that called within :data:`CALLED_WITHIN_S`.
+    """
+    return (("above", (agent._pool, "running"), Why.COMPUTING),
+            ("any", (agent.calls.by_id,), Why.AWAITED),
+            ("within", (agent, "_requested_at"), CALLED_WITHIN_S, Why.AWAITED),
+            ("then", Why.NOTHING_DUE))
+
+
 #: The message kinds as the header's numbers (_on_message compares them).
 _REQUEST, _RESPONSE = int(envelope.MsgKind.REQUEST), int(envelope.MsgKind.RESPONSE)
 _KINDS = frozenset(int(k) for k in envelope.MsgKind)
@@ -93,21 +113,23 @@ class RpcAgent:
         limits = Limits(max_buffers=options.max_buffers,
                         max_frame_bytes=options.max_frame_bytes,
                         max_message_bytes=options.max_message_bytes)
+        # Made before the transport, whose polling rules read its running
+        # count (spin_while_rules); told of quiet once the transport is there.
+        self._pool = WorkerPool(options.num_worker_threads, idle_wait=self._drive)
         self.transport = Transport(my_id=rank, secret=secret, on_message=self._on_message,
                                    on_frame_error=self._on_frame_error,
                                    on_broken=self._on_broken,
                                    on_restored=self._on_restored, limits=limits,
                                    transports=options.transports,
                                    progress_mode=options.progress or "adaptive",
-                                   spin_while=self._spin_while,
+                                   spin_while=spin_while_rules(self),
                                    host_timeout=options.peer_timeout,
                                    cuda_devices=[*options.device_list(),
                                                  *(d for m in (options.device_maps or {}).values()
                                                    for d in m)])
         # A message without buffers to a peer: one C call (send_message).
         self._send_alone = self.transport.send_alone
-        self._pool = WorkerPool(options.num_worker_threads, on_quiet=self.transport.wake,
-                                idle_wait=self._drive)
+        self._pool.on_quiet = self.transport.wake
         self._server = Server(self, self._pool)
         #: The workers, their names, device maps, and which of them are gone.
         self.members = Members(self.info, add_peer=self.transport.add_peer,
@@ -354,7 +376,7 @@ class RpcAgent:
                               pickled.buffers, self.members.cuda_targets(to.id, pickled)
                               if remote and pickled.cuda else None)
             if remote and not waited:
-                self.transport.wake()  # to poll for the reply (see _spin_while)
+                self.transport.wake()  # to poll for the reply (see spin_while_rules)
         except BaseException:
             self.calls.pop(msg_id)
             raise
@@ -366,25 +388,6 @@ class RpcAgent:
             return fut
         assert isinstance(fut, torch.futures.Future)  # as made above for a wrapper
         return finish(fut)
-
-    def _spin_while(self) -> Why:
-        """Whether the progress thread may keep polling while idle
-        (:attr:`Why.AWAITED`), or why not.
-
-        Polling holds the GIL between UCX calls: a thread running Python code
-        (a user function, or the caller's own work between calls) gets it
-        back only at the interpreter's 5 ms switch interval, so a callee's
-        few-microsecond function took milliseconds.  So poll only while no
-        pool thread runs code and a message is likely soon: a reply to a call
-        in flight, or the next request of a peer that is calling us.
-        """
-        # (computing() and the table's length, read as plain attributes:
-        # the loop asks before every spin and as every drive ends; issue 52)
-        if self._pool.running > 0:
-            return Why.COMPUTING
-        if self.calls.by_id or time.monotonic() - self._requested_at < CALLED_WITHIN_S:
-            return Why.AWAITED
-        return Why.NOTHING_DUE
 
     def send_message(self, peer: int, kind: envelope.MsgKind, msg_id: int, body: bytes | memoryview,
                      buffers: list[Buffer], targets: list[int] | None = None) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .._core import Expect
 from ..errors import AuthenticationError, BrokenError, ClosedError, ConnectError, UnreachableError
 from .cuda import bounce, staging
 from .cuda.side import CudaSide, alloc as cuda_alloc
@@ -97,9 +98,11 @@ class Transport:
         spin_s: how long the progress thread may poll after the last event
             before it sleeps in epoll.
         spin_while: polling holds the GIL between UCX calls, which starves
-            a thread running Python code: idle polling stops as soon as this
-            returns anything but :attr:`.loop.strategy.Why.AWAITED` (the reason
-            why; call :meth:`wake` when it may poll again).
+            a thread running Python code: idle polling stops as soon as these
+            rules (the native core's ``Expect``'s, csrc/expect.c) give
+            anything but :attr:`.loop.strategy.Why.AWAITED` (the reason why;
+            call :meth:`wake` when it may poll again).  None: always
+            AWAITED.
         host_timeout: seconds a peer's host may leave TCP keepalive on its
             lifeline unanswered (a vanished host, a partition) before its
             pipe breaks.  A live process's kernel answers for it, however
@@ -122,7 +125,7 @@ class Transport:
                  allocator: Allocator | None = None,
                  progress_mode: strategy.Mode | str = strategy.Mode.ADAPTIVE,
                  spin_s: float = SPIN_S,
-                 spin_while: Callable[[], strategy.Why] | None = None,
+                 spin_while: Sequence[tuple[Any, ...]] | None = None,
                  host_timeout: float = 10.0,
                  cuda_devices: Sequence[torch.device | str | int] = (),
                  worker: Callable[..., Worker] = Worker,
@@ -220,21 +223,50 @@ class Transport:
                             by_address=self._by_address, grants=self._grants,
                             bounce=self._bounce)
         self._closing = False
-        self._spin_while = spin_while
+        # What a drive asks (the loop's expected, quiet and pending), as
+        # rules the native core reads without calling Python (csrc/expect.c;
+        # as methods, six calls a drive a side: Run BA).  expected: data in
+        # flight (our sends and receives, frames being received) keeps it
+        # polling; otherwise nothing once overdue.  Then not while a peer
+        # copies what we sent it by address in two halves, on two threads (a
+        # polling thread here would take a core that copy runs on: 16 MiB
+        # one-way on a quiet host, p50 2.0-4.0 ms polling, 1.7-2.5 ms not);
+        # a read in one call leaves the peer's other core free, and its
+        # reply (which says the read is done) is then taken at once.  Nor
+        # while a peer may write into our memory in two halves (grants.py),
+        # for the same reason.  Then the agent's word (spin_while).
+        Why = strategy.Why
+        self._expected = Expect((
+            ("any", (shared.watch, (self._rx, "frames")), Why.IN_FLIGHT),
+            ("overdue", Why.QUIET),
+            ("any", ((self._sender, "holding_split"),), Why.PEER_COPYING),
+            ("when", (self._grants, "split_until"), self._grants.split_write_due,
+             Why.PEER_COPYING),
+            *(spin_while if spin_while is not None else (("then", Why.AWAITED),))))
         self._liveness = Liveness(worker=self._worker, transports=transports, my_id=my_id,
                                   host_timeout=host_timeout, pipes=shared.pipes,
                                   fail=self._lifeline_verdict, back=self._came_back)
         self._queue_check = self._liveness.queue_check
+        # quiet: a turn would only look for a frame (nothing sent or received
+        # in flight, no task or frame waiting, no check or by-address
+        # acknowledgement due); the loop then spins natively instead of
+        # turning.  Read by the core, as expected is.
+        self._quiet = Expect((
+            ("any", (shared.watch, shared.inflight, shared.tasks, (self._rx, "frames"),
+                     (self._queue_check, "waiting"), (self._by_address, "due")), False),
+            ("then", True)))
         #: What peers need to watch this process's lifeline (published).
         self.lifeline = self._liveness.address
         self._loop = progress.ProgressThread(
             name=f"ucxrpc-progress-{my_id}", progress=self._worker.progress, turn=self._turn,
             expected=self._expected, spin_s=spin_s,
-            pending=lambda: bool(self._tasks or self._inflight),
+            pending=Expect((("any", (shared.tasks, shared.inflight), True),
+                            ("then", False))),
             arm=self._worker.arm, fd=self._worker.fd, strategy=self._strategy,
             on_stall=self._liveness.excuse_stall, on_start=self._progress_started,
             spin=self._worker.spinner(*FRAMES, self._rx.small), quiet=self._quiet,
             on_taken=self._rx.taken)
+
         if self._cuda.device is None:
             # The host's path (see drive): the loop's own drive, bound over
             # the method, a call fewer every wait (issue 52).
@@ -442,38 +474,6 @@ class Transport:
             self._break(pipe, exc)
 
     # ---------------------------------------------------------- the loop's
-
-    def _expected(self, overdue: bool) -> strategy.Why:
-        """What the loop may expect (:class:`.loop.progress.ProgressThread`'s
-        ``expected``): data in flight (our sends and receives, frames
-        being received) keeps it polling; otherwise nothing once
-        ``overdue``.  Then whether polling for a message pays
-        (:attr:`.loop.strategy.Why.AWAITED`), or why not: not while a peer
-        copies what we sent it by address in two halves, on two threads (a
-        polling thread here would take a core that copy runs on: 16 MiB
-        one-way on a quiet host, p50 2.0-4.0 ms polling, 1.7-2.5 ms not).
-        A read in one call leaves the peer's other core free, and its reply
-        (which says the read is done) is then taken at once.  Nor while a
-        peer may write into our memory in two halves (grants.py), for the
-        same reason.  Then the agent's word (``spin_while``).  One call for
-        all of it: the loop asks before every spin and as every drive ends
-        (issue 52)."""
-        if self._watch or self._rx.frames:
-            return strategy.Why.IN_FLIGHT
-        if overdue:
-            return strategy.Why.QUIET
-        if self._sender.holding_split or (self._grants.split_until
-                                          and self._grants.split_write_due()):
-            return strategy.Why.PEER_COPYING
-        return strategy.Why.AWAITED if self._spin_while is None else self._spin_while()
-
-    def _quiet(self) -> bool:
-        """Whether a turn would only look for a frame: nothing sent or
-        received is in flight, no task or frame waits, no check or
-        by-address acknowledgement is due.  The loop then spins natively
-        (the native core's ``Loop``, csrc/loop.c) instead of turning."""
-        return not (self._watch or self._inflight or self._tasks or self._rx.frames
-                    or self._queue_check.waiting or self._by_address.due)
 
     # --------------------------------------------------------------- peers
 
