@@ -55,6 +55,10 @@ _hooks = threading.Lock()
 _settling: dict[int, tuple[int, threading.Event | None]] = {}
 
 
+#: torch._C.Future's constructor (CallFuture.__init__).
+_future_init = torch._C.Future.__init__
+
+
 class CallFuture(torch.futures.Future):
     """The future of a call: a ``torch.futures.Future`` that notes whether a
     callback was hooked onto it (see the module's docstring), and whose
@@ -66,8 +70,10 @@ class CallFuture(torch.futures.Future):
 
     def __init__(self, devices: Sequence[torch.device] = ()) -> None:
         # CUDA-aware where the caller has devices, as devices.future makes.
-        devs: list[int | str | torch.device] | None = list(devices) if devices else None
-        super().__init__(devices=devs)
+        # torch's C constructor itself, without torch.futures.Future's
+        # Python one and its list comprehension (two Python calls every
+        # rpc_async; issue 52).
+        _future_init(self, list(devices))
 
     def wait(self) -> Any:
         try:

@@ -47,6 +47,7 @@ CALLED_WITHIN_S = SPIN_S
 
 logger = logging.getLogger(__name__)
 
+
 def spin_while_rules(agent: Any) -> tuple[tuple[Any, ...], ...]:
     """The agent's word on whether its progress loop may keep polling while
     idle (:attr:`Why.AWAITED`), or why not: the transport's ``spin_while``,

@@ -67,6 +67,9 @@ class Members:
         self.device_maps: dict[int, devices.DeviceMap] = {}
         self.reverse_device_maps: dict[int, devices.DeviceMap] = {}
         self._broken: dict[int, BaseException] = {}
+        # is_broken is the dict's own membership test, bound over the
+        # method: every call asks it, a Python call fewer each (issue 52).
+        self.is_broken = self._broken.__contains__  # type: ignore[method-assign, assignment]
         #: When each peer now unreachable was found so (monotonic seconds).
         self._unreachable_since: dict[int, float] = {}
         # (peer, replying) -> (the map it was learnt from, device -> target).

@@ -266,7 +266,6 @@ class Transport:
             on_stall=self._liveness.excuse_stall, on_start=self._progress_started,
             spin=self._worker.spinner(*FRAMES, self._rx.small), quiet=self._quiet,
             on_taken=self._rx.taken)
-
         if self._cuda.device is None:
             # The host's path (see drive): the loop's own drive, bound over
             # the method, a call fewer every wait (issue 52).
@@ -808,8 +807,8 @@ class Transport:
         return {"refused_frames": self._rx.refused, "frame_errors": self._rx.frame_errors,
                 # The Inlet's (csrc/receive.c): messages it handed to the
                 # agent itself, frames it queued for the Python.
-                "messages_received_at_once": self._rx._inlet.handled,
-                "frames_queued": self._rx._inlet.passed,
+                "messages_received_at_once": self._rx.inlet.handled,
+                "frames_queued": self._rx.inlet.passed,
                 **self._sender.stats(), "bytes_read_by_address": self._rx.read_bytes,
                 # Peers whose buffers we read and have not yet said so.
                 "acknowledgements_held": sum(p.cma.ack_sent < p.cma.read_through

@@ -142,7 +142,7 @@ class Receiver:
         #: (``_queue_taken``, ``_message_decoded``, ``_judged_bad``,
         #: ``_handler_failed``).  Three Python calls a message fewer
         #: (issue 52).
-        self._inlet = Inlet(
+        self.inlet = Inlet(
             receiver=self, pipes=self._pipes, limits=limits, queue=self._queue_taken,
             decoded=self._message_decoded, judged_bad=self._judged_bad,
             handler_failed=self._handler_failed, bad=(AuthenticationError, FrameError),
@@ -150,7 +150,7 @@ class Receiver:
             kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK,
             max_frame=min(limits.max_frame_bytes, u64),
             max_message=min(limits.max_message_bytes, u64))
-        self.taken = self._inlet.taken  # type: ignore[method-assign]
+        self.taken = self.inlet.taken  # type: ignore[method-assign]
 
     # ------------------------------------------------------------- frames
 
