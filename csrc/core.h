@@ -16,6 +16,14 @@ int core_parse(const char *func, const char *const *names, Py_ssize_t nnames,
                Py_ssize_t required, PyObject *const *args, Py_ssize_t nargs,
                PyObject *kwnames, PyObject **out);
 
+/* A type's keyword-only constructor arguments: out[0..nnames), every one
+ * required.  -1 with TypeError naming `type` and the argument otherwise. */
+int core_kwonly(const char *type, const char *const *names, Py_ssize_t nnames, PyObject *args,
+                PyObject *kwargs, PyObject **out);
+
+/* getattr(o, name) as a uint64: 0, or -1 with an error set. */
+int core_attr_u64(PyObject *o, PyObject *name, uint64_t *out);
+
 /* time.monotonic()'s clock (CLOCK_MONOTONIC), in seconds: the deadlines
  * and the loop's timings compare with what Python code reads. */
 double core_monotonic(void);

@@ -38,6 +38,43 @@ int core_parse(const char *func, const char *const *names, Py_ssize_t nnames,
     return 0;
 }
 
+int core_kwonly(const char *type, const char *const *names, Py_ssize_t nnames, PyObject *args,
+                PyObject *kwargs, PyObject **out) {
+    if (PyTuple_GET_SIZE(args)) {
+        PyErr_Format(PyExc_TypeError, "%s() takes keyword arguments only", type);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nnames; i++) out[i] = NULL;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (kwargs && PyDict_Next(kwargs, &pos, &key, &value)) {
+        Py_ssize_t i = 0;
+        for (; i < nnames; i++)
+            if (PyUnicode_CompareWithASCIIString(key, names[i]) == 0) break;
+        if (i == nnames) {
+            PyErr_Format(PyExc_TypeError, "%s(): unexpected argument '%U'", type, key);
+            return -1;
+        }
+        out[i] = value;
+    }
+    for (Py_ssize_t i = 0; i < nnames; i++)
+        if (!out[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing argument '%s'", type, names[i]);
+            return -1;
+        }
+    return 0;
+}
+
+int core_attr_u64(PyObject *o, PyObject *name, uint64_t *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    unsigned long long n = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = n;
+    return 0;
+}
+
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "ucxrpc._core",

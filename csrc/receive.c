@@ -51,16 +51,6 @@ static PyObject *str_frames, *str_auth, *str_in_key, *str_inbound, *str_seq, *st
 /* Frame's fields by position (wire/frame.py's Frame NamedTuple). */
 enum { F_KIND, F_SEQ, F_PAYLOAD, F_BUFFERS, F_RAW, F_TOTAL, F_DELIVERED, F_ACK, F_BUSY };
 
-static int attr_u64(PyObject *o, PyObject *name, uint64_t *out) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (!v) return -1;
-    unsigned long long n = PyLong_AsUnsignedLongLong(v);
-    Py_DECREF(v);
-    if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *out = n;
-    return 0;
-}
-
 static int attr_true(PyObject *o, PyObject *name) {
     PyObject *v = PyObject_GetAttr(o, name);
     if (!v) return -1;
@@ -100,7 +90,7 @@ static int plain(Inlet *self, PyObject *pipe, PyObject *frame, PyObject **inboun
     if (!PyTuple_Check(bufs) || PyTuple_GET_SIZE(bufs)) return 0;
     uint64_t seq, last, ack, acked, total;
     if (!(*inbound = PyObject_GetAttr(pipe, str_inbound))) return -1;
-    if (attr_u64(*inbound, str_seq, &last) < 0) return -1;
+    if (core_attr_u64(*inbound, str_seq, &last) < 0) return -1;
     seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(frame, F_SEQ));
     if (seq == (uint64_t)-1 && PyErr_Occurred()) return -1;
     if (seq <= last) return 0; /* a replay: the Python names it */
@@ -111,7 +101,7 @@ static int plain(Inlet *self, PyObject *pipe, PyObject *frame, PyObject **inboun
         if (total > self->max_message) return 0;
         PyObject *cma = PyObject_GetAttr(pipe, str_cma);
         if (!cma) return -1;
-        int rc = attr_u64(cma, str_acked, &acked);
+        int rc = core_attr_u64(cma, str_acked, &acked);
         Py_DECREF(cma);
         if (rc < 0) return -1;
         if (ack > acked) return 0; /* by_address hears of it */
@@ -138,7 +128,7 @@ static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, ui
     uint64_t received;
     if (PyObject_SetAttr(inbound, str_seq, PyTuple_GET_ITEM(frame, F_SEQ)) < 0 ||
         PyObject_SetAttr(inbound, str_peer_busy, PyTuple_GET_ITEM(frame, F_BUSY)) < 0 ||
-        attr_u64(inbound, str_received, &received) < 0)
+        core_attr_u64(inbound, str_received, &received) < 0)
         goto done;
     PyObject *n = PyLong_FromUnsignedLongLong(received + 1);
     if (!n) goto done;
@@ -310,30 +300,8 @@ static int as_u64(PyObject *o, uint64_t *out) {
  *       handler_failed, bad, message, done, id_shift, id_mask, kind_shift,
  *       handshake, hint_mask, max_frame, max_message), keywords only. */
 static PyObject *inlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *a[NINLET_NAMES] = {0};
-    if (PyTuple_GET_SIZE(args)) {
-        PyErr_SetString(PyExc_TypeError, "Inlet() takes keyword arguments only");
-        return NULL;
-    }
-    if (kwargs) {
-        PyObject *key, *value;
-        Py_ssize_t pos = 0;
-        while (PyDict_Next(kwargs, &pos, &key, &value)) {
-            Py_ssize_t i = 0;
-            for (; i < NINLET_NAMES; i++)
-                if (PyUnicode_CompareWithASCIIString(key, inlet_names[i]) == 0) break;
-            if (i == NINLET_NAMES) {
-                PyErr_Format(PyExc_TypeError, "Inlet(): unexpected argument '%U'", key);
-                return NULL;
-            }
-            a[i] = value;
-        }
-    }
-    for (Py_ssize_t i = 0; i < NINLET_NAMES; i++)
-        if (!a[i]) {
-            PyErr_Format(PyExc_TypeError, "Inlet() missing argument '%s'", inlet_names[i]);
-            return NULL;
-        }
+    PyObject *a[NINLET_NAMES];
+    if (core_kwonly("Inlet", inlet_names, NINLET_NAMES, args, kwargs, a) < 0) return NULL;
     if (!PyDict_Check(a[1])) {
         PyErr_SetString(PyExc_TypeError, "Inlet(): pipes must be a dict");
         return NULL;

@@ -46,17 +46,6 @@ static PyObject *str_lock, *str_out, *str_auth, *str_cma, *str_ep, *str_state, *
     *str_ack_sent, *str_send_frame, *str_name, *str_acquire, *str_release, *str_done,
     *str_error, *str_blocked_until, *str_append;
 
-/* getattr(o, name) as a uint64: 0, or -1 with an error set. */
-static int attr_u64(PyObject *o, PyObject *name, uint64_t *out) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (!v) return -1;
-    unsigned long long n = PyLong_AsUnsignedLongLong(v);
-    Py_DECREF(v);
-    if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *out = n;
-    return 0;
-}
-
 static int set_u64(PyObject *o, PyObject *name, uint64_t v) {
     PyObject *n = PyLong_FromUnsignedLongLong(v);
     if (!n) return -1;
@@ -135,8 +124,8 @@ static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_
     if (!(ack_o = PyObject_GetAttr(cma, str_read_through))) goto done;
     uint64_t ack = PyLong_AsUnsignedLongLong(ack_o);
     if (ack == (uint64_t)-1 && PyErr_Occurred()) goto done;
-    if (!(key_o = PyObject_GetAttr(auth, str_out_key)) || attr_u64(out, str_seq, &seq) < 0 ||
-        attr_u64(out, str_peer_max_frame, &peer_max) < 0)
+    if (!(key_o = PyObject_GetAttr(auth, str_out_key)) || core_attr_u64(out, str_seq, &seq) < 0 ||
+        core_attr_u64(out, str_peer_max_frame, &peer_max) < 0)
         goto done;
     int busy = contended(self);
     if (busy < 0) goto done;
@@ -165,7 +154,7 @@ static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_
     Py_DECREF(tag);
     if (!req) goto done;
     uint64_t sent;
-    if (PyObject_SetAttr(cma, str_ack_sent, ack_o) < 0 || attr_u64(out, str_sent, &sent) < 0 ||
+    if (PyObject_SetAttr(cma, str_ack_sent, ack_o) < 0 || core_attr_u64(out, str_sent, &sent) < 0 ||
         set_u64(out, str_sent, sent + 1) < 0)
         goto done;
     rc = track(self, pipe, out, req);
@@ -356,30 +345,8 @@ static const char *const outlet_names[] = {
 /* Outlet(pipes, limits, strategy, inflight, wake, failed, open, done,
  *        frame_base, hint_mask, message_kind), keywords only. */
 static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *a[NOUTLET_NAMES] = {0};
-    if (PyTuple_GET_SIZE(args)) {
-        PyErr_SetString(PyExc_TypeError, "Outlet() takes keyword arguments only");
-        return NULL;
-    }
-    if (kwargs) {
-        PyObject *key, *value;
-        Py_ssize_t pos = 0;
-        while (PyDict_Next(kwargs, &pos, &key, &value)) {
-            Py_ssize_t i = 0;
-            for (; i < NOUTLET_NAMES; i++)
-                if (PyUnicode_CompareWithASCIIString(key, outlet_names[i]) == 0) break;
-            if (i == NOUTLET_NAMES) {
-                PyErr_Format(PyExc_TypeError, "Outlet(): unexpected argument '%U'", key);
-                return NULL;
-            }
-            a[i] = value;
-        }
-    }
-    for (Py_ssize_t i = 0; i < NOUTLET_NAMES; i++)
-        if (!a[i]) {
-            PyErr_Format(PyExc_TypeError, "Outlet() missing argument '%s'", outlet_names[i]);
-            return NULL;
-        }
+    PyObject *a[NOUTLET_NAMES];
+    if (core_kwonly("Outlet", outlet_names, NOUTLET_NAMES, args, kwargs, a) < 0) return NULL;
     if (!PyDict_Check(a[0])) {
         PyErr_SetString(PyExc_TypeError, "Outlet(): pipes must be a dict");
         return NULL;
