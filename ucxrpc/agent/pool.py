@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from .._core import Expect
+
 logger = logging.getLogger(__name__)
 
 #: The watchdog's window: queued work that saw no task taken for two such
@@ -158,6 +160,12 @@ class WorkerPool:
         self.stalls = 0  # threads the watchdog woke or started
         self.on_quiet = on_quiet
         self._idle_wait = idle_wait
+        #: Whether there is work for the thread driving in idle_wait: a task
+        #: it claimed (its own _local.task), one queued, or the pool closed.
+        #: Rules the native core reads (csrc/expect.c): a drive asks at each
+        #: turn, a Python call each as a method (issue 52).
+        self._has_work = Expect((("any", ((_local, "task"), self._tasks, (self, "_closed")), True),
+                                 ("then", False)))
         self._run_queue_clock = run_queue
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
@@ -327,9 +335,6 @@ class WorkerPool:
             if self._tasks:
                 self._arm_watchdog()  # queued in a burst that woke only this thread
             return item
-
-    def _has_work(self) -> bool:
-        return _local.task is not None or bool(self._tasks) or self._closed
 
     def computing(self) -> bool:
         """Whether Python code is running or about to run on a pool thread
