@@ -65,9 +65,11 @@ static int contended(Outlet *self) {
     return core_monotonic() < until;
 }
 
-/* The frame's request watched as Sender._track watches one: in flight, it
- * is the pipe's last frame (before the loop can see it complete) and the
- * loop's to watch; failed at once, the pipe breaks. */
+/* A frame's request watched (Sender._track's rule for its frame, here
+ * only): in flight, it becomes the pipe's last frame before the loop can
+ * see it (a frame the loop saw complete first would stay last_frame, and
+ * small messages would wait for it), then the loop's to watch; complete,
+ * nothing waits behind it; failed at once, the pipe breaks. */
 static int track(Outlet *self, PyObject *pipe, PyObject *out, PyObject *req) {
     if (req == self->done) return PyObject_SetAttr(out, str_last_frame, Py_None);
     PyObject *d = PyObject_GetAttr(req, str_done);
@@ -194,6 +196,21 @@ static PyObject *outlet_frame(Outlet *self, PyObject *const *args, Py_ssize_t na
     PyObject *out = PyObject_GetAttr(args[0], str_out);
     if (!out) return NULL;
     int rc = alone(self, args[0], out, kind, hint, args[3], args[4]);
+    Py_DECREF(out);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* track(pipe, req): a frame's request watched, as the frames sent here are
+ * (Sender._track, for a frame sent with its buffers or a BATCH). */
+static PyObject *outlet_track(Outlet *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "track() takes 2 arguments (pipe, req)");
+        return NULL;
+    }
+    PyObject *out = PyObject_GetAttr(args[0], str_out);
+    if (!out) return NULL;
+    int rc = track(self, args[0], out, args[1]);
     Py_DECREF(out);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
@@ -376,6 +393,8 @@ static PyMethodDef outlet_methods[] = {
      "changed) where it cannot go so now."},
     {"frame", (PyCFunction)(void (*)(void))outlet_frame, METH_FASTCALL,
      "frame(pipe, kind, hint, head, body): Sender._frame_alone, under the pipe's lock."},
+    {"track", (PyCFunction)(void (*)(void))outlet_track, METH_FASTCALL,
+     "track(pipe, req): a frame's request watched (Sender._track's rule for its frame)."},
     {"contended", (PyCFunction)outlet_contended, METH_NOARGS,
      "contended() -> bool: whether the loop may not poll now (the strategy's blocked_until)."},
     {NULL},

@@ -213,3 +213,18 @@ def test_the_constructor_names_what_is_missing():
         _core.Outlet()
     with pytest.raises(TypeError, match="keyword arguments only"):
         _core.Outlet({})
+
+
+def test_track_watches_a_frame_sent_elsewhere_by_the_same_rule():
+    rig = _Rig()
+    req = _Request(done=False)
+    rig.outlet.track(rig.pipe, req)  # (a frame Sender.send sent with its buffers)
+    assert rig.pipe.out.last_frame is req and list(rig.inflight) == [(req, rig.pipe)]
+    assert rig.woken == 1
+    err = ConnectionError("failed at once")
+    rig.outlet.track(rig.pipe, _Request(done=True, error=err))
+    assert rig.pipe.out.last_frame is None and rig.failures == [(rig.pipe, err)]
+    rig.outlet.track(rig.pipe, DONE)
+    assert rig.pipe.out.last_frame is None and len(rig.inflight) == 1
+    with pytest.raises(TypeError, match=r"track\(\) takes 2 arguments"):
+        rig.outlet.track(rig.pipe)

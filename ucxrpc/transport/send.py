@@ -339,20 +339,18 @@ class Sender:
         """Watch the sends still in flight (waking the loop for them); a
         send that failed at once breaks the pipe.  ``frame``, the frame's
         own send, becomes the pipe's last frame while in flight (small
-        messages then wait for it: batch.py)."""
+        messages then wait for it: batch.py): the frame by the rule the
+        frames sent alone follow (the core's ``Outlet.track``), the rest
+        here."""
+        self._outlet.track(pipe, frame)
         waking = False
         for r, owner in reqs:
+            if r is frame:
+                continue
             if not r.done:
-                if r is frame:
-                    # Before the loop can see it: a frame the loop saw
-                    # complete before it became last_frame would stay
-                    # last_frame, and small messages would wait for it.
-                    pipe.out.last_frame = r
                 self._inflight.append((r, owner))
                 waking = True
                 continue
-            if r is frame:
-                pipe.out.last_frame = None  # it left at once: nothing waits behind it
             if (err := r.error()) is not None:
                 self._failed(pipe, err)
         if waking:
