@@ -6,7 +6,8 @@ times after a warm-up.  Both stamp ``time.perf_counter_ns()`` (the same
 CLOCK_MONOTONIC in every process of a host) at the seams of one call:
 
     caller  rpc_sync entered            (the loop, around the call)
-    caller  call pickled                RpcAgent.dumps_for returned
+    caller  call pickled                Serializer.dumps_plain returned (a
+                                        plain call), else RpcAgent.dumps_for
     caller  request frame sent          Endpoint.send_frame entered (libucp's
                                         send, which the C send calls)
     callee  frame taken off UCX         Receiver.taken entered (a turn's take or
@@ -145,8 +146,18 @@ def _install() -> None:
 
     receive.Receiver.__init__ = made_stamped  # type: ignore[method-assign]
     # (dumps_for pickles the callee's replies too: only the caller's
-    # stamps are matched, as the stages above say.)
+    # stamps are matched, as the stages above say.)  A plain call is
+    # pickled by the serializer's dumps_plain (C, bound on each serializer
+    # as it is made), any other by dumps_for.
     _stamp_entry(core.RpcAgent, "dumps_for", "pickled", on_return=True)
+    from ucxrpc.serialization import pickler
+    serializer_made = pickler.Serializer.__init__
+
+    def serializer_stamped(self: Any, *args: Any, **kwargs: Any) -> None:
+        serializer_made(self, *args, **kwargs)
+        _stamp_entry(self, "dumps_plain", "pickled", on_return=True)
+
+    pickler.Serializer.__init__ = serializer_stamped  # type: ignore[method-assign]
     _stamp_entry(pool.WorkerPool, "submit", "claim")
     # A drive's end: the loop handed on, the thread back to its caller
     # (wrapped on the class before init_rpc binds it anywhere): the pool

@@ -55,6 +55,9 @@ PyObject *core_frame_decode(PyObject *raw, PyObject *key, PyObject *limits);
 /* expect.c */
 int core_expect_init(PyObject *module);
 
+/* plain.c */
+int core_plain_init(PyObject *module);
+
 /* receive.c */
 int core_receive_init(PyObject *module);
 

@@ -26,11 +26,12 @@ def test_a_small_request_queues_nothing_the_collector_tracks() -> None:
     server = Server(agent=None, pool=pool)  # type: ignore[arg-type]
     frame = memoryview(bytearray(b"\x80" * 64 + bytes(range(200))))
     server.accept(2, 11, frame[64:], [])
-    server.accept(2, 12, frame[64:], [])
-    (fn, args), (fn2, _) = pool.tasks
+    server.accept(2, 12, frame[64:], [], True)
+    (fn, args), (fn2, args2) = pool.tasks
     assert fn is fn2  # bound once
-    peer, msg_id, body, buffers = args
-    assert (peer, msg_id, body, tuple(buffers)) == (2, 11, bytes(range(200)), ())
+    peer, msg_id, body, buffers, plain = args
+    assert (peer, msg_id, body, tuple(buffers), plain) == (2, 11, bytes(range(200)), (), False)
+    assert args2[1:] == (12, bytes(range(200)), (), True)  # (its body marked plain)
     assert not any(gc.is_tracked(a) for a in args)
     assert server.unanswered == 2
 

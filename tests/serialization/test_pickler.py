@@ -63,7 +63,7 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_all_names_exist():
     assert sorted(serialization.__all__) == ["BufferSpec", "GradCapture", "Pickled", "Serializer",
-                                             "dumps", "loads"]
+                                             "dumps", "loads", "unpickling_error"]
     for name in serialization.__all__:
         assert hasattr(serialization, name)
 

@@ -15,6 +15,7 @@ import contextlib
 
 import itertools
 import logging
+import pickle
 import threading
 import time
 from typing import Any, Callable, Literal, overload
@@ -27,7 +28,7 @@ from ..serialization import envelope
 from .pool import WorkerPool
 from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
-from ..serialization.pickler import Serializer
+from ..serialization.pickler import Serializer, unpickling_error
 from ..transport import SPIN_S, Limits, Peer, Transport
 from ..transport.loop.strategy import Why
 from ..transport.wire.gather import Buffer, Gather
@@ -71,6 +72,17 @@ def spin_while_rules(agent: Any) -> tuple[tuple[Any, ...], ...]:
 #: The message kinds as the header's numbers (_on_message compares them).
 _REQUEST, _RESPONSE = int(envelope.MsgKind.REQUEST), int(envelope.MsgKind.RESPONSE)
 _KINDS = frozenset(int(k) for k in envelope.MsgKind)
+_PLAIN = envelope.PLAIN
+#: A plain message's unpickling (envelope.PLAIN): pickle's own.
+_loads_plain = pickle.loads
+
+#: ``_debug(logging.DEBUG)``: False where the logger said it is not enabled
+#: for DEBUG and nothing changed its levels since (its own cache, which
+#: ``setLevel`` clears), else True or None; then ``isEnabledFor`` answers.
+#: A C call in place of a Python one, two to three times a message a side
+#: (issue 52).  Where a Python's logger keeps no such cache, always None.
+_debug: Callable[[int], bool | None] = getattr(getattr(logger, "_cache", None), "get",
+                                               lambda level: None)
 
 
 def _bounded(fn: Callable[[float | None], None], timeout: float | None, what: str) -> None:
@@ -355,7 +367,15 @@ class RpcAgent:
             if wrapped is not None:
                 func, args, kwargs, finish = wrapped
         kept: list[Any] = []
-        pickled = self.dumps_for(to.id, (func, args, kwargs), kept)
+        request = (func, args, kwargs)
+        # A plain call (no tensor, no RRef: csrc/plain.c) in one C call,
+        # marked so that its callee unpickles it in one (envelope.PLAIN).
+        pickled = None
+        payload = self.serializer.dumps_plain(request)
+        if payload is None:
+            pickled = self.dumps_for(to.id, request, kept)
+            payload = pickled.payload
+        del request
         fut: torch.futures.Future | SyncReply = (
             SyncReply() if waited and finish is None and not self.devices
             else CallFuture(self.devices))
@@ -372,34 +392,41 @@ class RpcAgent:
         self.calls.add(msg_id, fut, to.id, waited, timeout)
         try:
             remote = to.id != self.info.id
-            # (cuda_targets is None without CUDA buffers: not asked then)
-            self.send_message(to.id, envelope.MsgKind.REQUEST, msg_id, pickled.payload,
-                              pickled.buffers, self.members.cuda_targets(to.id, pickled)
-                              if remote and pickled.cuda else None)
+            if pickled is None:
+                self.send_message(to.id, envelope.MsgKind.REQUEST, msg_id, payload, [], None,
+                                  _PLAIN)
+            else:
+                # (cuda_targets is None without CUDA buffers: not asked then)
+                self.send_message(to.id, envelope.MsgKind.REQUEST, msg_id, payload,
+                                  pickled.buffers, self.members.cuda_targets(to.id, pickled)
+                                  if remote and pickled.cuda else None)
             if remote and not waited:
                 self.transport.wake()  # to poll for the reply (see spin_while_rules)
         except BaseException:
             self.calls.pop(msg_id)
             raise
-        if logger.isEnabledFor(logging.DEBUG):  # the per-message trace (docs/style.md)
+        if _debug(logging.DEBUG) is not False and logger.isEnabledFor(logging.DEBUG):
+            # (the per-message trace, docs/style.md; _debug: see its comment)
             logger.debug("%s: call %d to %s: %s (%d buffers, timeout %s)", self.info.name,
                          msg_id, to.name, getattr(func, "__qualname__", func),
-                         len(pickled.buffers), timeout)
+                         0 if pickled is None else len(pickled.buffers), timeout)
         if finish is None:
             return fut
         assert isinstance(fut, torch.futures.Future)  # as made above for a wrapper
         return finish(fut)
 
     def send_message(self, peer: int, kind: envelope.MsgKind, msg_id: int, body: bytes | memoryview,
-                     buffers: list[Buffer], targets: list[int] | None = None) -> None:
+                     buffers: list[Buffer], targets: list[int] | None = None,
+                     flags: int = 0) -> None:
         """Send one message (a request, or the server's answer) to ``peer``,
-        this worker included; ``targets`` as :meth:`Members.cuda_targets` gives them."""
+        this worker included; ``targets`` as :meth:`Members.cuda_targets`
+        gives them; ``flags`` the header's (:data:`envelope.PLAIN` or 0)."""
         if not buffers and peer != self.info.id and self._send_alone(
                 # (envelope.hint and the header, inline: issue 52)
-                peer, (msg_id << 3) | kind, envelope.pack(kind, envelope.VERSION, 0, 0, msg_id),
-                body):
+                peer, (msg_id << 3) | kind,
+                envelope.pack(kind, envelope.VERSION, flags, 0, msg_id), body):
             return
-        payload = envelope.encode(kind, msg_id, body)
+        payload = envelope.encode(kind, msg_id, body, flags)
         if peer == self.info.id:
             self._loopback(payload, buffers)
         else:
@@ -460,26 +487,31 @@ class RpcAgent:
     def _on_message(self, peer: int, payload: memoryview, buffers: list[torch.Tensor]) -> None:
         # (envelope.decode, inline for a sound header: every message, a
         # call and a Header fewer; it still names what is wrong with one)
-        kind = version = msg_id = 0
+        kind = version = flags = msg_id = 0
         if payload.nbytes >= envelope.HEAD_SIZE:
-            kind, version, _, _, msg_id = envelope.unpack(payload)
+            kind, version, flags, _, msg_id = envelope.unpack(payload)
         if version != envelope.VERSION or kind not in _KINDS:
             envelope.decode(payload)  # raises FrameError
         body = payload[envelope.HEAD_SIZE:]
-        if logger.isEnabledFor(logging.DEBUG):
+        # (a PLAIN flag on a message with buffers is the sender's error:
+        # its body is unpickled the usual way, which takes them)
+        plain = (flags & _PLAIN) != 0 and not buffers
+        if _debug(logging.DEBUG) is not False and logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: %s %d from %s (%d bytes, %d buffers)", self.info.name,
                          envelope.MsgKind(kind).name.lower(), msg_id,
                          self.members.name_of(peer), len(payload), len(buffers))
         if kind == _REQUEST:
             self._requested_at = time.monotonic()
-            self._server.accept(peer, msg_id, body, buffers)
+            self._server.accept(peer, msg_id, body, buffers, plain)
         elif kind == _RESPONSE:
             call = self.calls.pop(msg_id)
             if call is None:
                 return  # timed out or failed already
             try:
-                value = self.serializer.loads(body, buffers)
+                value = _loads_plain(body) if plain else self.serializer.loads(body, buffers)
             except Exception as exc:
+                if plain:
+                    exc = unpickling_error(exc)
                 self.calls.complete(call, exc=SerializationError(
                     f"cannot decode the response from {self.members.name_of(peer)}: {exc}"))
                 return

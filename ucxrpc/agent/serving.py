@@ -11,8 +11,9 @@ died meanwhile) is logged and counted as given: nobody waits for it.
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from .. import _torch_futures, devices
 from ..errors import FrameError, RpcError, SerializationError
 from ..serialization import envelope
-from ..serialization.pickler import Serializer
+from ..serialization.pickler import Serializer, unpickling_error
 from .info import WorkerInfo
 from .members import Members
 from .pool import WorkerPool
@@ -43,9 +44,16 @@ class Served(Protocol):
 
     def send_message(self, peer: int, kind: envelope.MsgKind, msg_id: int,
                      body: bytes | memoryview, buffers: list[Any],
-                     targets: list[int] | None = None) -> None: ...
+                     targets: list[int] | None = None, flags: int = 0) -> None: ...
 
 logger = logging.getLogger(__name__)
+
+_PLAIN = envelope.PLAIN
+#: A plain request's unpickling (envelope.PLAIN): pickle's own.
+_loads_plain = pickle.loads
+#: As agent/core.py's: False where the logger's own cache says DEBUG is off.
+_debug: Callable[[int], bool | None] = getattr(getattr(logger, "_cache", None), "get",
+                                               lambda level: None)
 
 
 #: Request bodies up to this many bytes are copied out of their frame
@@ -65,8 +73,9 @@ class Server:
         self._serve_task = self._serve  # bound once, not per request
 
     def accept(self, peer: int, msg_id: int, body: memoryview,
-               buffers: list[torch.Tensor]) -> None:
-        """A request arrived: it runs on the pool.
+               buffers: list[torch.Tensor], plain: bool = False) -> None:
+        """A request arrived: it runs on the pool.  ``plain``: its body is a
+        plain pickle (:data:`envelope.PLAIN`), and it has no buffers.
 
         What waits in the pool's queue is what the cyclic garbage collector
         walks: a burst of ``rpc_async`` calls queued thousands of requests
@@ -83,7 +92,7 @@ class Server:
             self.unanswered += 1
         self._pool.submit(self._serve_task, peer, msg_id,
                           bytes(body) if body.nbytes <= COPY_BODY_MAX else body,
-                          buffers or ())
+                          buffers or (), plain)
 
     def refuse(self, peer: int, msg_id: int, exc: BaseException) -> None:
         """A request that cannot run (it broke a limit): answered with ``exc``."""
@@ -96,19 +105,26 @@ class Server:
             self.unanswered -= 1
 
     def _serve(self, peer: int, msg_id: int, body: bytes | memoryview,
-               buffers: Sequence[torch.Tensor]) -> None:
+               buffers: Sequence[torch.Tensor], plain: bool = False) -> None:
         agent = self._agent
         agent.counters["calls_served"] += 1
         try:
             # (annotated, not cast(): typing.cast is a Python call a request)
-            request: Any = agent.serializer.loads(body, buffers)
+            request: Any = (_loads_plain(body) if plain
+                            else agent.serializer.loads(body, buffers))
             func, args, kwargs = request
             del request  # else it keeps the arguments alive past the del below
         except Exception as exc:
+            if plain:  # in the serializer's words, as the usual way raises it
+                error = unpickling_error(exc)
+                if error is not exc:
+                    error.__cause__ = exc
+                exc = error
             self._reply_error(peer, msg_id, undecodable_request(exc, agent.info.name,
                                                                 agent.members.name_of(peer)))
             return
-        if logger.isEnabledFor(logging.DEBUG):  # the per-message trace (docs/style.md)
+        if _debug(logging.DEBUG) is not False and logger.isEnabledFor(logging.DEBUG):
+            # (the per-message trace, docs/style.md; _debug: see .core's)
             logger.debug("%s: serving call %d from %s: %s (%d buffers)", agent.info.name,
                          msg_id, agent.members.name_of(peer),
                          getattr(func, "__qualname__", func), len(buffers))
@@ -151,24 +167,33 @@ class Server:
 
     def _reply(self, peer: int, msg_id: int, result: Any, func: Any) -> None:
         agent = self._agent
-        try:
-            pickled = agent.dumps_for(peer, result)
-        except Exception as exc:
-            name = getattr(func, "__qualname__", "the function")
-            self._reply_error(peer, msg_id, SerializationError(
-                f"cannot pickle the result of {name} on {agent.info.name}: "
-                f"{type(exc).__name__}: {exc}"))
-            return
-        targets = None
-        if pickled.cuda and peer != agent.info.id:  # (host buffers only: no targets)
+        # A plain result (None, numbers, strings: csrc/plain.c) in one C
+        # call, marked so that the caller unpickles it in one.
+        payload = agent.serializer.dumps_plain(result)
+        if payload is not None:
+            buffers: list[Any] = []
+            targets = None
+            flags = _PLAIN
+        else:
             try:
-                targets = agent.members.cuda_targets(peer, pickled, replying=True)
-            except RpcError as exc:
-                self._reply_error(peer, msg_id, exc)
+                pickled = agent.dumps_for(peer, result)
+            except Exception as exc:
+                name = getattr(func, "__qualname__", "the function")
+                self._reply_error(peer, msg_id, SerializationError(
+                    f"cannot pickle the result of {name} on {agent.info.name}: "
+                    f"{type(exc).__name__}: {exc}"))
                 return
+            payload, buffers, targets, flags = pickled.payload, pickled.buffers, None, 0
+            if pickled.cuda and peer != agent.info.id:  # (host buffers only: no targets)
+                try:
+                    targets = agent.members.cuda_targets(peer, pickled, replying=True)
+                except RpcError as exc:
+                    self._reply_error(peer, msg_id, exc)
+                    return
+        del result
         try:
-            agent.send_message(peer, envelope.MsgKind.RESPONSE, msg_id, pickled.payload,
-                               pickled.buffers, targets)
+            agent.send_message(peer, envelope.MsgKind.RESPONSE, msg_id, payload, buffers,
+                               targets, flags)
         except FrameError as exc:
             self._reply_error(peer, msg_id, exc)
             return
@@ -176,9 +201,9 @@ class Server:
             logger.warning("%s: reply to %s lost: %s", agent.info.name,
                            agent.members.name_of(peer), exc)
         else:
-            if logger.isEnabledFor(logging.DEBUG):
+            if _debug(logging.DEBUG) is not False and logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s: replied to call %d from %s (%d buffers)", agent.info.name,
-                             msg_id, agent.members.name_of(peer), len(pickled.buffers))
+                             msg_id, agent.members.name_of(peer), len(buffers))
         self._answered()
 
     def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:

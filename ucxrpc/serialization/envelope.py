@@ -7,6 +7,10 @@
 ``body`` is a pickle (protocol 5, tensors out of band) whose shape depends
 on ``kind``; the transport has already checked sizes and authenticated the
 frame before the agent sees it, and the body is unpickled only then.
+
+``flags``: :data:`PLAIN`, or 0.  A receiver ignores flags it does not know
+(a peer of this version sent 0 always), so a flag changes nothing for a
+receiver that does not look at it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ class MsgKind(enum.IntEnum):
 
 
 _KINDS = {int(k): k for k in MsgKind}
+
+#: The body is a plain pickle (``Serializer.dumps_plain``'s: no tensor,
+#: nothing pickled by a hook) and the message has no buffers: the receiver
+#: unpickles it with pickle's ``loads`` alone, without the serializer's
+#: loader for buffers (issue 52: three Python calls a message).  Honoured
+#: only on a message without buffers; on one with buffers, a sender's error,
+#: the body is unpickled the usual way.
+PLAIN = 1
 
 
 class Header(NamedTuple):

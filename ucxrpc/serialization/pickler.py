@@ -72,11 +72,13 @@ from .tensors import (_COMPLEX_CODES, _DTYPE_CODES, _LOCAL, _PARAMETER, _REQUIRE
                       _bundled_slot, _Loader, _device_name, _dtype_name, _rebuild_bundled,
                       _rebuild_capture, _rebuild_inband, _rebuild_sparse_coo, _rebuild_tensor,
                       _rebuild_vector, compacted)
+from .._core import plain_pickle as _plain_pickle
 from ..errors import SerializationError
 from ..transport.wire.gather import Buffer, Gather
 
 
-__all__ = ["BufferSpec", "GradCapture", "Pickled", "Serializer", "dumps", "loads"]
+__all__ = ["BufferSpec", "GradCapture", "Pickled", "Serializer", "dumps", "loads",
+           "unpickling_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -607,6 +609,15 @@ class Serializer:
         overridden = type(self).reducer_override is not Serializer.reducer_override
         self._hook: Reducer | None = self.reducer_override if overridden else None
         self._local = threading.local()
+        #: ``dumps_plain(obj)``: ``obj``'s pickle where it is plain (no
+        #: tensor, nothing this serializer's hooks or tensor code would
+        #: see: csrc/plain.c says what is), bytes that pickle's own
+        #: ``loads`` unpickles, and that :meth:`loads` would too; else None,
+        #: and :meth:`dumps` is the way.  One C call where :meth:`dumps`
+        #: makes seven Python calls (issue 52).  Never plain with a hook or
+        #: a dispatch table: they must see every object.
+        self.dumps_plain: Callable[[Any], bytes | None] = (
+            _plain_pickle if self._hook is None and not self._dispatch else _never_plain)
 
     def reducer_override(self, obj: Any) -> Any:
         """Hook for subclasses: a reduce tuple for ``obj``, or ``NotImplemented``.
@@ -683,7 +694,7 @@ class Serializer:
         except SerializationError:
             raise
         except Exception as exc:
-            raise SerializationError(f"cannot unpickle message: {type(exc).__name__}: {exc}") from exc
+            raise unpickling_error(exc) from exc
         finally:
             _LOCAL.loader = outer
         if buffers:  # (without any, none is left unused: a call fewer a no-op)
@@ -701,6 +712,20 @@ class Serializer:
             pickler = _MessagePickler(self)
         pickler.busy = True
         return pickler
+
+
+def _never_plain(obj: object) -> None:
+    """A serializer's ``dumps_plain`` where it has hooks: nothing is plain."""
+    return None
+
+
+def unpickling_error(exc: Exception) -> SerializationError:
+    """The error for a message whose unpickling raised ``exc`` (not chained:
+    raise it ``from exc``): :meth:`Serializer.loads`' words, and the agent's
+    for a plain message, which it unpickles with pickle's ``loads``."""
+    if isinstance(exc, SerializationError):
+        return exc
+    return SerializationError(f"cannot unpickle message: {type(exc).__name__}: {exc}")
 
 
 _default = Serializer()
