@@ -23,9 +23,10 @@ CLOCK_MONOTONIC in every process of a host) at the seams of one call:
     callee  reply made                  Server._reply entered
     callee  reply frame sent            Endpoint.send_frame entered
     caller  frame taken, handled, to the agent (as the callee's)
-    caller  reply completed             CallTable.complete entered
-    caller  its drive over              _torch_futures.result entered (the wait's
-                                        next step: a user's thread drives inline)
+    caller  reply unpickled             the agent's plain loads returned (a
+                                        waited call's value then goes to its slot)
+    caller  its drive over              Transport.drive returned on the main
+                                        thread (a user's thread drives inline)
     caller  rpc_sync returned
 
 and prints, per stage (the time from one seam to the next), p10 / p50 /
@@ -49,6 +50,7 @@ import bisect
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -76,8 +78,8 @@ STAGES = (
     ("callee: _reply -> reply frame sent", ("e", "reply"), ("e", "send")),
     ("wire + caller detects the reply", ("e", "send"), ("c", "take")),
     ("caller: take -> agent's _on_message", ("c", "take"), ("c", "message")),
-    ("caller: _on_message -> reply completed", ("c", "message"), ("c", "complete")),
-    ("caller: completed -> its drive over", ("c", "complete"), ("c", "drove")),
+    ("caller: _on_message -> reply unpickled", ("c", "message"), ("c", "complete")),
+    ("caller: unpickled -> its drive over", ("c", "complete"), ("c", "drove")),
     ("caller: drive over -> rpc_sync returned", ("c", "drove"), ("c", "end")),
 )
 
@@ -115,8 +117,7 @@ def _stamp_entry(owner: Any, name: str, seam: str, *, on_return: bool = False) -
 
 def _install() -> None:
     """Wrap the seams, in this process, before the agent starts."""
-    from ucxrpc import _torch_futures
-    from ucxrpc.agent import calls, core, pool, serving
+    from ucxrpc.agent import core, pool, serving
     from ucxrpc.transport import receive
     from ucxrpc.transport.ucx import binding
 
@@ -133,7 +134,10 @@ def _install() -> None:
         _stamp_entry(self, "send_frame", "send")
 
     binding.Endpoint.__init__ = open_stamped  # type: ignore[method-assign]
-    _stamp_entry(calls.CallTable, "complete", "complete")
+    # A waited call's reply (rpc_sync's) goes straight to its slot once
+    # unpickled; a plain one's unpickling is pickle's loads, bound in the
+    # agent's module (any other's is the serializer's loads).
+    _stamp_entry(core, "_loads_plain", "complete", on_return=True)
     # Frames taken off UCX, by a turn's take or a driver's native spin,
     # all reach the receiver through its taken, the native core's
     # Inlet.taken bound on each receiver as it is made (before the loop
@@ -164,7 +168,25 @@ def _install() -> None:
     # thread's idle drive returning on the callee; on the caller, whose
     # RpcAgent.wait drives inline, the wait's next step.
     _stamp_entry(core.RpcAgent, "_drive", "drove", on_return=True)
-    _stamp_entry(_torch_futures, "result", "drove")
+    # The caller's wait drives inline (the transport's drive, bound on it
+    # as it is made): its return on the main thread.
+    from ucxrpc.transport import engine
+    transport_made = engine.Transport.__init__
+
+    def transport_stamped(self: Any, *args: Any, **kwargs: Any) -> None:
+        transport_made(self, *args, **kwargs)
+        drive, stamps, main = self.drive, _STAMPS["drove"], threading.main_thread()
+
+        def drive_stamped(done: Any) -> Any:
+            try:
+                return drive(done)
+            finally:
+                if threading.current_thread() is main:
+                    stamps.append(_ns())
+
+        self.drive = drive_stamped
+
+    engine.Transport.__init__ = transport_stamped  # type: ignore[method-assign]
 
 
 def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:

@@ -46,11 +46,21 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["collect_all", "detach", "fail", "failure", "forward", "install", "result",
-           "wait_all"]
+__all__ = ["PLAIN_WAITS", "collect_all", "detach", "fail", "failure", "forward", "install",
+           "result", "wait_all"]
 
 _Future = torch.futures.Future
-_add_done_callback = torch._C.Future.add_done_callback
+_CFuture = torch._C.Future
+_add_done_callback = _CFuture.add_done_callback
+#: torch's C reads, without torch.futures.Future's Python methods (which
+#: only call them): a call each fewer per future read (issue 52).
+_c_value = _CFuture.value
+_c_wait = _CFuture.wait
+
+#: Future types whose ``wait()`` is torch's own for a future that did not
+#: fail: :func:`wait_all` waits on them in C once it has seen every one
+#: succeed.  ucxrpc's call futures (agent/calls.py) add themselves.
+PLAIN_WAITS: set[type] = {_Future}
 
 
 def _unwrap_codes() -> frozenset[CodeType]:
@@ -83,7 +93,9 @@ def failure(fut: Any) -> BaseException | None:
     value; the exception's traceback is left as the future was given it
     (this read adds nothing that could keep its caller alive)."""
     try:
-        fut.value()
+        # (torch's C read itself where it is one: a subclass's value() may
+        # raise a copy, which _strip would clean the same way)
+        _c_value(fut) if isinstance(fut, _CFuture) else fut.value()
     except BaseException as exc:  # the future's own failure, whatever its type
         _strip(exc, sys._getframe())
         return exc
@@ -207,7 +219,8 @@ def wait_all(futures: list[Any]) -> list[Any]:
     watch.ended.wait()
     if watch.error is not None:
         raise _copy(watch.error)
-    return [fut.wait() for fut in futures]
+    plain = PLAIN_WAITS
+    return [_c_wait(fut) if type(fut) in plain else fut.wait() for fut in futures]
 
 
 def collect_all(futures: list[Any]) -> Any:

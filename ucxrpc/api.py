@@ -164,7 +164,9 @@ def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = 
     leaves its group, and the remote exception with its own type when
     ``func`` raises.
     """
-    agent = _current()
+    agent = _agent  # (_current, inline: a call fewer a call)
+    if agent is None:
+        raise RpcError(_NOT_INITIALIZED)
     try:
         return _call(agent, to, func, args, kwargs, timeout)
     except BrokenError as exc:

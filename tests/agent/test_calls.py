@@ -124,35 +124,42 @@ def test_a_future_completes_where_the_reply_lands_unless_a_callback_is_hooked_on
     assert not calls._settling
 
 
-def test_a_callback_hooked_on_while_the_future_completes_inline_runs_on_its_own_thread() -> None:
+def test_a_callback_hooked_on_while_the_future_completes_inline_runs_on_its_own_thread(
+        table: CallTable) -> None:
     fut = CallFuture()
-    assert fut.claim_inline()  # the completer's side, as CallTable.complete does
+    table.add(1, fut, peer=7)
     ran_on: list[str] = []
     hooker = threading.Thread(target=lambda: fut.then(_thread_of(ran_on)), name="hooker",
                               daemon=True)
-    hooker.start()
-    _wait(lambda: calls._settling.get(id(fut), (0, None))[1] is not None, "the hooker to wait")
-    assert not ran_on and not fut.done()
-    fut.set_result(3)
-    fut.inline_done()
+
+    def midway(_: torch.futures.Future) -> None:
+        # Inside the inline completion (a callback chained in C++, as
+        # wait_all's): the hooker comes now, and must wait for its end.
+        hooker.start()
+        _wait(lambda: calls._settling.get(id(fut), (0, None))[1] is not None,
+              "the hooker to wait")
+        assert not ran_on
+
+    torch._C.Future.add_done_callback(fut, midway)  # torch's: not a hook
+    call = table.pop(1)
+    assert call is not None
+    table.complete(call, value=3)
     hooker.join(10)
     assert ran_on == ["hooker"] and not calls._settling
-    assert not fut.claim_inline()  # hooked now: the next completer uses the pool
+    assert fut.value() == 3
 
 
-def test_a_callback_hooked_on_by_the_completion_itself_runs_at_once() -> None:
+def test_a_callback_hooked_on_by_the_completion_itself_runs_at_once(table: CallTable) -> None:
     # A callback chained in C++ (wait_all's, collect_all's) runs inside the
     # completion; code it runs may hook a callback onto the same future.
     fut = CallFuture()
+    table.add(1, fut, peer=7)
     ran: list[int] = []
-
-    def complete() -> None:
-        assert fut.claim_inline()
-        fut.set_result(4)
-        fut.then(lambda f: ran.append(f.value()))  # as a chained callback would
-        fut.inline_done()
-
-    completer = threading.Thread(target=complete, daemon=True)
+    torch._C.Future.add_done_callback(
+        fut, lambda f: f.then(lambda g: ran.append(g.value())))  # as a chained one would
+    call = table.pop(1)
+    assert call is not None
+    completer = threading.Thread(target=table.complete, args=(call, 4), daemon=True)
     completer.start()
     completer.join(10)
     assert not completer.is_alive(), "the completion waited for itself"

@@ -181,6 +181,47 @@ def test_a_large_bundle_of_one_dtype_is_sent_from_its_tensors():
 
 
 
+def test_tensors_received_in_one_bundle_and_sent_on_in_order_go_as_its_range():
+    # An echo: the received tensors are views of one buffer, back to back.
+    msg = {f"t{i}": torch.full((1024,), float(i)) for i in range(100)}
+    p = SER.dumps(msg)
+    (received,) = _wire(p)
+    back = SER.loads(p.payload, [received])
+    for name, keys in (("all", list(back)), ("a run within", list(back)[10:60])):
+        again = SER.dumps({k: back[k] for k in keys})
+        (sent,) = again.buffers
+        assert isinstance(sent, torch.Tensor) and sent.dtype is torch.uint8, name
+        start = keys[0][1:]
+        assert sent.data_ptr() == received.data_ptr() + int(start) * 4096, name
+        assert sent.numel() == len(keys) * 4096, name
+        out = SER.loads(again.payload, [sent.clone()])
+        assert all(torch.equal(out[k], msg[k]) for k in keys), name
+
+
+def test_tensors_out_of_their_order_are_gathered_from_where_they_are():
+    msg = {f"t{i}": torch.full((1024,), float(i)) for i in range(100)}
+    p = SER.dumps(msg)
+    back = SER.loads(p.payload, _wire(p))
+    flipped = {k: back[k] for k in reversed(list(back))}
+    again = SER.dumps(flipped)
+    (sent,) = again.buffers
+    assert isinstance(sent, Gather)
+    out = SER.loads(again.payload, [sent.joined()])
+    assert all(torch.equal(out[k], msg[k]) for k in msg)
+
+
+def test_back_to_back_memory_past_the_first_storage_is_not_one_range():
+    from ucxrpc.serialization import bundle
+    block = torch.zeros(2 * 65536)
+    halves = list(block.split(65536))
+    got = bundle._span(halves[0], [t.data_ptr() for t in halves], [262144, 262144], 524288)
+    assert got is not None and got.numel() == 524288 and got.data_ptr() == block.data_ptr()
+    # Memory right after a storage's end belongs to some other allocation:
+    # a tensor over both is no range of the first.
+    small = torch.zeros(4)
+    assert bundle._span(small, [small.data_ptr(), small.data_ptr() + 16], [16, 16], 32) is None
+
+
 def test_a_gathered_tensor_that_requires_grad_arrives_with_its_flag():
     msg = [torch.full((1024,), float(i)) for i in range(99)] + [torch.ones(1024, requires_grad=True)]
     p = SER.dumps(msg)  # not a run (one requires grad): each bundled alone

@@ -57,6 +57,10 @@ _settling: dict[int, tuple[int, threading.Event | None]] = {}
 
 #: torch._C.Future's constructor (CallFuture.__init__).
 _future_init = torch._C.Future.__init__
+#: torch._C.Future's set_result: what torch.futures.Future's Python method
+#: calls, without it (CallTable.complete).
+_set_result = torch._C.Future.set_result
+_get_ident = threading.get_ident
 
 
 class CallFuture(torch.futures.Future):
@@ -117,20 +121,13 @@ class CallFuture(torch.futures.Future):
                 _settling[key] = (completer, event)
         event.wait()
 
-    def claim_inline(self) -> bool:
-        """Whether the completer may complete this future inline (no
-        callback hooked on); if so it must call :meth:`inline_done` after."""
-        with _hooks:
-            if self._hooked:
-                return False
-            _settling[id(self)] = (threading.get_ident(), None)
-            return True
+    # (Completed by CallTable.complete, which claims it for an inline
+    # completion in _settling itself: see _hook.)
 
-    def inline_done(self) -> None:
-        with _hooks:
-            _, event = _settling.pop(id(self))
-        if event is not None:
-            event.set()
+
+# Its wait() differs from torch's only for a failed call (it raises a copy):
+# wait_all, which has seen every future succeed, waits on it in C.
+_torch_futures.PLAIN_WAITS.add(CallFuture)
 
 
 #: Where an ``rpc_sync`` call's reply lands: its caller drives the loop
@@ -253,13 +250,29 @@ class CallTable:
         here, or on the callback pool where a callback was hooked on."""
         fut = call.future
         if isinstance(fut, CallFuture) and not call.waited and not self._closed:
-            if fut.claim_inline():
-                try:
-                    _settle(fut, value, exc)
-                finally:
-                    fut.inline_done()
+            # Inline unless a callback was hooked on: claimed in _settling
+            # under _hooks, against a callback hooked on meanwhile, which
+            # then waits for the completion (CallFuture._hook).  (The claim,
+            # the settling and its end written out here, not as methods:
+            # four Python calls every rpc_async reply; issue 52.)
+            with _hooks:
+                hooked = fut._hooked
+                if not hooked:
+                    key = id(fut)
+                    _settling[key] = (_get_ident(), None)
+            if hooked:
+                self._callbacks.submit(_settle, fut, value, exc)
                 return
-            self._callbacks.submit(_settle, fut, value, exc)
+            try:
+                if exc is None:
+                    _set_result(fut, value)
+                else:
+                    fut.set_exception(exc)
+            finally:
+                with _hooks:
+                    _, event = _settling.pop(key)
+                if event is not None:
+                    event.set()
             return
         if exc is None:  # (_settle, inline: every rpc_sync reply comes here)
             fut.set_result(value)
@@ -287,6 +300,7 @@ class CallTable:
 
 def _settle(fut: torch.futures.Future | SyncReply, value: Any,
             exc: BaseException | None) -> None:
+    """Complete ``fut`` (a hooked one, on the callback pool)."""
     if exc is None:
         fut.set_result(value)
     else:

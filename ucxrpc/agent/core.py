@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import pickle
+import sys
 import threading
 import time
 from typing import Any, Callable, Literal, overload
@@ -25,7 +26,7 @@ import torch
 from .. import _torch_futures, devices, timeouts
 from . import rendezvous
 from ..serialization import envelope
-from .pool import WorkerPool
+from .pool import WorkerPool, this_thread as pool_thread
 from ..errors import ClosedError, FrameError, SerializationError
 from ..options import UcxRpcBackendOptions
 from ..serialization.pickler import Serializer, unpickling_error
@@ -451,7 +452,7 @@ class RpcAgent:
     def wait(self, fut: torch.futures.Future | SyncReply) -> Any:
         """``fut.wait()`` that lets the pool replace a thread blocked here,
         and that handles the reply on this thread while polling pays."""
-        if not self._pool.owns_this_thread():
+        if getattr(pool_thread, "pool", None) is not self._pool:  # (owns_this_thread, inline)
             # A user's thread: no pool to tell (and no context manager's
             # four calls per rpc_sync; issue 52).
             if not fut.done():
@@ -459,7 +460,12 @@ class RpcAgent:
                 # (_drive, inline: a call fewer every rpc_sync; issue 52)
                 if not self.transport.drive(done) and not done():
                     self.transport.wake()
-            return _torch_futures.result(fut)
+            # (_torch_futures.result, inline: a call fewer every rpc_sync)
+            try:
+                return fut.wait()
+            except Exception as exc:
+                error = _torch_futures.detach(exc, sys._getframe())
+            raise error
         with self._pool.blocking():
             if not fut.done():
                 self._drive(fut.done)
@@ -515,7 +521,12 @@ class RpcAgent:
                 self.calls.complete(call, exc=SerializationError(
                     f"cannot decode the response from {self.members.name_of(peer)}: {exc}"))
                 return
-            self.calls.complete(call, value)
+            if call.waited:
+                # (CallTable.complete's way for a waited call, inline: every
+                # rpc_sync's reply, a call fewer; issue 52)
+                call.future.set_result(value)
+            else:
+                self.calls.complete(call, value)
         else:  # ERROR
             call = self.calls.pop(msg_id)
             if call is not None:

@@ -52,6 +52,11 @@ IDLE_SHARE = 0.5
 STALL_MAX_S = 0.05
 
 _local = threading.local()
+#: The calling thread's state as a pool's thread: ``this_thread.pool`` is
+#: the pool it belongs to (absent on any other thread), for a caller that
+#: asks every call without a Python call (``getattr(this_thread, "pool",
+#: None) is pool``, as :meth:`WorkerPool.owns_this_thread`; issue 52).
+this_thread = _local
 _STOP = object()
 
 
@@ -189,7 +194,9 @@ class WorkerPool:
             self.running += 1
             if self._active - len(self._tasks) <= self._blocked:
                 self._wake_one()  # no thread runs a task: none would come for it
-            else:
+            elif self._watch_idle or self._watchdog is None:
+                # (the watchdog watches already otherwise: in a burst, every
+                # request but the first; a call fewer each, issue 52)
                 self._arm_watchdog()
 
     def _arm_watchdog(self) -> None:
@@ -332,7 +339,7 @@ class WorkerPool:
                 self._waking -= 1  # every wake-up is counted by its waker
             item = self._tasks.popleft()
             self._taken_at = time.monotonic()
-            if self._tasks:
+            if self._tasks and (self._watch_idle or self._watchdog is None):
                 self._arm_watchdog()  # queued in a burst that woke only this thread
             return item
 

@@ -204,7 +204,8 @@ class Server:
             if _debug(logging.DEBUG) is not False and logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s: replied to call %d from %s (%d buffers)", agent.info.name,
                              msg_id, agent.members.name_of(peer), len(buffers))
-        self._answered()
+        with self._lock:  # (_answered, inline: every reply; issue 52)
+            self.unanswered -= 1
 
     def _reply_error(self, peer: int, msg_id: int, exc: BaseException) -> None:
         agent = self._agent

@@ -270,6 +270,9 @@ class Transport:
             # The host's path (see drive): the loop's own drive, bound over
             # the method, a call fewer every wait (issue 52).
             self.drive = self._loop.drive  # type: ignore[method-assign, assignment]
+        # The loop's own wake (C), bound over the method: every rpc_async
+        # wakes the loop (issue 52).
+        self.wake = self._loop.wake  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ API
 
