@@ -52,9 +52,8 @@ __all__ = ["PLAIN_WAITS", "collect_all", "detach", "fail", "failure", "forward",
 _Future = torch.futures.Future
 _CFuture = torch._C.Future
 _add_done_callback = _CFuture.add_done_callback
-#: torch's C reads, without torch.futures.Future's Python methods (which
-#: only call them): a call each fewer per future read (issue 52).
-_c_value = _CFuture.value
+#: torch's C wait, without torch.futures.Future's Python method (which
+#: only calls it): a call fewer per future waited on (issue 52).
 _c_wait = _CFuture.wait
 
 #: Future types whose ``wait()`` is torch's own for a future that did not
@@ -93,9 +92,10 @@ def failure(fut: Any) -> BaseException | None:
     value; the exception's traceback is left as the future was given it
     (this read adds nothing that could keep its caller alive)."""
     try:
-        # (torch's C read itself where it is one: a subclass's value() may
-        # raise a copy, which _strip would clean the same way)
-        _c_value(fut) if isinstance(fut, _CFuture) else fut.value()
+        # (the future's own value(): a call future's raises a copy, which
+        # this returns; torch's C read would hand out the object the future
+        # holds, to be shared with whatever is failed with it next)
+        fut.value()
     except BaseException as exc:  # the future's own failure, whatever its type
         _strip(exc, sys._getframe())
         return exc

@@ -8,9 +8,9 @@
 on ``kind``; the transport has already checked sizes and authenticated the
 frame before the agent sees it, and the body is unpickled only then.
 
-``flags``: :data:`PLAIN`, or 0.  A receiver ignores flags it does not know
-(a peer of this version sent 0 always), so a flag changes nothing for a
-receiver that does not look at it.
+``flags``: :data:`PLAIN`, or 0.  Before PLAIN every sender wrote 0 and
+every receiver ignored the field; a receiver still ignores the flags it
+does not know, so a flag changes nothing for one that does not look.
 """
 
 from __future__ import annotations
