@@ -11,6 +11,7 @@ with every read, and that what the caller gets is the error as it was.
 from __future__ import annotations
 
 import gc
+import threading
 import traceback
 import weakref
 
@@ -182,3 +183,26 @@ def test_a_call_futures_wait_and_value_raise_copies():
     ok = CallFuture()
     ok.set_result(3)
     assert ok.wait() == 3 and ok.value() == 3
+
+
+@pytest.mark.parametrize("cls", [torch.futures.Future, CallFuture])
+def test_wait_all_over_futures_done_already_fails_fast_and_keeps_order(cls):
+    # wait_all mostly finds a burst's futures done: it reads those at once,
+    # and watches only the rest (the same outcome as torch's callbacks).
+    done = [cls() for _ in range(3)]
+    for i, fut in enumerate(done):
+        fut.set_result(i)
+    pending = cls()
+    later = threading.Timer(0.05, pending.set_result, args=(3,))
+    later.start()
+    assert futures.wait_all(done + [pending]) == [0, 1, 2, 3]
+    later.join()
+    never = cls()  # never completed: a failure done already must not wait for it
+    with pytest.raises(ValueError, match="a done failure"):
+        futures.wait_all([done[0], never, _failed(ValueError("a done failure"), cls)])
+    got = futures.collect_all(done).wait()
+    assert [f.value() for f in got] == [0, 1, 2]
+    failed = futures.collect_all([never, _failed(ValueError("collected"), cls)])
+    assert failed.done()
+    with pytest.raises(ValueError, match="collected"):
+        failed.wait()

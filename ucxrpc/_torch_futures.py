@@ -52,6 +52,7 @@ __all__ = ["PLAIN_WAITS", "collect_all", "detach", "fail", "failure", "forward",
 _Future = torch.futures.Future
 _CFuture = torch._C.Future
 _add_done_callback = _CFuture.add_done_callback
+_is_done = _CFuture.done
 #: torch's C wait, without torch.futures.Future's Python method (which
 #: only calls it): a call fewer per future waited on (issue 52).
 _c_wait = _CFuture.wait
@@ -183,11 +184,18 @@ class _FirstFailure:
         if not futures:
             self._end()
         for fut in futures:
-            # torch's own method, not a subclass's: this callback only notes
-            # the outcome, so a ucxrpc call's future may run it where it is
-            # completed (agent/calls.py hands futures with user callbacks to
-            # a pool instead).
-            _add_done_callback(fut, self._done)
+            if _is_done(fut):
+                # What torch would do at once for a done future, without its
+                # callback machinery (a wrapper, a release of the GIL, a call
+                # back in): wait_all mostly finds a burst's futures done
+                # (issue 52).
+                self._done(fut)
+            else:
+                # torch's own method, not a subclass's: this callback only
+                # notes the outcome, so a ucxrpc call's future may run it
+                # where it is completed (agent/calls.py hands futures with
+                # user callbacks to a pool instead).
+                _add_done_callback(fut, self._done)
 
     def _done(self, fut: Any) -> None:
         exc = failure(fut)  # value(), not wait(): no stream work on this thread
