@@ -96,6 +96,41 @@ def test_a_burst_is_served_by_the_running_thread_not_one_thread_per_request(monk
         pool.close()
 
 
+def test_a_request_queued_as_the_thread_ends_its_task_waits_for_that_thread(monkeypatch):
+    # Between the end of a task and its next look at the queue, a thread is
+    # on its way to it, as a woken one is: a request queued then (by the
+    # progress thread, on a callee) is its next task.  Counted off in that
+    # window, it woke or started another thread, and a callee's pool grew
+    # to six threads in rpc_async bursts (benchmarks/runs/BB.md).
+    monkeypatch.setattr(_pool, "WATCH_WINDOW_S", 60.0)
+    monkeypatch.setattr(_pool, "STALL_MAX_S", 60.0)
+    ran: list[int] = []
+    sent = threading.Event()
+    pool: WorkerPool
+
+    def in_the_window() -> None:
+        # on_quiet runs on the pool thread right after its task ended, before
+        # its next look at the queue: another thread submits meanwhile.
+        if sent.is_set():
+            return
+        sent.set()
+        other = threading.Thread(target=pool.submit, args=(ran.append, 2))
+        other.start()
+        other.join(10)
+
+    pool = WorkerPool(8, on_quiet=in_the_window)
+    try:
+        pool.submit(ran.append, 1)
+        assert sent.wait(10)
+        deadline = time.monotonic() + 10
+        while len(ran) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ran == [1, 2]
+        assert len(pool._threads) == 1 and pool._waking == 0
+    finally:
+        pool.close()
+
+
 def test_queued_work_behind_a_blocked_thread_gets_a_thread_of_its_own():
     # The first task waits for the second, and does not say so (no
     # pool.blocking(): a plain Event, as a user function may).  Only the

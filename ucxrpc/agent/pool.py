@@ -290,7 +290,6 @@ class WorkerPool:
         arriving = True  # started by _wake_one: counted in _waking
         while True:
             item = self._next(arriving)
-            arriving = False
             if item is _STOP:
                 return
             fn, args = item
@@ -305,6 +304,15 @@ class WorkerPool:
                 self._active -= 1
                 self.running -= 1
                 quiet = self._active == self._blocked
+                # On its way to the queue (or to idle_wait), as a thread just
+                # woken is: a request the progress thread queues meanwhile
+                # waits for this thread, not for one more.  Counted off
+                # here, in that window every such request found no thread
+                # running a task and none coming, and woke a sleeping thread
+                # or started a new one; a callee's pool grew to six threads
+                # in rpc_async bursts, all contending for the GIL (Run BB).
+                self._waking += 1
+            arriving = True
             # A thread about to wait in idle_wait polls (or wakes the
             # transport) itself.
             if quiet and (self._idle_wait is None or self._tasks):
