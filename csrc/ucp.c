@@ -5,12 +5,26 @@
  * object per message, ~20 Python-level calls a round trip: Run AM).  The
  * rules they kept hold here, in C:
  *
- * - The GIL.  Every call that takes the worker's lock (send, probe,
- *   receive, posting a receive, cancel, free) releases the GIL: a thread
- *   inside ucxx's progress holds that lock and may call back into Python (an
- *   endpoint's close callback), so waiting for the lock with the GIL held
- *   could deadlock.  ucp_request_check_status only reads the request and
- *   keeps the GIL.
+ * - The GIL.  A thread inside a UCX call holds the worker's lock and may
+ *   call back into Python (ucxx's close callback of an endpoint that
+ *   failed: from UCX's progress, and from a send on that endpoint), so a
+ *   thread that waits for that lock with the GIL held could deadlock.
+ *   Every UCX call that takes the worker's lock (libucp's here, ucxx's
+ *   through ucx_call) counts itself in `inside` while it runs, taking that
+ *   count with the GIL held and giving it back before it takes the GIL
+ *   again.  A call keeps the GIL only where no other thread is inside and
+ *   it moves little data (HOLD_MAX): no thread can then hold the lock
+ *   while wanting the GIL, and none can enter before this one lets go of
+ *   it (a callback inside this one that drops the GIL leaves the count
+ *   taken, so others then release it as they wait).  Elsewhere it releases
+ *   the GIL as before.  Releasing it on every send was the cost: a thread
+ *   that drops and retakes the GIL thousands of times a second starves one
+ *   waiting for it (CPython asks the holder to drop it only after an
+ *   interval with no switch, and each retake is one), so a caller's
+ *   progress thread sat ~90 ms without the GIL while the caller issued
+ *   rpc_async calls, its sends stuck in UCX and the callee idle
+ *   (benchmarks/runs/BC.md).  ucp_request_check_status only reads the
+ *   request and keeps the GIL.
  * - Ownership.  A request left in flight belongs to whoever holds its
  *   UcpRequest: only that thread looks at it, and it frees it the first time
  *   it sees it complete.  The request keeps its memory (`keep`) alive till
@@ -71,6 +85,36 @@ static const abi_request_param_t cuda_param = {
 static PyObject *failure_fn; /* failures.request_failed(detail, status) */
 static PyObject *done_obj;   /* UCP_DONE: every request that completed at once */
 
+/* Threads inside a UCX call (the GIL rule above).  Counted up with the GIL
+ * held, down with or without it. */
+static int inside;
+/* A send or receive of at most this many bytes keeps the GIL where no other
+ * thread is inside: a copy into or out of the shared-memory FIFO, or a
+ * socket's buffer, of a few microseconds.  A larger one lets other threads
+ * run meanwhile. */
+#define HOLD_MAX (64 << 10)
+
+static void enter(void) { __atomic_add_fetch(&inside, 1, __ATOMIC_ACQ_REL); }
+static void leave(void) { __atomic_sub_fetch(&inside, 1, __ATOMIC_ACQ_REL); }
+static int quiet(void) { return __atomic_load_n(&inside, __ATOMIC_ACQUIRE) == 0; }
+
+/* Run `stmt`, a libucp call that takes the worker's lock, counted as
+ * inside: with the GIL kept where `keep` and no other thread is inside,
+ * else released. */
+#define UCX_CALL(keep, stmt)                   \
+    do {                                       \
+        if ((keep) && quiet()) {               \
+            enter();                           \
+            stmt;                              \
+            leave();                           \
+        } else {                               \
+            enter();                           \
+            Py_BEGIN_ALLOW_THREADS stmt;       \
+            leave();                           \
+            Py_END_ALLOW_THREADS               \
+        }                                      \
+    } while (0)
+
 /* ------------------------------------------------------------ requests */
 
 typedef struct {
@@ -98,9 +142,7 @@ static void request_settle(Request *r, abi_ucs_status_t status) {
     void *ptr = r->ptr;
     r->ptr = NULL;
     r->status = status;
-    Py_BEGIN_ALLOW_THREADS
-    ucp.free(ptr);
-    Py_END_ALLOW_THREADS
+    UCX_CALL(1, ucp.free(ptr));
     Py_CLEAR(r->keep);
 }
 
@@ -243,20 +285,23 @@ static int host_span(PyObject *buf, int writable, void **addr, size_t *len) {
  * of host memory, an I/O vector of host memory, or CUDA memory. */
 typedef enum { SEND, SEND_IOV, SEND_DEVICE, RECV, RECV_DEVICE } op_t;
 
-/* Post `op` on handle `h` (an endpoint for sends, a worker for receives)
- * with the GIL released (the call takes the worker's lock); the request
- * holds `keep`. */
+static abi_ucs_status_ptr_t post_call(op_t op, void *h, void *addr, size_t len, uint64_t tag) {
+    switch (op) {
+    case SEND: return ucp.send(h, addr, len, tag, &host_param);
+    case SEND_IOV: return ucp.send(h, addr, len / sizeof(abi_dt_iov_t), tag, &iov_param);
+    case SEND_DEVICE: return ucp.send(h, addr, len, tag, &cuda_param);
+    case RECV: return ucp.tag_recv(h, addr, len, tag, FULL_MASK, &host_param);
+    default: return ucp.tag_recv(h, addr, len, tag, FULL_MASK, &cuda_param);
+    }
+}
+
+/* Post `op` on handle `h` (an endpoint for sends, a worker for receives;
+ * the call takes the worker's lock: a small host send or receive keeps the
+ * GIL where it may, the rest release it); the request holds `keep`. */
 static PyObject *post(op_t op, void *h, void *addr, size_t len, uint64_t tag, PyObject *keep) {
     abi_ucs_status_ptr_t p;
-    Py_BEGIN_ALLOW_THREADS
-    switch (op) {
-    case SEND: p = ucp.send(h, addr, len, tag, &host_param); break;
-    case SEND_IOV: p = ucp.send(h, addr, len / sizeof(abi_dt_iov_t), tag, &iov_param); break;
-    case SEND_DEVICE: p = ucp.send(h, addr, len, tag, &cuda_param); break;
-    case RECV: p = ucp.tag_recv(h, addr, len, tag, FULL_MASK, &host_param); break;
-    default: p = ucp.tag_recv(h, addr, len, tag, FULL_MASK, &cuda_param); break;
-    }
-    Py_END_ALLOW_THREADS
+    UCX_CALL((op == SEND || op == RECV) && len <= HOLD_MAX,
+             p = post_call(op, h, addr, len, tag));
     return outcome(p, keep);
 }
 
@@ -334,9 +379,7 @@ static int worker_match(PyObject *const *args, void **worker, uint64_t *tag, uin
 static abi_ucp_tag_message_h take_one(void *worker, uint64_t tag, uint64_t mask,
                                       abi_tag_recv_info_t *info) {
     abi_ucp_tag_message_h msg;
-    Py_BEGIN_ALLOW_THREADS
-    msg = ucp.probe(worker, tag, mask, 1, info);
-    Py_END_ALLOW_THREADS
+    UCX_CALL(1, msg = ucp.probe(worker, tag, mask, 1, info));
     return msg;
 }
 
@@ -365,9 +408,7 @@ static PyObject *py_receive(PyObject *self, PyObject *const *args, Py_ssize_t na
         as_ptr(args[2], &msg) < 0)
         return NULL;
     abi_ucs_status_ptr_t p;
-    Py_BEGIN_ALLOW_THREADS
-    p = ucp.msg_recv(worker, addr, len, msg, &host_param);
-    Py_END_ALLOW_THREADS
+    UCX_CALL(len <= HOLD_MAX, p = ucp.msg_recv(worker, addr, len, msg, &host_param));
     return outcome(p, args[1]);
 }
 
@@ -389,9 +430,7 @@ static void drop_taken(void *worker, abi_ucp_tag_message_h msg) {
     static char sink;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    Py_BEGIN_ALLOW_THREADS
-    ucp.msg_recv(worker, &sink, 1, msg, &host_param);
-    Py_END_ALLOW_THREADS
+    UCX_CALL(1, ucp.msg_recv(worker, &sink, 1, msg, &host_param));
     PyErr_Restore(type, value, tb);
 }
 
@@ -427,9 +466,8 @@ static PyObject *take_all(void *worker, uint64_t tag, uint64_t mask, Py_ssize_t 
                 return NULL;
             }
             abi_ucs_status_ptr_t p;
-            Py_BEGIN_ALLOW_THREADS
-            p = ucp.msg_recv(worker, addr, (size_t)length, msg, &host_param);
-            Py_END_ALLOW_THREADS
+            UCX_CALL(length <= HOLD_MAX,
+                        p = ucp.msg_recv(worker, addr, (size_t)length, msg, &host_param));
             PyObject *req = outcome(p, buf); /* from here the request holds buf */
             if (req) item = Py_BuildValue("(KnNN)", (unsigned long long)info.sender_tag, length,
                                           req, buf);
@@ -484,9 +522,7 @@ static PyObject *py_cancel(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Request *r = (Request *)args[1];
     if (!r->ptr || r->status != ABI_UCS_INPROGRESS) return PyLong_FromLong(0);
     void *ptr = r->ptr;
-    Py_BEGIN_ALLOW_THREADS
-    ucp.cancel(worker, ptr);
-    Py_END_ALLOW_THREADS
+    UCX_CALL(1, ucp.cancel(worker, ptr));
     return PyLong_FromLong(1);
 }
 
@@ -522,10 +558,11 @@ enum { SPIN_FRAME = 0, SPIN_LATE = 1, SPIN_BUDGET = 2, SPIN_WOKEN = 3 };
  * ucxx's call and one for the rest): ucxx's adds only its delayed
  * submissions (ucxrpc makes none) and the requests of its own it was asked
  * to cancel, under a mutex and a hash table's clear every call (Run AP:
- * 2.2% of a no-op's samples, its mutex besides).  The loop's turns still
- * call ucxx's, so those wait at most one budget.  A callback UCX runs from its progress (an
+ * 2.2% of a no-op's samples, its mutex besides).  The loop's turns call
+ * libucp's too (ucp_progress); ucxx's runs each time the loop goes idle
+ * (binding.py's Worker.arm).  A callback UCX runs from its progress (an
  * endpoint's error callback into ucxx) takes the GIL itself, as it does on
- * ucxx's progress thread. */
+ * ucxx's progress thread: the round is counted as inside (the GIL rule). */
 static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     NARGS("ucp_spin", 8);
     void *worker;
@@ -541,10 +578,12 @@ static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int why = SPIN_BUDGET;
     for (;;) {
         int found = 0, woken = 0, spent = 0;
+        enter(); /* the GIL rule: counted before the GIL goes, */
         Py_BEGIN_ALLOW_THREADS
         abi_tag_recv_info_t info;
         ucp.worker_progress(worker);
         found = ucp.probe(worker, tag, mask, 0, &info) != NULL;
+        leave(); /* and given back before it is taken again */
         if (!found) {
             uint64_t v;
             woken = read(fd, &v, sizeof v) == (ssize_t)sizeof v;
@@ -586,6 +625,39 @@ static PyObject *py_spin(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         if (!(taken = take_all(worker, tag, mask, small, alloc))) return NULL;
     }
     return Py_BuildValue("(ildN)", why, quick, why == SPIN_LATE ? took : 0.0, taken);
+}
+
+/* ucp_progress(worker) -> events: UCX's progress, libucp's own (as the
+ * spin's: ucxx's adds only its own bookkeeping, which the loop runs when it
+ * goes idle, through ucx_call), counted as inside, the GIL released. */
+static PyObject *py_progress(PyObject *self, PyObject *arg) {
+    void *worker;
+    if (!ready() || as_ptr(arg, &worker) < 0) return NULL;
+    unsigned n;
+    UCX_CALL(0, n = ucp.worker_progress(worker));
+    return PyLong_FromUnsignedLong(n);
+}
+
+/* ucx_call(fn, *args) -> fn(*args), counted as inside UCX (the GIL rule):
+ * for ucxx's calls (its progress, creating, closing and arming, its
+ * sends).  ucxx retakes the GIL before this gives the count back:
+ * meanwhile other threads release the GIL around their UCX calls, as they
+ * always did. */
+static PyObject *py_ucx_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "ucx_call() takes the function to call");
+        return NULL;
+    }
+    enter();
+    PyObject *r = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), NULL);
+    leave();
+    return r;
+}
+
+/* ucx_inside() -> how many threads are inside a UCX call (diagnostics and
+ * tests). */
+static PyObject *py_ucx_inside(PyObject *self, PyObject *unused) {
+    return PyLong_FromLong(__atomic_load_n(&inside, __ATOMIC_ACQUIRE));
 }
 
 static void *symbol(void *lib, const char *name, const char *path) {
@@ -694,6 +766,12 @@ PyMethodDef core_ucp_methods[] = {
      "quick yields, late seconds, frames taken or None): idle turns without Python; "
      "why: 0 frames (taken as ucp_take takes them), 1 late yield, 2 budget spent, "
      "3 woken."},
+    {"ucp_progress", (PyCFunction)py_progress, METH_O,
+     "ucp_progress(worker) -> events: libucp's progress, counted as inside UCX."},
+    {"ucx_call", (PyCFunction)(void (*)(void))py_ucx_call, METH_FASTCALL,
+     "ucx_call(fn, *args) -> fn(*args), counted as inside UCX (a call into ucxx)."},
+    {"ucx_inside", (PyCFunction)py_ucx_inside, METH_NOARGS,
+     "ucx_inside() -> threads inside a UCX call."},
     {"ucp_abi", (PyCFunction)py_abi, METH_NOARGS,
      "ucp_abi() -> the offsets, sizes and constants the core assumes of libucp."},
     {NULL, NULL, 0, NULL}};

@@ -26,7 +26,7 @@ from ..wire.gather import Gather
 from .failures import endpoint_closed, endpoint_failed, open_failed, request_failed
 from .environment import _NEED_CUDA_COPY, environment_problem, ucx_environment
 from .sockets import cut_stuck, tcp_sockets
-from .ucp import THREAD_MODE_MULTI, THREAD_MODES, UcpRequest, loaded_library, ucp
+from .ucp import THREAD_MODE_MULTI, THREAD_MODES, UcpRequest, loaded_library, ucp, ucx_call
 
 #: The longest silence (no acknowledgement of data retransmitted) after
 #: which a discarded endpoint's connections are taken as stuck; half the
@@ -141,7 +141,8 @@ class Endpoint:
         ucx = worker.ucx
         try:
             addr = ucx.UCXAddress.create_from_buffer(address)
-            self._ep = worker.raw.create_endpoint_from_worker_address(addr, True)
+            # (ucx_call: may run UCX's progress, see .ucp)
+            self._ep = ucx_call(worker.raw.create_endpoint_from_worker_address, addr, True)
         except Exception as exc:
             raise open_failed(exc) from exc
         self._ucx = ucx
@@ -177,7 +178,8 @@ class Endpoint:
             return self._ucp.send_device(self._handle, buf.data_ptr(),
                                          buf.numel() * buf.element_size(), tag, buf)
         src = as_array_source(buf)
-        return UcxxRequest(self._ep.tag_send(self._Array(src), self._ucx.UCXXTag(tag)), (buf, src))
+        return UcxxRequest(ucx_call(self._ep.tag_send, self._Array(src), self._ucx.UCXXTag(tag)),
+                           (buf, src))
 
     def send_frame(self, frame: np.ndarray, tag: int) -> Request:
         """Send a frame as :func:`..wire.frame.encode` made it (a fresh,
@@ -226,10 +228,9 @@ class Endpoint:
         self._handle = 0
         try:
             self._ep.remove_close_callback()
-            if force:
-                self._ep.close_blocking()
-            else:
-                self._ep.close()
+            # Counted as inside UCX (.ucp): close_blocking progresses the
+            # worker until the close ends, running other endpoints' callbacks.
+            ucx_call(self._ep.close_blocking if force else self._ep.close)
         except Exception:
             logger.debug("endpoint %s failed", "discard" if force else "close", exc_info=True)
         _retired.append(self._ep)
@@ -300,9 +301,15 @@ class Worker:
         self._ucp = ucp()
         self._handle = int(self.raw.handle)
         check_thread_mode(self._ucp.thread_mode(self._handle))
-        #: ``progress()``: ucxx's own, bound here rather than wrapped (the
-        #: loop calls it once or more a turn; issue 52).
-        self.progress: Callable[[], Any] = self.raw.progress
+        #: ``progress()``: libucp's own, counted as inside UCX (.ucp), bound
+        #: here rather than wrapped (the loop calls it once or more a turn;
+        #: issue 52).  ucxx's progress adds only its own bookkeeping (the
+        #: requests of its own it was asked to cancel; ucxrpc makes no
+        #: delayed submissions): :meth:`arm` runs it each time the loop goes
+        #: idle.  Not ucxx's every turn: it retakes the GIL inside ucxx,
+        #: still counted, so a sender meanwhile releases the GIL, and each
+        #: such release is one more for a thread waiting for it (.ucp).
+        self.progress: Callable[[], Any] = functools.partial(self._ucp.progress, self._handle)
 
     def spinner(self, tag: int, mask: int, small: int
                 ) -> Callable[[int, float, float], tuple[int, int, float, list[Taken] | None]]:
@@ -313,8 +320,11 @@ class Worker:
         return functools.partial(self._ucp.spin, self._handle, tag, mask, small, _frame_buffer)
 
     def arm(self) -> bool:
-        """True when armed (sleep is safe); False when events are pending."""
-        return bool(self.raw.arm())
+        """True when armed (sleep is safe); False when events are pending.
+        ucxx's own progress first (see ``progress``), both counted as
+        inside UCX."""
+        ucx_call(self.raw.progress)
+        return bool(ucx_call(self.raw.arm))
 
     def probe(self, tag: int, mask: int) -> Probe | None:
         """Take a message matching ``tag``/``mask`` off the unexpected queue;
@@ -362,7 +372,8 @@ class Worker:
             return self._ucp.tag_recv_device(self._handle, buf.data_ptr(),
                                              buf.numel() * buf.element_size(), tag, buf)
         src = as_array_source(buf)
-        return UcxxRequest(self.raw.tag_recv(self.Array(src), self.ucx.UCXXTag(tag)), (buf, src))
+        return UcxxRequest(ucx_call(self.raw.tag_recv, self.Array(src), self.ucx.UCXXTag(tag)),
+                           (buf, src))
 
     def info(self) -> str:
         return str(self._ctx.info)

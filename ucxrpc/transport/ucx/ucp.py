@@ -20,9 +20,13 @@ would take a memory handle mapped once (``UCP_OP_ATTR_FIELD_MEMH`` over
 ``ucp_mem_map``'d regions).  Empty buffers go through ucxx.
 
 The calls themselves are the native core's (``csrc/ucp.c``, which states
-the two rules that keep them safe beside ucxx: the GIL released around
-every call that takes the worker's lock, and a request owned, looked at
-and freed by one thread, keeping its memory alive till it completes).
+the two rules that keep them safe beside ucxx: the GIL released by a
+thread that waits for the worker's lock while another may be inside UCX's
+progress, calling back into Python, and a request owned, looked at and
+freed by one thread, keeping its memory alive till it completes).  Every
+call into UCX that may call back into Python counts itself while inside:
+libucp's progress here (``progress``), ucxx's calls through
+:func:`ucx_call`; a small send or receive keeps the GIL while none is.
 Through ctypes, as before, each call cost a foreign call and a Python
 request object (~20 Python-level calls per round trip, Run AM).  This
 module binds them to the very libucp ucxx loaded, and keeps in ctypes the
@@ -37,13 +41,13 @@ from typing import Any
 
 from ..._core import UCP_DONE
 from ..._core import UcpRequest as _Request
-from ..._core import (ucp_bind, ucp_cancel, ucp_probe, ucp_receive, ucp_send, ucp_send_device,
-                      ucp_send_iov, ucp_spin, ucp_tag_recv,
-                      ucp_tag_recv_device, ucp_take)
+from ..._core import (ucp_bind, ucp_cancel, ucp_probe, ucp_progress, ucp_receive, ucp_send,
+                      ucp_send_device, ucp_send_iov, ucp_spin, ucp_tag_recv,
+                      ucp_tag_recv_device, ucp_take, ucx_call, ucx_inside)
 from .failures import request_failed
 
 __all__ = ["Ucp", "UcpRequest", "DONE", "FULL_MASK", "THREAD_MODES", "THREAD_MODE_MULTI",
-           "library", "loaded_library"]
+           "library", "loaded_library", "ucx_call", "ucx_inside"]
 
 #: A tag mask that matches every bit: the one message with exactly that tag.
 FULL_MASK = (1 << 64) - 1
@@ -158,6 +162,8 @@ class Ucp:
     * ``receive(worker, buf, msg)``: probed message ``msg`` into host array
       ``buf`` (a shorter buffer truncates it: the request fails, the data is
       gone);
+    * ``progress(worker)``: libucp's progress, counted as inside UCX (the
+      loop's turns; ucxx's own progress runs when the loop goes idle);
     * ``spin(worker, tag, mask, small, alloc, wake_fd, budget_s, late_s)``:
       a driver's idle turns while a message is awaited, the frames it finds
       taken as ``take`` takes them (csrc/ucp.c says when
@@ -177,6 +183,7 @@ class Ucp:
         self.take = ucp_take
         self.receive = ucp_receive
         self.spin = ucp_spin
+        self.progress = ucp_progress
         # The same copies ucxx loaded, named by path, or the wheel's.
         ucp_bind(_path(library("libucp.so")), _path(library("libucs.so")),
                        request_failed)
