@@ -115,11 +115,12 @@ def _scenario(rank, world_size, init_method, here):
     return out
 
 
-def test_a_callback_from_ucx_progress_sees_its_thread_counted_as_inside(tmp_path):
+def test_a_callback_from_inside_ucx_sees_its_thread_counted_and_no_sender_hangs(tmp_path):
     res = run_workers(_scenario, 1, args=(str(tmp_path),), timeout=75)[0]
     assert res["at_rest"] == 0 and res["after_raise"] == 0, res
     assert res["counted"] == (3, 1), res
-    # The peer's death reached the endpoint's callback, inside progress.
+    # The peer's death reached the endpoint's callback, inside a UCX call
+    # (progress, or a send on the failing endpoint), counted.
     assert res["seen"] and all(n >= 1 for n in res["seen"]), res
     assert res["inside_after"] == 0, res
     # The sending thread did not hang on the worker's lock.

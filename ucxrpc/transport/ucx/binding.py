@@ -141,7 +141,7 @@ class Endpoint:
         ucx = worker.ucx
         try:
             addr = ucx.UCXAddress.create_from_buffer(address)
-            # (ucx_call: may run UCX's progress, see .ucp)
+            # (ucx_call: every call into UCX counts itself while inside, .ucp)
             self._ep = ucx_call(worker.raw.create_endpoint_from_worker_address, addr, True)
         except Exception as exc:
             raise open_failed(exc) from exc

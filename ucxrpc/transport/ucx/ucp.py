@@ -21,12 +21,12 @@ would take a memory handle mapped once (``UCP_OP_ATTR_FIELD_MEMH`` over
 
 The calls themselves are the native core's (``csrc/ucp.c``, which states
 the two rules that keep them safe beside ucxx: the GIL released by a
-thread that waits for the worker's lock while another may be inside UCX's
-progress, calling back into Python, and a request owned, looked at and
-freed by one thread, keeping its memory alive till it completes).  Every
-call into UCX that may call back into Python counts itself while inside:
-libucp's progress here (``progress``), ucxx's calls through
-:func:`ucx_call`; a small send or receive keeps the GIL while none is.
+thread that waits for the worker's lock while another thread is inside
+UCX, where it may hold that lock and call back into Python, and a request
+owned, looked at and freed by one thread, keeping its memory alive till it
+completes).  Every call into UCX counts itself while inside: libucp's
+here, ucxx's through :func:`ucx_call`; a small send or receive keeps the
+GIL where no other thread is inside.
 Through ctypes, as before, each call cost a foreign call and a Python
 request object (~20 Python-level calls per round trip, Run AM).  This
 module binds them to the very libucp ucxx loaded, and keeps in ctypes the
