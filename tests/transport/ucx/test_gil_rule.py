@@ -3,6 +3,11 @@ receive keeps the GIL only while no other thread is inside a UCX call.
 
 * ``ucx_call`` counts the call it makes as inside UCX while it runs, and
   gives the count back when it returns or raises; nothing is inside at rest.
+* A small send made while no other thread is inside UCX keeps the GIL: a
+  thread that asked for the GIL as a run of sends began gets it only once
+  they are over (CPython's switch interval set far out, so that only a
+  release could hand it over).  Releasing it around every send starved a
+  progress thread waiting for it (benchmarks/runs/BC.md).
 * The callback UCX runs when an endpoint fails (ucxx's close callback, into
   Python) sees its thread counted as inside, whether it comes from UCX's
   progress as the transport's loop runs it (``Worker.progress``) or from a
@@ -113,6 +118,53 @@ def _scenario(rank, world_size, init_method, here):
             peer.kill()
             peer.wait(10)
     return out
+
+
+def _sends_keep_the_gil(rank, world_size, init_method):
+    import sys
+    import threading
+
+    import numpy as np
+
+    from ucxrpc.transport.ucx.binding import Endpoint, Worker
+    from ucxrpc.transport.ucx.ucp import ucx_inside
+
+    worker = Worker(None)
+    ep = Endpoint(worker, worker.address, lambda exc: None)  # to itself
+    frame = np.zeros(64, dtype=np.uint8)
+    for _ in range(10):  # wired up
+        ep.tag_send(frame, TAG | 2)
+        worker.progress()
+    n = 2000
+    done = [0]
+    seen: list[int] = []
+    go = threading.Event()
+
+    def waiter():
+        go.wait()  # blocked without the GIL until the run begins ...
+        seen.append(done[0])  # ... then asks for it: how far the run got
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)  # no forced switch: only a release hands it over
+    try:
+        inside = ucx_inside()
+        go.set()
+        for i in range(n):
+            ep.tag_send(frame, TAG | 2)
+            done[0] = i + 1
+    finally:
+        sys.setswitchinterval(old)
+    t.join(10)
+    return {"inside": inside, "seen": seen, "n": n}
+
+
+def test_a_small_send_keeps_the_gil_while_no_other_thread_is_inside_ucx():
+    res = run_workers(_sends_keep_the_gil, 1, timeout=45)[0]
+    assert res["inside"] == 0, res
+    # The waiting thread ran only after the last send: none let the GIL go.
+    assert res["seen"] == [res["n"]], res
 
 
 def test_a_callback_from_inside_ucx_sees_its_thread_counted_and_no_sender_hangs(tmp_path):
