@@ -39,8 +39,16 @@ no-op.  "wire + detect" is UCX's latency plus the waiting side's detection
 poll could shorten.  The profile before an optimisation, as docs/style.md
 asks; ``calls_per_rpc.py`` counts the calls, this times them.
 
+With ``--payload`` the call echoes a payload instead (``dict``: the
+bench's dict echo, 100 tensors of 4 KiB; or one tensor's size, ``1M``):
+its frames carry buffers, so the table has that path's seams instead (the
+receiver's frame decoded, its buffers in and the message delivered, the
+request and reply pickled and unpickled on both sides).  Where a
+message with buffers spends its time, as Run BD read it.
+
     python benchmarks/stages.py                  # 3,000 calls, a table
     python benchmarks/stages.py --calls 500 --json stages.json
+    python benchmarks/stages.py --payload dict --calls 1000
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ _ns = time.perf_counter_ns
 #: seam name -> stamps (ns), in this process.
 _STAMPS: dict[str, list[int]] = {k: [] for k in (
     "pickled", "take", "message", "claim", "drove", "serve", "user", "reply", "send",
-    "complete")}
+    "complete", "decoded", "deliver")}
 
 #: (label, from seam, to seam, side of each seam): the table's rows, in
 #: the order a call passes them.  Sides: "c" caller, "e" callee.
@@ -83,9 +91,51 @@ STAGES = (
     ("caller: drive over -> rpc_sync returned", ("c", "drove"), ("c", "end")),
 )
 
+#: The stages of a call carrying a payload (``--payload``), echoed back:
+#: its frames have buffers, so they pass the receiver's Python path (the
+#: frame decoded, its buffers received, the message delivered), and the
+#: callee pickles its reply.
+PAYLOAD_STAGES = (
+    ("caller: rpc_sync -> call pickled", ("c", "start"), ("c", "pickled")),
+    ("caller: pickled -> request frame sent", ("c", "pickled"), ("c", "send")),
+    ("wire + callee detects the frame", ("c", "send"), ("e", "take")),
+    ("callee: take -> frame decoded", ("e", "take"), ("e", "decoded")),
+    ("callee: decoded -> buffers in, delivered", ("e", "decoded"), ("e", "deliver")),
+    ("callee: delivered -> agent's _on_message", ("e", "deliver"), ("e", "message")),
+    ("callee: _on_message -> _serve (pool)", ("e", "message"), ("e", "serve")),
+    ("callee: _serve -> request unpickled", ("e", "serve"), ("e", "complete")),
+    ("callee: unpickled -> user function", ("e", "complete"), ("e", "user")),
+    ("callee: user function -> _reply", ("e", "user"), ("e", "reply")),
+    ("callee: _reply -> reply pickled", ("e", "reply"), ("e", "pickled")),
+    ("callee: pickled -> reply frame sent", ("e", "pickled"), ("e", "send")),
+    ("wire + caller detects the reply", ("e", "send"), ("c", "take")),
+    ("caller: take -> frame decoded", ("c", "take"), ("c", "decoded")),
+    ("caller: decoded -> buffers in, delivered", ("c", "decoded"), ("c", "deliver")),
+    ("caller: delivered -> agent's _on_message", ("c", "deliver"), ("c", "message")),
+    ("caller: _on_message -> reply unpickled", ("c", "message"), ("c", "complete")),
+    ("caller: unpickled -> rpc_sync returned", ("c", "complete"), ("c", "end")),
+)
+
 
 def noop() -> None:
     _STAMPS["user"].append(_ns())
+
+
+def echo(x: Any) -> Any:
+    _STAMPS["user"].append(_ns())
+    return x
+
+
+def _payload(spec: str) -> Any:
+    """``--payload``: ``dict`` (the bench's dict echo, 100 tensors of 4 KiB)
+    or a tensor's size in bytes (``1M``, ``400K``, ``4096``)."""
+    import torch
+
+    if spec == "dict":
+        return {f"t{i}": torch.randn(1024) for i in range(100)}
+    units = {"K": 1 << 10, "M": 1 << 20}
+    nbytes = int(spec[:-1]) * units[spec[-1]] if spec[-1] in units else int(spec)
+    return torch.randn(nbytes // 4)
 
 
 def _clear() -> None:
@@ -132,12 +182,19 @@ def _install() -> None:
     def open_stamped(self: Any, *args: Any, **kwargs: Any) -> None:
         opened(self, *args, **kwargs)
         _stamp_entry(self, "send_frame", "send")
+        _stamp_entry(self, "tag_send", "send")  # a frame with buffers, then its data
 
     binding.Endpoint.__init__ = open_stamped  # type: ignore[method-assign]
     # A waited call's reply (rpc_sync's) goes straight to its slot once
     # unpickled; a plain one's unpickling is pickle's loads, bound in the
     # agent's module (any other's is the serializer's loads).
     _stamp_entry(core, "_loads_plain", "complete", on_return=True)
+    # A message with buffers: its frame decoded and checked, then (its
+    # buffers received or read) delivered; its unpickling the serializer's.
+    _stamp_entry(receive.Receiver, "_message_decoded", "decoded")
+    _stamp_entry(receive.Receiver, "_deliver", "deliver")
+    from ucxrpc.serialization import pickler as _pickler
+    _stamp_entry(_pickler.Serializer, "loads", "complete", on_return=True)
     # Frames taken off UCX, by a turn's take or a driver's native spin,
     # all reach the receiver through its taken, the native core's
     # Inlet.taken bound on each receiver as it is made (before the loop
@@ -159,7 +216,17 @@ def _install() -> None:
 
     def serializer_stamped(self: Any, *args: Any, **kwargs: Any) -> None:
         serializer_made(self, *args, **kwargs)
-        _stamp_entry(self, "dumps_plain", "pickled", on_return=True)
+        # Stamped only where it pickled: a call it declines (not plain)
+        # goes on to dumps_for, whose return is the seam then.
+        plain, stamps = self.dumps_plain, _STAMPS["pickled"]
+
+        def plain_stamped(obj: Any) -> Any:
+            out = plain(obj)
+            if out is not None:
+                stamps.append(_ns())
+            return out
+
+        self.dumps_plain = plain_stamped
 
     pickler.Serializer.__init__ = serializer_stamped  # type: ignore[method-assign]
     _stamp_entry(pool.WorkerPool, "submit", "claim")
@@ -189,7 +256,8 @@ def _install() -> None:
     engine.Transport.__init__ = transport_stamped  # type: ignore[method-assign]
 
 
-def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:
+def _rank(rank: int, port: int, calls: int, warmup: int, payload: str | None = None
+          ) -> dict | None:
     import ucxrpc as rpc
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -198,14 +266,15 @@ def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
     out = None
     if rank == 0:
+        fn, args = (noop, ()) if payload is None else (echo, (_payload(payload),))
         for _ in range(warmup):
-            rpc.rpc_sync("worker1", noop)
+            rpc.rpc_sync("worker1", fn, args)
         rpc.rpc_sync("worker1", _clear)
         _clear()
         begun, ended = [], []
         for _ in range(calls):
             begun.append(_ns())
-            rpc.rpc_sync("worker1", noop)
+            rpc.rpc_sync("worker1", fn, args)
             ended.append(_ns())
         caller = {k: list(v) for k, v in _STAMPS.items()}
         caller.update(start=begun, end=ended)
@@ -214,14 +283,15 @@ def _rank(rank: int, port: int, calls: int, warmup: int) -> dict | None:
     return out
 
 
-def stage_times(caller: dict[str, list[int]], callee: dict[str, list[int]]
+def stage_times(caller: dict[str, list[int]], callee: dict[str, list[int]],
+                stages: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = STAGES
                 ) -> list[list[int]]:
     """Per stage, the ns each call spent in it, for the calls whose every
     seam was found in order: each seam is the first stamp of its kind at
     or after the previous seam (within the call's own start and end)."""
     sides = {"c": caller, "e": callee}
-    seams = [STAGES[0][1]] + [stage[2] for stage in STAGES]
-    per_stage: list[list[int]] = [[] for _ in STAGES]
+    seams = [stages[0][1]] + [stage[2] for stage in stages]
+    per_stage: list[list[int]] = [[] for _ in stages]
     for t0, t_end in zip(caller["start"], caller["end"]):
         at = [t0]
         for side, seam in seams[1:-1]:
@@ -232,7 +302,7 @@ def stage_times(caller: dict[str, list[int]], callee: dict[str, list[int]]
             at.append(stamps[i])
         else:
             at.append(t_end)
-            for i in range(len(STAGES)):
+            for i in range(len(stages)):
                 per_stage[i].append(at[i + 1] - at[i])
     return per_stage
 
@@ -242,9 +312,10 @@ def _pct(values: list[int], p: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] / 1000, 1)
 
 
-def table(per_stage: list[list[int]]) -> dict:
+def table(per_stage: list[list[int]],
+          stages: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = STAGES) -> dict:
     rows = [{"stage": label, "p10_us": _pct(v, 10), "p50_us": _pct(v, 50), "p90_us": _pct(v, 90)}
-            for (label, _, _), v in zip(STAGES, per_stage) if v]
+            for (label, _, _), v in zip(stages, per_stage) if v]
     totals = [sum(call) for call in zip(*per_stage)]
     return {"calls": len(totals), "stages": rows,
             "total": {"p10_us": _pct(totals, 10), "p50_us": _pct(totals, 50),
@@ -257,9 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=500, help="calls before (default 500)")
     parser.add_argument("--json", default=None, help="also write the table here")
     parser.add_argument("--timeout", type=float, default=300.0, help="whole run (default 300 s)")
+    parser.add_argument("--payload", default=None,
+                        help="echo this instead of a no-op: 'dict' (the bench's dict echo, "
+                             "100 tensors of 4 KiB) or one tensor's bytes ('1M', '400K')")
     args = parser.parse_args(argv)
     port = free_port()
-    with start(_rank, [(r, port, args.calls, args.warmup) for r in range(2)]) as ranks:
+    stages = STAGES if args.payload is None else PAYLOAD_STAGES
+    with start(_rank, [(r, port, args.calls, args.warmup, args.payload)
+                       for r in range(2)]) as ranks:
         outcomes = ranks.collect(timeout=args.timeout, failure_grace=10.0)
     failed = [o for o in outcomes if o.error]
     for o in failed:
@@ -267,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     value: Any = outcomes[0].value
     if failed or value is None:
         return 1
-    result = table(stage_times(value["caller"], value["callee"]))
+    result = table(stage_times(value["caller"], value["callee"], stages), stages)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

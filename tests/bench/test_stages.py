@@ -73,3 +73,21 @@ def test_the_tool_times_every_stage_of_real_calls(tmp_path):
     assert result["calls"] >= 190, result
     assert [row["stage"] for row in result["stages"]] == [s[0] for s in stages.STAGES]
     assert all(0 < row["p10_us"] <= row["p50_us"] <= row["p90_us"] for row in result["stages"])
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("payload", ["dict", "1M"])
+def test_the_tool_times_a_call_carrying_buffers_along_their_own_path(tmp_path, payload):
+    # The dict's 400 KiB bundle and a 1 MiB tensor both travel as buffers
+    # of their own: the receiver's Python path (decoded, then delivered),
+    # which a no-op's frame never takes, so every seam is that path's.
+    out_json = tmp_path / "stages.json"
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stages.py"), "--calls",
+                          "60", "--warmup", "20", "--payload", payload, "--json", str(out_json)],
+                         capture_output=True, text=True, timeout=100, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out_json.read_text())
+    assert result["calls"] >= 55, result
+    assert [row["stage"] for row in result["stages"]] == [s[0] for s in stages.PAYLOAD_STAGES]
+    assert all(0 < row["p10_us"] <= row["p50_us"] <= row["p90_us"] for row in result["stages"])
