@@ -38,7 +38,7 @@ from .hooks import Hooks
 from .info import WorkerInfo
 from .members import Members
 from .remote_errors import rebuild_exception
-from .serving import Server
+from .serving import Server, debug_gate
 from .state import MOVES, AgentState
 
 #: A peer that sent us a request this recently is likely to send the next
@@ -77,13 +77,7 @@ _PLAIN = envelope.PLAIN
 #: A plain message's unpickling (envelope.PLAIN): pickle's own.
 _loads_plain = pickle.loads
 
-#: ``_debug(logging.DEBUG)``: False where the logger said it is not enabled
-#: for DEBUG and nothing changed its levels since (its own cache, which
-#: ``setLevel`` clears), else True or None; then ``isEnabledFor`` answers.
-#: A C call in place of a Python one, two to three times a message a side
-#: (issue 52).  Where a Python's logger keeps no such cache, always None.
-_debug: Callable[[int], bool | None] = getattr(getattr(logger, "_cache", None), "get",
-                                               lambda level: None)
+_debug = debug_gate(logger)  # (this module's logger's; see debug_gate)
 
 
 def _bounded(fn: Callable[[float | None], None], timeout: float | None, what: str) -> None:
@@ -407,7 +401,7 @@ class RpcAgent:
             self.calls.pop(msg_id)
             raise
         if _debug(logging.DEBUG) is not False and logger.isEnabledFor(logging.DEBUG):
-            # (the per-message trace, docs/style.md; _debug: see its comment)
+            # (the per-message trace, docs/style.md; _debug: see debug_gate)
             logger.debug("%s: call %d to %s: %s (%d buffers, timeout %s)", self.info.name,
                          msg_id, to.name, getattr(func, "__qualname__", func),
                          0 if pickled is None else len(pickled.buffers), timeout)

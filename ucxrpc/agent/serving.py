@@ -51,9 +51,19 @@ logger = logging.getLogger(__name__)
 _PLAIN = envelope.PLAIN
 #: A plain request's unpickling (envelope.PLAIN): pickle's own.
 _loads_plain = pickle.loads
-#: As agent/core.py's: False where the logger's own cache says DEBUG is off.
-_debug: Callable[[int], bool | None] = getattr(getattr(logger, "_cache", None), "get",
-                                               lambda level: None)
+
+
+def debug_gate(log: logging.Logger) -> Callable[[int], bool | None]:
+    """``gate(logging.DEBUG)``: False where ``log`` said it is not enabled
+    for DEBUG and nothing changed its levels since (its own cache, which
+    ``setLevel`` clears), else True or None; then ``isEnabledFor`` answers.
+    A C call in place of a Python one, two to three times a message a side
+    (issue 52), for the per-message trace (docs/style.md).  Where a
+    Python's logger keeps no such cache, always None."""
+    return getattr(getattr(log, "_cache", None), "get", lambda level: None)
+
+
+_debug = debug_gate(logger)
 
 
 #: Request bodies up to this many bytes are copied out of their frame
@@ -124,7 +134,7 @@ class Server:
                                                                 agent.members.name_of(peer)))
             return
         if _debug(logging.DEBUG) is not False and logger.isEnabledFor(logging.DEBUG):
-            # (the per-message trace, docs/style.md; _debug: see .core's)
+            # (the per-message trace, docs/style.md; _debug: see debug_gate)
             logger.debug("%s: serving call %d from %s: %s (%d buffers)", agent.info.name,
                          msg_id, agent.members.name_of(peer),
                          getattr(func, "__qualname__", func), len(buffers))
