@@ -66,6 +66,9 @@ int core_receive_init(PyObject *module);
  * the outermost one delivers a Ctrl-C held meanwhile (-1 with it raised). */
 int core_guard(void);
 int core_unguard(int outer);
+/* An error put aside (fetched: stolen here) as the __context__ of the one
+ * raised since, as a Python `finally:` that raises leaves it. */
+void core_chain_over(PyObject *type, PyObject *value, PyObject *tb);
 
 /* reply.c */
 extern PyTypeObject core_ReplyType;

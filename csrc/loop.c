@@ -196,6 +196,25 @@ static int sigint_deliver(void) {
     return 0;
 }
 
+/* An error was put aside (type, value, tb, fetched: this steals them) and
+ * another is raised now, by cleaning up after the first: the first
+ * becomes the new one's __context__, as a Python `finally:` that raises
+ * leaves it, so that a Ctrl-C delivered over a failed drive or send still
+ * shows what failed.  Nothing put aside (type NULL): nothing to do. */
+void core_chain_over(PyObject *type, PyObject *value, PyObject *tb) {
+    if (!type) return;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 && v2 != value) PyException_SetContext(v2, value); /* steals value */
+    else Py_XDECREF(value);
+    Py_DECREF(type);
+    Py_XDECREF(tb);
+    PyErr_Restore(t2, v2, tb2);
+}
+
 static double strategy_float(Loop *self, PyObject *name) {
     PyObject *v = PyObject_GetAttr(self->strategy, name);
     if (!v) return -1.0;
@@ -437,9 +456,7 @@ static PyObject *loop_drive(Loop *self, PyObject *done) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         if (hand_to(self, handed_back ? THREAD : LINGER, 0, -1) < 0) {
-            Py_XDECREF(type); /* raised in the finally: that error wins, as in Python */
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
+            core_chain_over(type, value, tb); /* raised in the finally: it wins, as in Python */
             reached = -1;
         } else {
             PyErr_Restore(type, value, tb);
@@ -448,14 +465,13 @@ static PyObject *loop_drive(Loop *self, PyObject *done) {
     }
     turning = 0;
     /* A Ctrl-C held meanwhile raises KeyboardInterrupt here, in place of
-     * any other error (as a Python finally would); the error of the drive,
-     * if any, is put aside while the guard is asked. */
+     * any other error, that error its context (as a Python finally would);
+     * the error of the drive, if any, is put aside while the guard is
+     * asked. */
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     if (sigint_deliver() < 0) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
+        core_chain_over(type, value, tb);
         return NULL;
     }
     PyErr_Restore(type, value, tb);

@@ -235,8 +235,9 @@ static int goes_alone(Outlet *self, PyObject *out) {
     return empty < 0 ? -1 : empty == 0;
 }
 
-/* Put aside what is raised, leave the guard, and raise it again, chained
- * under whatever leaving raised (a held Ctrl-C), as a `finally:` would. */
+/* Put aside what is raised, leave the guard, and raise it again, or
+ * whatever leaving raised (a held Ctrl-C) with it as its context, as a
+ * `finally:` would (loop.c's drive does the same). */
 static void unguard_raising(int outer) {
     PyObject *t, *v, *tb;
     PyErr_Fetch(&t, &v, &tb);
@@ -244,15 +245,7 @@ static void unguard_raising(int outer) {
         PyErr_Restore(t, v, tb);
         return;
     }
-    PyErr_NormalizeException(&t, &v, &tb);
-    if (tb) PyException_SetTraceback(v, tb);
-    PyObject *t2, *v2, *tb2;
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    PyException_SetContext(v2, v); /* steals v */
-    Py_XDECREF(t);
-    Py_XDECREF(tb);
-    PyErr_Restore(t2, v2, tb2);
+    core_chain_over(t, v, tb);
 }
 
 /* send(peer, hint, head, body) -> bool: a message of `head` then `body`

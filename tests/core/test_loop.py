@@ -2,7 +2,8 @@
 (reached, given up, a turn that raises an Exception, one that raises what
 is no Exception, a spin handing frames on, a spin that raises) leave every
 object with the reference count it came with, the owner handed back and
-the baton free; its arguments are checked by name.  What the loop means
+the baton free; a Ctrl-C held over a failed drive keeps the failure as its
+context; its arguments are checked by name.  What the loop means
 for the progress thread and its drivers is
 tests/transport/loop/test_progress.py's to hold."""
 
@@ -10,12 +11,14 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import threading
 
 import pytest
 
 from ucxrpc import _core
+from ucxrpc.transport.loop import progress
 from ucxrpc.transport.loop.progress import _MOVES, Owner
 from ucxrpc.transport.loop.strategy import POLLS, Polling, Why
 
@@ -191,3 +194,27 @@ def test_bad_arguments_are_named(bad, message):
             _core.Loop(**args)
     finally:
         os.close(fd)
+
+
+def test_a_ctrl_c_held_over_a_failed_drive_is_raised_with_the_failure_as_its_context():
+    # A Python `finally:` that raises keeps what it interrupted as the new
+    # error's __context__; the drive delivers a Ctrl-C held meanwhile in
+    # place of its own error, and must not lose that error (the Outlet's
+    # send keeps it the same way).
+    h = Harness()
+    guard = progress._sigint
+    saved = guard.held, guard._previous
+    try:
+        def done() -> bool:
+            guard.held = (signal.SIGINT, None)  # a Ctrl-C while the guard holds it
+            raise LookupError("done() failed")
+        guard._previous = signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt) as caught:
+            h.loop.drive(done)
+        assert isinstance(caught.value.__context__, LookupError), caught.value.__context__
+        assert "done() failed" in str(caught.value.__context__)
+        assert guard.held is None  # delivered once
+        assert h.loop.owner is Owner.THREAD and not _core.turning()
+    finally:
+        guard.held, guard._previous = saved
+        h.close()

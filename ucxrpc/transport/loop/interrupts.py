@@ -12,7 +12,11 @@ interrupts the wait, but only between two turns.
 that is a Python callable: ``SIG_IGN``/``SIG_DFL`` are left alone) with one
 that passes the signal on at once unless ``holding()`` says the main
 thread is inside a turn; then it keeps it until :meth:`deliver`, called
-after the turn, hands it to the handler it replaced.  Installing costs a
+after the turn, hands it to the handler it replaced.  Where the turn (a
+drive, a send) failed meanwhile, the ``KeyboardInterrupt`` delivered
+after it is raised in place of that error, with it as its
+``__context__``, as a ``finally:`` that raises would leave it (loop.c's
+``core_chain_over``).  Installing costs a
 few µs, so it is done once per process while any loop uses it, not per
 wait.  A handler the user installs later simply takes over.
 """
