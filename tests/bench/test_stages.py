@@ -59,20 +59,27 @@ def test_a_call_missing_a_seam_is_left_out_not_matched_to_the_next_calls():
     assert [len(v) for v in per_stage] == [1] * len(stages.STAGES)
 
 
-@pytest.mark.processes
-@pytest.mark.timeout(120)
-def test_the_tool_times_every_stage_of_real_calls(tmp_path):
+def _run_tool(tmp_path, *args: str) -> dict:
+    """stages.py run for real with ``args``: its table, each stage's
+    percentiles checked in order."""
     out_json = tmp_path / "stages.json"
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stages.py"), "--calls",
-                          "200", "--warmup", "50", "--json", str(out_json)],
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stages.py"), *args,
+                          "--json", str(out_json)],
                          capture_output=True, text=True, timeout=100, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out_json.read_text())
+    assert all(0 < row["p10_us"] <= row["p50_us"] <= row["p90_us"] for row in result["stages"])
+    return result
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_the_tool_times_every_stage_of_real_calls(tmp_path):
+    result = _run_tool(tmp_path, "--calls", "200", "--warmup", "50")
     # Nearly every call is seen whole (a stamp from a warm-up call's tail
     # may cost the first one).
     assert result["calls"] >= 190, result
     assert [row["stage"] for row in result["stages"]] == [s[0] for s in stages.STAGES]
-    assert all(0 < row["p10_us"] <= row["p50_us"] <= row["p90_us"] for row in result["stages"])
 
 
 @pytest.mark.processes
@@ -81,13 +88,6 @@ def test_the_tool_times_a_call_carrying_buffers_along_their_own_path(tmp_path):
     # The dict's 400 KiB bundle travels as a buffer of its own: the
     # receiver's Python path (decoded, then delivered), which a no-op's
     # frame never takes, so every seam is that path's.
-    payload = "dict"
-    out_json = tmp_path / "stages.json"
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stages.py"), "--calls",
-                          "60", "--warmup", "20", "--payload", payload, "--json", str(out_json)],
-                         capture_output=True, text=True, timeout=100, cwd=REPO)
-    assert out.returncode == 0, out.stdout + out.stderr
-    result = json.loads(out_json.read_text())
+    result = _run_tool(tmp_path, "--calls", "60", "--warmup", "20", "--payload", "dict")
     assert result["calls"] >= 55, result
     assert [row["stage"] for row in result["stages"]] == [s[0] for s in stages.PAYLOAD_STAGES]
-    assert all(0 < row["p10_us"] <= row["p50_us"] <= row["p90_us"] for row in result["stages"])
