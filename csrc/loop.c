@@ -203,10 +203,14 @@ static int sigint_deliver(void) {
  * shows what failed.  Nothing put aside (type NULL): nothing to do. */
 void core_chain_over(PyObject *type, PyObject *value, PyObject *tb) {
     if (!type) return;
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb) PyException_SetTraceback(value, tb);
     PyObject *t2, *v2, *tb2;
     PyErr_Fetch(&t2, &v2, &tb2);
+    if (!t2) { /* nothing raised since after all: the first stands */
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
     PyErr_NormalizeException(&t2, &v2, &tb2);
     if (v2 && v2 != value) PyException_SetContext(v2, value); /* steals value */
     else Py_XDECREF(value);
