@@ -3,21 +3,24 @@
  * the Inlet's).
  *
  * Most frames are an authenticated peer's message without buffers (a
- * no-op's request, most replies), whole already and with nothing of an
+ * no-op's request, most replies), or a BATCH of such messages (a burst's,
+ * sent behind a frame in flight), whole already and with nothing of an
  * earlier turn to wait behind.  In Python each cost three calls on its
  * way to the agent (Receiver.taken, _message_frame, _hand_on: Run AZ
  * timed the take to the agent's handler at ~4 µs a side on the project's
  * VM).  Here such a frame is decoded and checked (frame.c: the MAC, the
  * limits), its sequence number checked and moved on, and its payload
- * handed to the receiver's `_on_message` (the agent's), all in this call.  Everything else
+ * (a batch's, each message's in order) handed to the receiver's
+ * `_on_message` (the agent's), all in this call.  Everything else
  * goes to the Receiver's Python, which handles every case:
  *
  * - a frame not to be handled at once (no pipe or not authenticated yet,
  *   over max_frame_bytes, a handshake frame, one still being received,
  *   one behind an earlier turn's): `queue(tag, length, req, got, sender,
  *   pipe)`;
- * - a frame that decoded but is no plain message (a BATCH, a control
- *   frame, one with buffers), or one whose checks have something to say
+ * - a frame that decoded but is no plain message (a control frame, one
+ *   with buffers, a BATCH holding one that is not plain or one that does
+ *   not decode), or one whose checks have something to say
  *   (a replay, an acknowledgement of ours, a message over
  *   max_message_bytes, a pipe that ended): `decoded(pipe, got, frame,
  *   hint)`, before anything of it was changed here;
@@ -39,6 +42,7 @@ typedef struct {
     PyObject *pipes, *limits, *queue, *decoded, *judged_bad, *handler_failed;
     PyObject *bad;      /* (AuthenticationError, FrameError): judged, not raised */
     PyObject *message;  /* FrameKind.MESSAGE */
+    PyObject *batch;    /* FrameKind.BATCH */
     PyObject *done;     /* UCP_DONE: a frame received whole when taken */
     int id_shift, kind_shift, handshake;
     uint64_t id_mask, hint_mask, max_frame, max_message;
@@ -82,10 +86,12 @@ static int judge(Inlet *self, PyObject *pipe) {
     return rc;
 }
 
-/* Whether `frame` may go straight to the agent (1), must go to the
- * Python (0); -1 on error. */
+/* Whether `frame` (a MESSAGE without buffers, or a BATCH, whose own
+ * buffers the caller checks) may be acted on here as far as its pipe is
+ * concerned (1), or must go to the Python (0): a replay, an
+ * acknowledgement by_address is to hear of, a frame over
+ * max_message_bytes, a pipe that ended.  -1 on error. */
 static int plain(Inlet *self, PyObject *pipe, PyObject *frame, PyObject **inbound) {
-    if (PyTuple_GET_ITEM(frame, F_KIND) != self->message) return 0;
     PyObject *bufs = PyTuple_GET_ITEM(frame, F_BUFFERS);
     if (!PyTuple_Check(bufs) || PyTuple_GET_SIZE(bufs)) return 0;
     uint64_t seq, last, ack, acked, total;
@@ -110,38 +116,76 @@ static int plain(Inlet *self, PyObject *pipe, PyObject *frame, PyObject **inboun
     return ended < 0 ? -1 : !ended;
 }
 
-/* A frame taken whole, of an authenticated peer, nothing waiting before
- * it: handled here where it is a plain message, else by the Python. */
-static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, uint64_t hint) {
-    PyObject *frame = core_frame_decode(got, key, self->limits);
-    if (!frame) return judge(self, pipe);
-    PyObject *inbound = NULL, *hint_o = NULL;
-    int rc = -1;
-    int p = plain(self, pipe, frame, &inbound);
-    if (p < 0) goto done;
-    if (!p) {
-        if (!(hint_o = PyLong_FromUnsignedLongLong(hint))) goto done;
-        PyObject *args[4] = {pipe, got, frame, hint_o};
-        rc = call_drop(self->decoded, args, 4) < 0 ? judge(self, pipe) : 0;
-        goto done;
+static inline uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* The messages of a BATCH frame (wire/batch.py: count u32, then per
+ * message its offset and length, u32 each, from the payload's start),
+ * decoded, in a new list, where every one is a plain message (no
+ * buffers, within max_message_bytes); else None, and the Python takes
+ * the whole frame, judging what is wrong with it.  NULL on error. */
+static PyObject *batch_messages(Inlet *self, PyObject *frame) {
+    PyObject *payload = PyTuple_GET_ITEM(frame, F_PAYLOAD), *out = NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(payload, &b, PyBUF_SIMPLE) < 0) return NULL;
+    const uint8_t *p = b.buf;
+    uint64_t len = (uint64_t)b.len;
+    if (len < 4) goto python;
+    uint32_t count = le32(p);
+    if (4 + 8 * (uint64_t)count > len) goto python;
+    if (!(out = PyList_New(count))) goto done;
+    for (uint32_t i = 0; i < count; i++) {
+        uint64_t off = le32(p + 4 + 8 * (uint64_t)i), n = le32(p + 8 + 8 * (uint64_t)i);
+        if (off + n > len) goto python;
+        PyObject *raw = PySequence_GetSlice(payload, (Py_ssize_t)off, (Py_ssize_t)(off + n));
+        if (!raw) goto fail;
+        PyObject *inner = core_frame_decode(raw, Py_None, self->limits);
+        Py_DECREF(raw);
+        if (!inner) {
+            if (!PyErr_ExceptionMatches(self->bad)) goto fail;
+            PyErr_Clear(); /* the Python says what is wrong with it */
+            goto python;
+        }
+        PyList_SET_ITEM(out, i, inner);
+        PyObject *bufs = PyTuple_GET_ITEM(inner, F_BUFFERS);
+        if (PyTuple_GET_ITEM(inner, F_KIND) != self->message || !PyTuple_Check(bufs) ||
+            PyTuple_GET_SIZE(bufs))
+            goto python;
+        uint64_t total = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(inner, F_TOTAL));
+        if (total == (uint64_t)-1 && PyErr_Occurred()) goto fail;
+        if (total > self->max_message) goto python; /* refused one by one there */
     }
+    goto done;
+python:
+    Py_XDECREF(out);
+    out = Py_NewRef(Py_None);
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&b);
+    return out;
+}
+
+/* One message of `pipe`'s handed to the receiver's handler (the agent's,
+ * or a test's put in its place, read at each message), counted as
+ * received; a handler that raises an Exception is logged and the turn
+ * goes on.  0, or -1 with what else it raised. */
+static int deliver(Inlet *self, PyObject *pipe, PyObject *inbound, PyObject *payload) {
     uint64_t received;
-    if (PyObject_SetAttr(inbound, str_seq, PyTuple_GET_ITEM(frame, F_SEQ)) < 0 ||
-        PyObject_SetAttr(inbound, str_peer_busy, PyTuple_GET_ITEM(frame, F_BUSY)) < 0 ||
-        core_attr_u64(inbound, str_received, &received) < 0)
-        goto done;
+    if (core_attr_u64(inbound, str_received, &received) < 0) return -1;
     PyObject *n = PyLong_FromUnsignedLongLong(received + 1);
-    if (!n) goto done;
+    if (!n) return -1;
     int set = PyObject_SetAttr(inbound, str_received, n);
     Py_DECREF(n);
-    if (set < 0) goto done;
-    /* The receiver's handler, read at each message: the agent's, or a
-     * test's put in its place. */
+    if (set < 0) return -1;
+    int rc = -1;
     PyObject *peer = PyObject_GetAttr(pipe, str_peer_id), *bufs = PyList_New(0),
              *handler = PyObject_GetAttr(self->receiver, str_on_message);
     if (peer && bufs && handler) {
         self->handled++;
-        PyObject *args[3] = {peer, PyTuple_GET_ITEM(frame, F_PAYLOAD), bufs};
+        PyObject *args[3] = {peer, payload, bufs};
         rc = call_drop(handler, args, 3);
         if (rc < 0 && PyErr_ExceptionMatches(PyExc_Exception)) {
             /* The agent's handler failed: logged, and the turn goes on. */
@@ -159,9 +203,57 @@ static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, ui
     Py_XDECREF(peer);
     Py_XDECREF(bufs);
     Py_XDECREF(handler);
+    return rc;
+}
+
+/* A frame taken whole, of an authenticated peer, nothing waiting before
+ * it: handled here where it is a plain message or a batch of them, else
+ * by the Python. */
+static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, uint64_t hint) {
+    PyObject *frame = core_frame_decode(got, key, self->limits);
+    if (!frame) return judge(self, pipe);
+    PyObject *inbound = NULL, *hint_o = NULL, *batch = NULL;
+    int rc = -1;
+    PyObject *kind = PyTuple_GET_ITEM(frame, F_KIND);
+    int p = kind == self->message || kind == self->batch
+        ? plain(self, pipe, frame, &inbound) : 0;
+    if (p > 0 && kind == self->batch) {
+        /* A burst's messages, which waited in the sender's outbox behind
+         * a frame in flight: each a Python _batch, _deliver and _hand_on
+         * fewer (Run BD). */
+        if (!(batch = batch_messages(self, frame))) goto done;
+        p = batch != Py_None;
+    }
+    if (p < 0) goto done;
+    if (!p) {
+        if (!(hint_o = PyLong_FromUnsignedLongLong(hint))) goto done;
+        PyObject *args[4] = {pipe, got, frame, hint_o};
+        rc = call_drop(self->decoded, args, 4) < 0 ? judge(self, pipe) : 0;
+        goto done;
+    }
+    if (PyObject_SetAttr(inbound, str_seq, PyTuple_GET_ITEM(frame, F_SEQ)) < 0 ||
+        PyObject_SetAttr(inbound, str_peer_busy, PyTuple_GET_ITEM(frame, F_BUSY)) < 0)
+        goto done;
+    if (!batch) {
+        rc = deliver(self, pipe, inbound, PyTuple_GET_ITEM(frame, F_PAYLOAD));
+        goto done;
+    }
+    rc = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch) && rc == 0; i++) {
+        /* As Receiver._hand_on: a handler may have ended the pipe (its
+         * calls were failed then); the rest of the batch is dropped. */
+        int ended = i ? attr_true(inbound, str_abandoned) : 0;
+        if (ended) {
+            rc = ended < 0 ? -1 : 0;
+            break;
+        }
+        rc = deliver(self, pipe, inbound,
+                     PyTuple_GET_ITEM(PyList_GET_ITEM(batch, i), F_PAYLOAD));
+    }
 done:
     Py_XDECREF(inbound);
     Py_XDECREF(hint_o);
+    Py_XDECREF(batch);
     Py_DECREF(frame);
     return rc;
 }
@@ -258,6 +350,7 @@ static int inlet_traverse(Inlet *self, visitproc visit, void *arg) {
     Py_VISIT(self->handler_failed);
     Py_VISIT(self->bad);
     Py_VISIT(self->message);
+    Py_VISIT(self->batch);
     Py_VISIT(self->done);
     return 0;
 }
@@ -272,6 +365,7 @@ static int inlet_clear(Inlet *self) {
     Py_CLEAR(self->handler_failed);
     Py_CLEAR(self->bad);
     Py_CLEAR(self->message);
+    Py_CLEAR(self->batch);
     Py_CLEAR(self->done);
     return 0;
 }
@@ -284,10 +378,10 @@ static void inlet_dealloc(Inlet *self) {
 
 static const char *const inlet_names[] = {
     "receiver", "pipes", "limits", "queue", "decoded", "judged_bad",
-    "handler_failed", "bad", "message", "done", "id_shift", "id_mask", "kind_shift",
+    "handler_failed", "bad", "message", "batch", "done", "id_shift", "id_mask", "kind_shift",
     "handshake", "hint_mask", "max_frame", "max_message"};
 #define NINLET_NAMES ((Py_ssize_t)(sizeof inlet_names / sizeof inlet_names[0]))
-#define NINLET_OBJECTS 10
+#define NINLET_OBJECTS 11
 
 static int as_u64(PyObject *o, uint64_t *out) {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
@@ -297,7 +391,7 @@ static int as_u64(PyObject *o, uint64_t *out) {
 }
 
 /* Inlet(receiver, pipes, limits, queue, decoded, judged_bad,
- *       handler_failed, bad, message, done, id_shift, id_mask, kind_shift,
+ *       handler_failed, bad, message, batch, done, id_shift, id_mask, kind_shift,
  *       handshake, hint_mask, max_frame, max_message), keywords only. */
 static PyObject *inlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *a[NINLET_NAMES];
@@ -318,7 +412,7 @@ static PyObject *inlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     PyObject **slots[NINLET_OBJECTS] = {
         &self->receiver, &self->pipes, &self->limits, &self->queue,
         &self->decoded, &self->judged_bad, &self->handler_failed, &self->bad, &self->message,
-        &self->done};
+        &self->batch, &self->done};
     for (int i = 0; i < NINLET_OBJECTS; i++) {
         Py_INCREF(a[i]);
         *slots[i] = a[i];

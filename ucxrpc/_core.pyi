@@ -143,7 +143,8 @@ class Inlet:
                  queue: Callable[..., None], decoded: Callable[..., None],
                  judged_bad: Callable[..., None],
                  handler_failed: Callable[..., None],
-                 bad: tuple[type[BaseException], ...], message: Any, done: Any, id_shift: int,
+                 bad: tuple[type[BaseException], ...], message: Any, batch: Any, done: Any,
+                 id_shift: int,
                  id_mask: int, kind_shift: int, handshake: int, hint_mask: int, max_frame: int,
                  max_message: int) -> None: ...
     def taken(self, taken: list[Any]) -> None: ...

@@ -1,6 +1,7 @@
 """The native core's ``Inlet`` (csrc/receive.c; transport/receive.py's
 ``Receiver.taken``) as C code: which frames it hands to the agent itself
-and which it hands back, unchanged, to the Python; a bad frame judged, a
+(plain messages, and batches of them) and which it hands back, unchanged,
+to the Python; a bad frame judged, a
 failing handler logged and the turn going on, a BaseException queueing
 what was not looked at; reference counts balanced.  What the frames mean
 on a live pipe is tests/transport's and tests/fuzz's to hold (every frame
@@ -18,6 +19,7 @@ import pytest
 from ucxrpc import _core
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.transport.pipe import Pipe
+from ucxrpc.transport.wire import batch
 from ucxrpc.transport.ucx.ucp import DONE
 from ucxrpc.transport.wire.frame import FrameKind, Limits, encode
 from ucxrpc.transport.wire.tags import (FRAME, HANDSHAKE, HINT_MASK, ID_MASK, ID_SHIFT,
@@ -49,7 +51,8 @@ class _Receiver:
             queue=lambda *a: self.queued.append(a), decoded=lambda *a: self.decoded.append(a),
             judged_bad=lambda pipe, exc: self.judged.append((pipe, exc)),
             handler_failed=lambda pipe, exc: self.failed.append((pipe, exc)),
-            bad=(AuthenticationError, FrameError), message=FrameKind.MESSAGE, done=DONE,
+            bad=(AuthenticationError, FrameError), message=FrameKind.MESSAGE,
+            batch=FrameKind.BATCH, done=DONE,
             id_shift=ID_SHIFT, id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE,
             hint_mask=HINT_MASK, max_frame=limits.max_frame_bytes,
             max_message=limits.max_message_bytes)
@@ -58,6 +61,17 @@ class _Receiver:
         if self.raise_in_handler is not None:
             raise self.raise_in_handler
         self.got.append((peer, bytes(payload), buffers))
+
+
+def _batch(seq: int, payloads: list[bytes], buffers: int = -1, **kw: Any) -> np.ndarray:
+    """A BATCH frame of messages, as a sender's outbox makes it (each
+    message unsealed, its hint where its sequence number goes); message
+    ``buffers`` carries an inline buffer."""
+    inner = []
+    for i, p in enumerate(payloads):
+        views = [(4, np.zeros(4, dtype=np.uint8).data, -1)] if i == buffers else []
+        inner.append(encode(FrameKind.MESSAGE, 40 + i, p, views, b"", Limits(), seal=False)[0])
+    return _frame(seq, batch.pack(inner), kind=FrameKind.BATCH, **kw)
 
 
 def _tag(sender: int = 3, hint: int = 17) -> int:
@@ -101,7 +115,8 @@ def test_a_frame_not_to_be_handled_at_once_is_queued_for_the_python(why):
     assert rx.got == [] and rx.pipe.inbound.seq == 0
 
 
-@pytest.mark.parametrize("why", ["replay", "ack", "batch", "buffers", "too big", "ended"])
+@pytest.mark.parametrize("why", ["replay", "ack", "batch", "torn batch", "buffers", "too big",
+                                 "ended"])
 def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(why):
     rx = _Receiver(Limits(max_message_bytes=1 << 20))
     frame = _frame(5)
@@ -109,7 +124,9 @@ def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(
         rx.pipe.inbound.seq = 5
     elif why == "ack":
         frame = _frame(5, ack=2)
-    elif why == "batch":
+    elif why == "batch":  # one of its messages has a buffer
+        frame = _batch(5, [b"a", b"b"], buffers=1)
+    elif why == "torn batch":  # its table claims more than it holds
         frame = _frame(5, kind=FrameKind.BATCH)
     elif why == "buffers":
         t = np.arange(8, dtype=np.uint8)
@@ -120,8 +137,9 @@ def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(
             receiver=rx, pipes={3: rx.pipe}, limits=Limits(), queue=lambda *a: None,
             decoded=lambda *a: rx.decoded.append(a), judged_bad=lambda *a: None,
             handler_failed=lambda *a: None, bad=(FrameError,), message=FrameKind.MESSAGE,
-            done=DONE, id_shift=ID_SHIFT, id_mask=ID_MASK, kind_shift=KIND_SHIFT,
-            handshake=HANDSHAKE, hint_mask=HINT_MASK, max_frame=1 << 30, max_message=64)
+            batch=FrameKind.BATCH, done=DONE, id_shift=ID_SHIFT, id_mask=ID_MASK,
+            kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK, max_frame=1 << 30,
+            max_message=64)
     else:
         rx.pipe.inbound.abandoned = True
     rx.inlet.taken([(_tag(hint=33), frame.nbytes, DONE, frame)])
@@ -130,6 +148,36 @@ def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(
     assert pipe is rx.pipe and got is frame and f.seq == 5 and hint == 33
     assert rx.got == [] and rx.pipe.inbound.received == 0
     assert rx.pipe.inbound.seq == (5 if why == "replay" else 0)
+
+
+def test_a_batch_of_plain_messages_goes_to_the_handler_message_by_message():
+    rx = _Receiver()
+    frame = _batch(4, [b"one", b"two", b"three"], busy=True)
+    rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame), (_tag(), 0, DONE, _frame(5))])
+    assert rx.got == [(3, b"one", []), (3, b"two", []), (3, b"three", []), (3, b"hello", [])]
+    inbound = rx.pipe.inbound
+    assert (inbound.seq, inbound.peer_busy, inbound.received) == (5, False, 4)
+    assert (rx.inlet.handled, rx.inlet.passed) == (4, 0)
+    assert not (rx.queued or rx.decoded or rx.judged)
+
+
+def test_a_batch_goes_on_past_a_failing_handler_and_stops_where_the_pipe_ended():
+    rx = _Receiver()
+    calls = []
+
+    def handler(peer: int, payload: memoryview, buffers: list) -> None:
+        calls.append(bytes(payload))
+        if payload == b"b":
+            raise ValueError("the agent failed")
+        if payload == b"c":
+            rx.pipe.inbound.abandoned = True  # as a pipe that broke meanwhile
+
+    rx._on_message = handler  # type: ignore[method-assign]
+    frame = _batch(1, [b"a", b"b", b"c", b"d"])
+    rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame)])
+    assert calls == [b"a", b"b", b"c"]  # "d" dropped: its pipe ended (as _hand_on drops it)
+    assert [type(e) for _, e in rx.failed] == [ValueError]
+    assert rx.pipe.inbound.received == 3 and rx.pipe.inbound.seq == 1
 
 
 def test_a_frame_that_fails_its_mac_is_judged_and_the_next_is_handled():
@@ -163,17 +211,25 @@ def test_a_base_exception_from_a_handler_ends_the_call_with_the_rest_queued():
 
 def test_every_path_keeps_reference_counts_balanced():
     rx = _Receiver(Limits(max_frame_bytes=4096))
-    plain, bad, batch = _frame(1), _frame(1, key=b"x" * 16), _frame(1, kind=FrameKind.BATCH)
+    plain, bad, torn = _frame(1), _frame(1, key=b"x" * 16), _frame(1, kind=FrameKind.BATCH)
+    plains, mixed = _batch(1, [b"a", b"b"]), _batch(1, [b"a", b"b"], buffers=1)
     failure = ValueError("the agent failed")
-    watched = [rx.pipe, plain, bad, batch, failure, DONE]
+    watched = [rx.pipe, plain, bad, torn, plains, mixed, failure, DONE]
 
     def rounds(n: int) -> None:
         for _ in range(n):
             rx.pipe.inbound.seq = 0
             rx.inlet.taken([(_tag(), plain.nbytes, DONE, plain),
                             (_tag(), bad.nbytes, DONE, bad),
-                            (_tag(), batch.nbytes, DONE, batch),
+                            (_tag(), torn.nbytes, DONE, torn),
                             (_tag(sender=9), plain.nbytes, DONE, plain)])
+            for frame in (plains, mixed):
+                rx.pipe.inbound.seq = 0
+                rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame)])
+            rx.pipe.inbound.seq = 0
+            rx.raise_in_handler = failure
+            rx.inlet.taken([(_tag(), plains.nbytes, DONE, plains)])
+            rx.raise_in_handler = None
             rx.pipe.inbound.seq = 0
             rx.raise_in_handler = failure
             rx.inlet.taken([(_tag(), plain.nbytes, DONE, plain)])

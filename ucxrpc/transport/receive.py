@@ -136,9 +136,9 @@ class Receiver:
         self.frame_errors = 0
         u64 = (1 << 64) - 1
         #: :meth:`taken`, in C (csrc/receive.c): an authenticated peer's
-        #: message without buffers, whole already and with nothing
-        #: waiting before it (most frames), decoded, checked and handed to
-        #: ``_on_message`` there; the rest handed back to the methods below
+        #: message without buffers, or a batch of such messages, whole
+        #: already and with nothing waiting before it (most frames),
+        #: decoded, checked and handed to ``_on_message`` there; the rest handed back to the methods below
         #: (``_queue_taken``, ``_message_decoded``, ``_judged_bad``,
         #: ``_handler_failed``).  Three Python calls a message fewer
         #: (issue 52).
@@ -146,8 +146,8 @@ class Receiver:
             receiver=self, pipes=self._pipes, limits=limits, queue=self._queue_taken,
             decoded=self._message_decoded, judged_bad=self._judged_bad,
             handler_failed=self._handler_failed, bad=(AuthenticationError, FrameError),
-            message=FrameKind.MESSAGE, done=DONE, id_shift=ID_SHIFT, id_mask=ID_MASK,
-            kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK,
+            message=FrameKind.MESSAGE, batch=FrameKind.BATCH, done=DONE, id_shift=ID_SHIFT,
+            id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK,
             max_frame=min(limits.max_frame_bytes, u64),
             max_message=min(limits.max_message_bytes, u64))
         self.taken = self.inlet.taken  # type: ignore[method-assign]
