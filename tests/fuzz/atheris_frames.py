@@ -71,8 +71,8 @@ def _handshake(fdp: atheris.FuzzedDataProvider) -> None:
     payload = memoryview(fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 200)))
     try:
         if which == 0:
-            claimed, nonce = auth.parse_hello(payload)
-            assert auth.hello(claimed, nonce) == bytes(payload)
+            claimed, nonce, gen = auth.parse_hello(payload)
+            assert auth.hello(claimed, nonce, gen) == bytes(payload)
         elif which == 1:
             auth.check_challenge(b"secret", payload, x, y, nx)
             raise AssertionError("a random CHALLENGE passed")
