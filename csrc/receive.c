@@ -3,7 +3,9 @@
  * the Inlet's).
  *
  * Most frames are an authenticated peer's message without buffers (a
- * no-op's request, most replies), or a BATCH of such messages (a burst's,
+ * no-op's request, most replies), one whose buffers all travelled inside
+ * the frame (host tensors up to the sender's inline_threshold: a 16 or
+ * 64 KiB echo's), or a BATCH of messages without buffers (a burst's,
  * sent behind a frame in flight), whole already and with nothing of an
  * earlier turn to wait behind.  In Python each cost three calls on its
  * way to the agent (Receiver.taken, _message_frame, _hand_on: Run AZ
@@ -11,7 +13,8 @@
  * VM).  Here such a frame is decoded and checked (frame.c: the MAC, the
  * limits), its sequence number checked and moved on, and its payload
  * (a batch's, each message's in order) handed to the receiver's
- * `_on_message` (the agent's), all in this call.  Everything else
+ * `_on_message` (the agent's), with its inline buffers as views of the
+ * frame (`inline_view(frame, where, nbytes)`), all in this call.  Everything else
  * goes to the Receiver's Python, which handles every case:
  *
  * - a frame not to be handled at once (no pipe or not authenticated yet,
@@ -19,11 +22,12 @@
  *   one behind an earlier turn's): `queue(tag, length, req, got, sender,
  *   pipe)`;
  * - a frame that decoded but is no plain message (a control frame, one
- *   with buffers, a BATCH holding one that is not plain or one that does
- *   not decode), or one whose checks have something to say
- *   (a replay, an acknowledgement of ours, a message over
- *   max_message_bytes, a pipe that ended): `decoded(pipe, got, frame,
- *   hint)`, before anything of it was changed here;
+ *   with a buffer sent apart, read by address, staged or on a device, a
+ *   BATCH holding a message with buffers or one that does not decode),
+ *   or one whose checks have something to say (a replay, an
+ *   acknowledgement of ours, a message over max_message_bytes, a pipe
+ *   that ended): `decoded(pipe, got, frame, hint)`, before anything of
+ *   it was changed here;
  * - a frame that failed its MAC or a check: `judged_bad(pipe, error)`;
  * - a handler that raised an Exception: `handler_failed(pipe, error)`.
  *
@@ -43,6 +47,7 @@ typedef struct {
     PyObject *bad;      /* (AuthenticationError, FrameError): judged, not raised */
     PyObject *message;  /* FrameKind.MESSAGE */
     PyObject *batch;    /* FrameKind.BATCH */
+    PyObject *inline_view; /* (frame, where, nbytes) -> a tensor over those bytes */
     PyObject *done;     /* UCP_DONE: a frame received whole when taken */
     int id_shift, kind_shift, handshake;
     uint64_t id_mask, hint_mask, max_frame, max_message;
@@ -52,8 +57,10 @@ typedef struct {
 static PyObject *str_frames, *str_auth, *str_in_key, *str_inbound, *str_seq, *str_peer_busy,
     *str_abandoned, *str_received, *str_cma, *str_acked, *str_peer_id, *str_on_message;
 
-/* Frame's fields by position (wire/frame.py's Frame NamedTuple). */
+/* Frame's fields by position (wire/frame.py's Frame NamedTuple), and
+ * BufferDesc's. */
 enum { F_KIND, F_SEQ, F_PAYLOAD, F_BUFFERS, F_RAW, F_TOTAL, F_DELIVERED, F_ACK, F_BUSY };
+enum { D_NBYTES, D_WHERE, D_DEVICE, D_FLAGS, D_ARG, D_FIELDS };
 
 static int attr_true(PyObject *o, PyObject *name) {
     PyObject *v = PyObject_GetAttr(o, name);
@@ -86,14 +93,36 @@ static int judge(Inlet *self, PyObject *pipe) {
     return rc;
 }
 
-/* Whether `frame` (a MESSAGE without buffers, or a BATCH, whose own
- * buffers the caller checks) may be acted on here as far as its pipe is
+/* Whether every buffer `descs` describes travelled inside its frame,
+ * from host memory (1): then the message is whole as taken, and each
+ * buffer a view of the frame.  0 where one came or comes any other way
+ * (frame.c checked that an inline one lies within the frame). */
+static int all_inline(PyObject *descs) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(descs); i++) {
+        PyObject *d = PyTuple_GET_ITEM(descs, i);
+        if (!PyTuple_Check(d) || PyTuple_GET_SIZE(d) != D_FIELDS) return 0;
+        uint64_t where = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(d, D_WHERE));
+        long device = PyLong_AsLong(PyTuple_GET_ITEM(d, D_DEVICE));
+        long flags = PyLong_AsLong(PyTuple_GET_ITEM(d, D_FLAGS));
+        if (PyErr_Occurred()) return -1;
+        if (flags || device != -1 || where == UINT64_MAX) return 0; /* UINT64_MAX: NOT_INLINE */
+    }
+    return 1;
+}
+
+/* Whether `frame` (a MESSAGE without buffers or with inline ones only,
+ * or a BATCH, without buffers of its own) may be acted on here as far as its pipe is
  * concerned (1), or must go to the Python (0): a replay, an
  * acknowledgement by_address is to hear of, a frame over
  * max_message_bytes, a pipe that ended.  -1 on error. */
 static int plain(Inlet *self, PyObject *pipe, PyObject *frame, PyObject **inbound) {
     PyObject *bufs = PyTuple_GET_ITEM(frame, F_BUFFERS);
-    if (!PyTuple_Check(bufs) || PyTuple_GET_SIZE(bufs)) return 0;
+    if (!PyTuple_Check(bufs)) return 0;
+    if (PyTuple_GET_SIZE(bufs)) {
+        if (PyTuple_GET_ITEM(frame, F_KIND) != self->message) return 0;
+        int whole = all_inline(bufs);
+        if (whole <= 0) return whole;
+    }
     uint64_t seq, last, ack, acked, total;
     if (!(*inbound = PyObject_GetAttr(pipe, str_inbound))) return -1;
     if (core_attr_u64(*inbound, str_seq, &last) < 0) return -1;
@@ -168,11 +197,27 @@ done:
     return out;
 }
 
+/* The buffers of a message whose every buffer is inline (all_inline),
+ * as tensors over `got`, the frame's bytes: a new list, or NULL. */
+static PyObject *inline_buffers(Inlet *self, PyObject *got, PyObject *descs) {
+    Py_ssize_t n = PyTuple_GET_SIZE(descs);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *d = PyTuple_GET_ITEM(descs, i);
+        PyObject *args[3] = {got, PyTuple_GET_ITEM(d, D_WHERE), PyTuple_GET_ITEM(d, D_NBYTES)};
+        PyObject *t = PyObject_Vectorcall(self->inline_view, args, 3, NULL);
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
 /* One message of `pipe`'s handed to the receiver's handler (the agent's,
- * or a test's put in its place, read at each message), counted as
- * received; a handler that raises an Exception is logged and the turn
- * goes on.  0, or -1 with what else it raised. */
-static int deliver(Inlet *self, PyObject *pipe, PyObject *inbound, PyObject *payload) {
+ * or a test's put in its place, read at each message) with `bufs` (NULL:
+ * none), counted as received; a handler that raises an Exception is
+ * logged and the turn goes on.  0, or -1 with what else it raised. */
+static int deliver(Inlet *self, PyObject *pipe, PyObject *inbound, PyObject *payload,
+                   PyObject *bufs) {
     uint64_t received;
     if (core_attr_u64(inbound, str_received, &received) < 0) return -1;
     PyObject *n = PyLong_FromUnsignedLongLong(received + 1);
@@ -181,7 +226,8 @@ static int deliver(Inlet *self, PyObject *pipe, PyObject *inbound, PyObject *pay
     Py_DECREF(n);
     if (set < 0) return -1;
     int rc = -1;
-    PyObject *peer = PyObject_GetAttr(pipe, str_peer_id), *bufs = PyList_New(0),
+    bufs = bufs ? Py_NewRef(bufs) : PyList_New(0);
+    PyObject *peer = PyObject_GetAttr(pipe, str_peer_id),
              *handler = PyObject_GetAttr(self->receiver, str_on_message);
     if (peer && bufs && handler) {
         self->handled++;
@@ -212,7 +258,7 @@ static int deliver(Inlet *self, PyObject *pipe, PyObject *inbound, PyObject *pay
 static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, uint64_t hint) {
     PyObject *frame = core_frame_decode(got, key, self->limits);
     if (!frame) return judge(self, pipe);
-    PyObject *inbound = NULL, *hint_o = NULL, *batch = NULL;
+    PyObject *inbound = NULL, *hint_o = NULL, *batch = NULL, *bufs = NULL;
     int rc = -1;
     PyObject *kind = PyTuple_GET_ITEM(frame, F_KIND);
     int p = kind == self->message || kind == self->batch
@@ -223,6 +269,13 @@ static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, ui
          * fewer (Run BD). */
         if (!(batch = batch_messages(self, frame))) goto done;
         p = batch != Py_None;
+    }
+    if (p > 0 && kind == self->message &&
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(frame, F_BUFFERS))) {
+        /* Its buffers, views of the frame: a Receiver._message_decoded,
+         * Incoming, _deliver and _hand_on fewer (issue 52).  Made before
+         * anything moves on, as the Python makes them. */
+        if (!(bufs = inline_buffers(self, got, PyTuple_GET_ITEM(frame, F_BUFFERS)))) goto done;
     }
     if (p < 0) goto done;
     if (!p) {
@@ -235,7 +288,7 @@ static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, ui
         PyObject_SetAttr(inbound, str_peer_busy, PyTuple_GET_ITEM(frame, F_BUSY)) < 0)
         goto done;
     if (!batch) {
-        rc = deliver(self, pipe, inbound, PyTuple_GET_ITEM(frame, F_PAYLOAD));
+        rc = deliver(self, pipe, inbound, PyTuple_GET_ITEM(frame, F_PAYLOAD), bufs);
         goto done;
     }
     rc = 0;
@@ -248,12 +301,13 @@ static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, ui
             break;
         }
         rc = deliver(self, pipe, inbound,
-                     PyTuple_GET_ITEM(PyList_GET_ITEM(batch, i), F_PAYLOAD));
+                     PyTuple_GET_ITEM(PyList_GET_ITEM(batch, i), F_PAYLOAD), NULL);
     }
 done:
     Py_XDECREF(inbound);
     Py_XDECREF(hint_o);
     Py_XDECREF(batch);
+    Py_XDECREF(bufs);
     Py_DECREF(frame);
     return rc;
 }
@@ -340,6 +394,33 @@ static PyObject *inlet_taken(Inlet *self, PyObject *taken) {
     Py_RETURN_NONE;
 }
 
+/* frame(pipe, got, hint): a frame of `pipe`'s received whole after it
+ * was taken (a turn's Receiver.poll: it was still arriving, as a frame
+ * of more than one shared-memory segment is when first found, or it
+ * waited behind one that was), from an authenticated peer: handled as
+ * taken() handles one at once. */
+static PyObject *inlet_frame(Inlet *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "frame() takes (pipe, got, hint)");
+        return NULL;
+    }
+    uint64_t hint = PyLong_AsUnsignedLongLong(args[2]);
+    if (hint == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    PyObject *auth = PyObject_GetAttr(args[0], str_auth);
+    if (!auth) return NULL;
+    PyObject *key = PyObject_GetAttr(auth, str_in_key);
+    Py_DECREF(auth);
+    if (!key) return NULL;
+    int rc = -1;
+    if (key == Py_None)
+        PyErr_SetString(PyExc_ValueError, "frame(): the pipe has not authenticated");
+    else
+        rc = at_once(self, args[0], key, args[1], hint & self->hint_mask);
+    Py_DECREF(key);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static int inlet_traverse(Inlet *self, visitproc visit, void *arg) {
     Py_VISIT(self->receiver);
     Py_VISIT(self->pipes);
@@ -351,6 +432,7 @@ static int inlet_traverse(Inlet *self, visitproc visit, void *arg) {
     Py_VISIT(self->bad);
     Py_VISIT(self->message);
     Py_VISIT(self->batch);
+    Py_VISIT(self->inline_view);
     Py_VISIT(self->done);
     return 0;
 }
@@ -366,6 +448,7 @@ static int inlet_clear(Inlet *self) {
     Py_CLEAR(self->bad);
     Py_CLEAR(self->message);
     Py_CLEAR(self->batch);
+    Py_CLEAR(self->inline_view);
     Py_CLEAR(self->done);
     return 0;
 }
@@ -378,10 +461,10 @@ static void inlet_dealloc(Inlet *self) {
 
 static const char *const inlet_names[] = {
     "receiver", "pipes", "limits", "queue", "decoded", "judged_bad",
-    "handler_failed", "bad", "message", "batch", "done", "id_shift", "id_mask", "kind_shift",
-    "handshake", "hint_mask", "max_frame", "max_message"};
+    "handler_failed", "bad", "message", "batch", "done", "inline_view", "id_shift", "id_mask",
+    "kind_shift", "handshake", "hint_mask", "max_frame", "max_message"};
 #define NINLET_NAMES ((Py_ssize_t)(sizeof inlet_names / sizeof inlet_names[0]))
-#define NINLET_OBJECTS 11
+#define NINLET_OBJECTS 12
 
 static int as_u64(PyObject *o, uint64_t *out) {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
@@ -391,8 +474,8 @@ static int as_u64(PyObject *o, uint64_t *out) {
 }
 
 /* Inlet(receiver, pipes, limits, queue, decoded, judged_bad,
- *       handler_failed, bad, message, batch, done, id_shift, id_mask, kind_shift,
- *       handshake, hint_mask, max_frame, max_message), keywords only. */
+ *       handler_failed, bad, message, batch, done, inline_view, id_shift, id_mask,
+ *       kind_shift, handshake, hint_mask, max_frame, max_message), keywords only. */
 static PyObject *inlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *a[NINLET_NAMES];
     if (core_kwonly("Inlet", inlet_names, NINLET_NAMES, args, kwargs, a) < 0) return NULL;
@@ -412,7 +495,7 @@ static PyObject *inlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     PyObject **slots[NINLET_OBJECTS] = {
         &self->receiver, &self->pipes, &self->limits, &self->queue,
         &self->decoded, &self->judged_bad, &self->handler_failed, &self->bad, &self->message,
-        &self->batch, &self->done};
+        &self->batch, &self->done, &self->inline_view};
     for (int i = 0; i < NINLET_OBJECTS; i++) {
         Py_INCREF(a[i]);
         *slots[i] = a[i];
@@ -430,6 +513,8 @@ static PyObject *inlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static PyMethodDef inlet_methods[] = {
     {"taken", (PyCFunction)inlet_taken, METH_O,
      "taken(frames): hand on the frames taken off UCX (see csrc/receive.c)."},
+    {"frame", (PyCFunction)(void (*)(void))inlet_frame, METH_FASTCALL,
+     "frame(pipe, got, hint): an authenticated peer's frame received whole later."},
     {NULL},
 };
 

@@ -144,10 +144,11 @@ class Inlet:
                  judged_bad: Callable[..., None],
                  handler_failed: Callable[..., None],
                  bad: tuple[type[BaseException], ...], message: Any, batch: Any, done: Any,
-                 id_shift: int,
+                 inline_view: Callable[[Any, int, int], Any], id_shift: int,
                  id_mask: int, kind_shift: int, handshake: int, hint_mask: int, max_frame: int,
                  max_message: int) -> None: ...
     def taken(self, taken: list[Any]) -> None: ...
+    def frame(self, pipe: Any, got: Any, hint: int) -> None: ...
 
 class Expect:
     """What a drive asks the transport, as rules read in C (csrc/expect.c)."""

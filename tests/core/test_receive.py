@@ -1,6 +1,7 @@
 """The native core's ``Inlet`` (csrc/receive.c; transport/receive.py's
 ``Receiver.taken``) as C code: which frames it hands to the agent itself
-(plain messages, and batches of them) and which it hands back, unchanged,
+(plain messages, ones whose buffers are all inline, and batches of plain
+ones) and which it hands back, unchanged,
 to the Python; a bad frame judged, a
 failing handler logged and the turn going on, a BaseException queueing
 what was not looked at; reference counts balanced.  What the frames mean
@@ -15,10 +16,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from ucxrpc import _core
 from ucxrpc.errors import AuthenticationError, FrameError
 from ucxrpc.transport.pipe import Pipe
+from ucxrpc.transport.receive import _inline_view
 from ucxrpc.transport.wire import batch
 from ucxrpc.transport.ucx.ucp import DONE
 from ucxrpc.transport.wire.frame import FrameKind, Limits, encode
@@ -52,7 +55,7 @@ class _Receiver:
             judged_bad=lambda pipe, exc: self.judged.append((pipe, exc)),
             handler_failed=lambda pipe, exc: self.failed.append((pipe, exc)),
             bad=(AuthenticationError, FrameError), message=FrameKind.MESSAGE,
-            batch=FrameKind.BATCH, done=DONE,
+            batch=FrameKind.BATCH, done=DONE, inline_view=_inline_view,
             id_shift=ID_SHIFT, id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE,
             hint_mask=HINT_MASK, max_frame=limits.max_frame_bytes,
             max_message=limits.max_message_bytes)
@@ -115,8 +118,9 @@ def test_a_frame_not_to_be_handled_at_once_is_queued_for_the_python(why):
     assert rx.got == [] and rx.pipe.inbound.seq == 0
 
 
-@pytest.mark.parametrize("why", ["replay", "ack", "batch", "torn batch", "buffers", "too big",
-                                 "ended"])
+@pytest.mark.parametrize("why", ["replay", "ack", "batch", "torn batch", "a buffer apart",
+                                 "a device buffer", "inline and apart", "inline and too big",
+                                 "too big", "ended"])
 def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(why):
     rx = _Receiver(Limits(max_message_bytes=1 << 20))
     frame = _frame(5)
@@ -128,17 +132,22 @@ def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(
         frame = _batch(5, [b"a", b"b"], buffers=1)
     elif why == "torn batch":  # its table claims more than it holds
         frame = _frame(5, kind=FrameKind.BATCH)
-    elif why == "buffers":
+    elif why in ("a buffer apart", "a device buffer", "inline and apart"):
         t = np.arange(8, dtype=np.uint8)
-        frame = encode(FrameKind.MESSAGE, 5, b"p", [(8, t.data, -1)], KEY, Limits())[0]
-    elif why == "too big":
-        frame = _frame(5, payload=b"x" * 100)  # 144 bytes: over the 64 below
+        views = {"a buffer apart": [(8, None, -1)], "a device buffer": [(8, None, 0)],
+                 "inline and apart": [(8, t.data, -1), (8, None, -1)]}[why]
+        frame = encode(FrameKind.MESSAGE, 5, b"p", views, KEY, Limits())[0]
+    elif why in ("too big", "inline and too big"):
+        views = [(8, np.zeros(8, dtype=np.uint8).data, -1)] if why != "too big" else []
+        # 144 bytes, or 8 bytes of payload and a buffer: over the 64 below
+        frame = encode(FrameKind.MESSAGE, 5, b"x" * (100 if why == "too big" else 8), views,
+                       KEY, Limits())[0]
         rx.inlet = _core.Inlet(
             receiver=rx, pipes={3: rx.pipe}, limits=Limits(), queue=lambda *a: None,
             decoded=lambda *a: rx.decoded.append(a), judged_bad=lambda *a: None,
             handler_failed=lambda *a: None, bad=(FrameError,), message=FrameKind.MESSAGE,
-            batch=FrameKind.BATCH, done=DONE, id_shift=ID_SHIFT, id_mask=ID_MASK,
-            kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK, max_frame=1 << 30,
+            batch=FrameKind.BATCH, done=DONE, inline_view=_inline_view, id_shift=ID_SHIFT,
+            id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK, max_frame=1 << 30,
             max_message=64)
     else:
         rx.pipe.inbound.abandoned = True
@@ -148,6 +157,46 @@ def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(
     assert pipe is rx.pipe and got is frame and f.seq == 5 and hint == 33
     assert rx.got == [] and rx.pipe.inbound.received == 0
     assert rx.pipe.inbound.seq == (5 if why == "replay" else 0)
+
+
+def test_a_message_whose_buffers_are_all_inline_goes_to_the_handler_with_views_of_its_frame():
+    rx = _Receiver()
+    a, b = np.arange(16, dtype=np.uint8), np.full(3000, 7, dtype=np.uint8)
+    frame, separate = encode(FrameKind.MESSAGE, 1, b"two", [(16, a.data, -1), (3000, b.data, -1)],
+                             KEY, Limits(), busy=True)
+    assert separate == []
+    rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame), (_tag(), 0, DONE, _frame(2))])
+    (peer, payload, bufs), plain = rx.got
+    assert (peer, payload, plain) == (3, b"two", (3, b"hello", []))
+    assert [t.tolist() for t in bufs] == [a.tolist(), b.tolist()]
+    start, end = frame.ctypes.data, frame.ctypes.data + frame.nbytes
+    assert all(t.dtype == torch.uint8 and start <= t.data_ptr() < end
+               for t in bufs)  # views of the frame received, not copies
+    inbound = rx.pipe.inbound
+    assert (inbound.seq, inbound.peer_busy, inbound.received) == (2, False, 2)
+    assert (rx.inlet.handled, rx.inlet.passed) == (2, 0)
+    assert not (rx.queued or rx.decoded or rx.judged)
+
+
+def test_a_failing_inline_view_ends_the_call_with_nothing_moved_on():
+    rx = _Receiver()
+
+    def broken(frame: Any, where: int, nbytes: int) -> Any:
+        raise MemoryError("no room for a view")
+
+    rx.inlet = _core.Inlet(
+        receiver=rx, pipes={3: rx.pipe}, limits=Limits(), queue=lambda *a: rx.queued.append(a),
+        decoded=lambda *a: None, judged_bad=lambda *a: None, handler_failed=lambda *a: None,
+        bad=(FrameError,), message=FrameKind.MESSAGE, batch=FrameKind.BATCH, done=DONE,
+        inline_view=broken, id_shift=ID_SHIFT, id_mask=ID_MASK, kind_shift=KIND_SHIFT,
+        handshake=HANDSHAKE, hint_mask=HINT_MASK, max_frame=1 << 30, max_message=1 << 30)
+    frame = encode(FrameKind.MESSAGE, 1, b"p", [(8, np.zeros(8, np.uint8).data, -1)], KEY,
+                   Limits())[0]
+    after = _frame(2)
+    with pytest.raises(MemoryError, match="no room"):
+        rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame), (_tag(), after.nbytes, DONE, after)])
+    assert rx.got == [] and rx.pipe.inbound.seq == 0 and rx.pipe.inbound.received == 0
+    assert [q[3] is after for q in rx.queued] == [True]  # the rest kept, as ever
 
 
 def test_a_batch_of_plain_messages_goes_to_the_handler_message_by_message():
@@ -213,8 +262,10 @@ def test_every_path_keeps_reference_counts_balanced():
     rx = _Receiver(Limits(max_frame_bytes=4096))
     plain, bad, torn = _frame(1), _frame(1, key=b"x" * 16), _frame(1, kind=FrameKind.BATCH)
     plains, mixed = _batch(1, [b"a", b"b"]), _batch(1, [b"a", b"b"], buffers=1)
+    inline = encode(FrameKind.MESSAGE, 1, b"p", [(8, np.zeros(8, np.uint8).data, -1)], KEY,
+                    Limits())[0]
     failure = ValueError("the agent failed")
-    watched = [rx.pipe, plain, bad, torn, plains, mixed, failure, DONE]
+    watched = [rx.pipe, plain, bad, torn, plains, mixed, inline, failure, DONE]
 
     def rounds(n: int) -> None:
         for _ in range(n):
@@ -223,7 +274,7 @@ def test_every_path_keeps_reference_counts_balanced():
                             (_tag(), bad.nbytes, DONE, bad),
                             (_tag(), torn.nbytes, DONE, torn),
                             (_tag(sender=9), plain.nbytes, DONE, plain)])
-            for frame in (plains, mixed):
+            for frame in (plains, mixed, inline):
                 rx.pipe.inbound.seq = 0
                 rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame)])
             rx.pipe.inbound.seq = 0

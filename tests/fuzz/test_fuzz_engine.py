@@ -2,10 +2,10 @@
 
 Two real :class:`Transport` objects talk through a fake UCX layer (the
 engine's ``Worker`` and ``Endpoint`` replaced by in-memory ones), so every
-frame a rogue could put on the wire reaches the receiver's real ``on_frame``
-and ``_message_frame`` and the handshake's ``on_frame``, and the test can insert
-rogue frames at exact points of a genuine handshake: something a live test
-can only do by luck of timing.
+frame a rogue could put on the wire reaches the receiver's real ``on_frame``,
+the native ``Inlet`` behind it and the handshake's ``on_frame``, and the test
+can insert rogue frames at exact points of a genuine handshake: something a
+live test can only do by luck of timing.
 
 Properties: no exception escapes the receive path; every refused frame is
 counted once (``refused`` or ``frame_errors``); no rogue frame authenticates

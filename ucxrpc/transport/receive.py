@@ -64,9 +64,14 @@ OnFrameError = Callable[[int, int, BaseException], None]
 Allocator = Callable[[int, int], torch.Tensor]
 
 
+def _inline_view(frame: np.ndarray, where: int, nbytes: int) -> torch.Tensor:
+    """A buffer that travelled inside its frame, as a view of the frame
+    (the ``Inlet`` makes them with this too)."""
+    return torch.from_numpy(frame[where:where + nbytes])
+
+
 def _inline(frame: np.ndarray, d: BufferDesc) -> torch.Tensor:
-    """A buffer that travelled inside its frame, as a view of the frame."""
-    return torch.from_numpy(frame[d.where:d.where + d.nbytes])
+    return _inline_view(frame, d.where, d.nbytes)
 
 
 class Receiver:
@@ -136,17 +141,19 @@ class Receiver:
         self.frame_errors = 0
         u64 = (1 << 64) - 1
         #: :meth:`taken`, in C (csrc/receive.c): an authenticated peer's
-        #: message without buffers, or a batch of such messages, whole
-        #: already and with nothing waiting before it (most frames),
-        #: decoded, checked and handed to ``_on_message`` there; the rest handed back to the methods below
+        #: message without buffers or with inline ones only, or a batch of
+        #: messages without buffers, whole already and with nothing
+        #: waiting before it (most frames), decoded, checked and handed to
+        #: ``_on_message`` there; the rest handed back to the methods below
         #: (``_queue_taken``, ``_message_decoded``, ``_judged_bad``,
-        #: ``_handler_failed``).  Three Python calls a message fewer
-        #: (issue 52).
+        #: ``_handler_failed``).  Three Python calls a message fewer, six
+        #: for one with inline buffers (issue 52).
         self.inlet = Inlet(
             receiver=self, pipes=self._pipes, limits=limits, queue=self._queue_taken,
             decoded=self._message_decoded, judged_bad=self._judged_bad,
             handler_failed=self._handler_failed, bad=(AuthenticationError, FrameError),
-            message=FrameKind.MESSAGE, batch=FrameKind.BATCH, done=DONE, id_shift=ID_SHIFT,
+            message=FrameKind.MESSAGE, batch=FrameKind.BATCH, done=DONE,
+            inline_view=_inline_view, id_shift=ID_SHIFT,
             id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK,
             max_frame=min(limits.max_frame_bytes, u64),
             max_message=min(limits.max_message_bytes, u64))
@@ -279,7 +286,11 @@ class Receiver:
             logger.warning("refused a frame from unknown worker id %d", sender)
             return
         if kind != HANDSHAKE and pipe.auth.in_key is not None:
-            self._message(pipe, buf, tag)
+            # As a frame taken whole is (the Inlet, in C): decoded and
+            # checked, handed on there or to _message_decoded, or judged
+            # bad.  Most frames of more than one shared-memory segment
+            # (8 KiB) come this way, found while still arriving.
+            self.inlet.frame(pipe, buf, tag & HINT_MASK)
             return
         try:
             if kind == HANDSHAKE:
@@ -288,14 +299,6 @@ class Receiver:
                 self.refused += 1
                 logger.warning("refused an unauthenticated frame claiming to be from %s "
                                "(seq %s)", pipe.name, peek_seq(buf))
-        except (AuthenticationError, FrameError) as exc:
-            self._judged_bad(pipe, exc)
-
-    def _message(self, pipe: Pipe, buf: np.ndarray, tag: int) -> None:
-        """A message frame of an authenticated peer's pipe: acted on, or
-        counted as why not."""
-        try:
-            self._message_frame(pipe, buf, tag & HINT_MASK)
         except (AuthenticationError, FrameError) as exc:
             self._judged_bad(pipe, exc)
 
@@ -313,10 +316,6 @@ class Receiver:
                        if pipe.gen else "")
 
     # ----------------------------------------------------------- messages
-
-    def _message_frame(self, pipe: Pipe, buf: np.ndarray, hint: int) -> None:
-        assert pipe.auth.in_key is not None
-        self._message_decoded(pipe, buf, decode(buf, pipe.auth.in_key, self.limits), hint)
 
     def _message_decoded(self, pipe: Pipe, buf: np.ndarray, frame: Frame, hint: int) -> None:
         """An authenticated peer's frame, decoded (its MAC and limits
