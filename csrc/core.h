@@ -34,15 +34,25 @@ int core_calls_init(PyObject *module);
 /* frame.c */
 extern PyMethodDef core_frame_methods[];
 int core_frame_init(PyObject *module);
-/* A frame without buffers whose payload is `head` then `body`, sealed with
- * `key` (16 bytes), as bytes: encode()'s frame and checks for such a
- * message (FrameError over a limit of `limits`, a wire.frame.Limits). */
 /* FrameError (handed down by frame_bind) with a PyUnicode_FromFormat
  * message: always -1. */
 int core_frame_errorf(const char *fmt, ...);
+/* A host buffer for core_frame_alone to copy inline. */
+typedef struct {
+    const void *ptr;
+    uint64_t len;
+} core_inline;
+/* A frame whose payload is `head` then `body` and whose `nbuf` buffers
+ * (host memory) all travel inline, sealed with `key` (16 bytes), as
+ * bytes: encode()'s frame and checks for such a message (FrameError over
+ * a limit of `limits`, a wire.frame.Limits).  Py_None (a new reference)
+ * where encode() would not inline them all (over inline_threshold or
+ * inline_total, a frame over max_frame_bytes or the peer's `peer_max`,
+ * more than max_buffers): the caller then leaves the message to it. */
 PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
                            const Py_buffer *body, const Py_buffer *key, PyObject *limits,
-                           uint64_t ack, int busy);
+                           uint64_t ack, int busy, const core_inline *bufs, Py_ssize_t nbuf,
+                           uint64_t peer_max);
 
 /* loop.c */
 extern PyMethodDef core_loop_methods[];

@@ -486,22 +486,41 @@ done:
 
 PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
                            const Py_buffer *body, const Py_buffer *key, PyObject *limits,
-                           uint64_t ack, int busy) {
+                           uint64_t ack, int busy, const core_inline *bufs, Py_ssize_t nbuf,
+                           uint64_t peer_max) {
     if (read_limits(limits) < 0) return NULL;
-    /* encode()'s checks, as they fall for a message without buffers. */
+    /* encode()'s checks, as they fall for a message without buffers or
+     * with inline ones only. */
     uint64_t plen = (uint64_t)head->len + (uint64_t)body->len;
     if (plen > UINT32_MAX) {
         core_frame_errorf("payload of %llu bytes; a frame carries at most 4 GiB",
                      (unsigned long long)plen);
         return NULL;
     }
-    uint64_t head_len = PREFIX_LEN + plen, size = head_len + MAC_LEN;
+    if ((u128)nbuf > lim.max_buffers || nbuf > 0xFFFF) Py_RETURN_NONE;
+    uint64_t head_len = PREFIX_LEN + (uint64_t)DESC_LEN * (uint64_t)nbuf + plen;
+    u128 cursor = align_up(head_len), total = 0;
+    if (nbuf) {
+        /* encode()'s layout: each buffer 64-byte aligned after the
+         * payload, within inline_total and both sides' frame limits. */
+        u128 cap = lim.max_frame_bytes < peer_max ? lim.max_frame_bytes : peer_max;
+        u128 budget = cursor + lim.inline_total, frame_cap = cap > MAC_LEN ? cap - MAC_LEN : 0;
+        if (budget > frame_cap) budget = frame_cap;
+        for (Py_ssize_t i = 0; i < nbuf; i++) {
+            u128 end = align_up128(cursor + bufs[i].len);
+            if (bufs[i].len > lim.inline_threshold || end > budget) Py_RETURN_NONE;
+            cursor = end;
+            total += bufs[i].len;
+        }
+    }
+    uint64_t size = (nbuf ? (uint64_t)cursor : head_len) + MAC_LEN;
     if (size > lim.max_frame_bytes) {
         over_limit("frame", size, "max_frame_bytes", lim.max_frame_bytes);
         return NULL;
     }
-    if (kind != KIND_BATCH && size > lim.max_message_bytes) {
-        over_limit("message", size, "max_message_bytes", lim.max_message_bytes);
+    /* (encode() counts a buffer's bytes whether inline or not) */
+    if (kind != KIND_BATCH && size + total > lim.max_message_bytes) {
+        over_limit("message", size + total, "max_message_bytes", lim.max_message_bytes);
         return NULL;
     }
     /* bytes, not a numpy array: filled here before anyone sees it, then
@@ -511,9 +530,30 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
     PyObject *frame = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
     if (!frame) return NULL;
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(frame);
-    put_prefix(p, kind, 0, busy, (uint32_t)plen, seq, ack);
-    memcpy(p + PREFIX_LEN, head->buf, (size_t)head->len);
-    memcpy(p + PREFIX_LEN + head->len, body->buf, (size_t)body->len);
+    put_prefix(p, kind, nbuf, busy, (uint32_t)plen, seq, ack);
+    uint64_t where = align_up(head_len);
+    for (Py_ssize_t i = 0; i < nbuf; i++) {
+        uint8_t *d = p + PREFIX_LEN + DESC_LEN * i;
+        put64(d, bufs[i].len);
+        put64(d + 8, where);
+        put16(d + 16, (uint16_t)(int16_t)-1); /* host memory */
+        d[18] = d[19] = 0;
+        put32(d + 20, 0);
+        where = align_up(where + bufs[i].len);
+    }
+    uint8_t *q = p + PREFIX_LEN + DESC_LEN * nbuf;
+    memcpy(q, head->buf, (size_t)head->len);
+    memcpy(q + head->len, body->buf, (size_t)body->len);
+    if (nbuf) {
+        /* The gaps zeroed, as encode() zeroes them: no stale heap bytes
+         * to the peer. */
+        memset(p + head_len, 0, (size_t)(size - MAC_LEN - head_len));
+        where = align_up(head_len);
+        for (Py_ssize_t i = 0; i < nbuf; i++) {
+            memcpy(p + where, bufs[i].ptr, (size_t)bufs[i].len);
+            where = align_up(where + bufs[i].len);
+        }
+    }
     if (mac_into(key, p, (size_t)head_len, size, p + size - MAC_LEN) < 0) {
         Py_DECREF(frame);
         return NULL;

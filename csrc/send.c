@@ -1,5 +1,6 @@
-/* A message without buffers onto its pipe, in one C call (transport/send.py's
- * Sender keeps an Outlet and sends every such frame through it).
+/* A message without buffers, or whose buffers all go inline, onto its
+ * pipe in one C call (transport/send.py's Sender keeps an Outlet and sends
+ * every frame without buffers through it).
  *
  * Most messages have no buffers: a no-op's request and reply, most
  * replies, the control frames.  In Python their way from the agent to
@@ -7,7 +8,10 @@
  * Sender.send, _frame_alone, the strategy's look, the envelope's encode
  * and hint: ~4.8 µs a side of a no-op on the project's VM, Run AZ).  Here
  * it is one, `Outlet.send`, and the agent's envelope head and its body are
- * copied into the frame once, not joined first.
+ * copied into the frame once, not joined first.  Most of the rest carry
+ * host tensors small enough to travel inside the frame (up to
+ * inline_threshold, 64 KiB): they go this way too, their bytes copied
+ * into the frame here as encode() copies them (Run BE).
  *
  * What it does is `Sender._frame_alone`'s, under the pipe's own lock (a
  * threading.Lock: taken with its acquire(), which waits without the GIL),
@@ -19,9 +23,9 @@
  * `out`, `auth`, `cma`): this is the transport's top layer written in C,
  * not a layer below it, and the Python records stay the one place that
  * state lives.  Where the message cannot go alone at once (no open pipe, a
- * frame in flight that small messages wait behind, an outbox), send()
- * changes nothing and says so; the caller takes the Python path, which
- * handles every case. */
+ * frame in flight that small messages wait behind, an outbox, a buffer
+ * that is not to go inline), send() changes nothing and says so; the
+ * caller takes the Python path, which handles every case. */
 #include "core.h"
 
 #include <structmember.h>
@@ -36,7 +40,9 @@ typedef struct {
     PyObject *failed;   /* failed(pipe, error): a send that failed at once */
     PyObject *open;     /* OutState.OPEN */
     PyObject *done;     /* UCP_DONE: a request complete when made */
+    PyObject *tensor, *uint8; /* torch.Tensor, torch.uint8: what send()'s buffers are */
     uint64_t frame_base, hint_mask;
+    uint64_t inline_max; /* the largest buffer send() takes (0: none) */
     long message_kind;  /* FrameKind.MESSAGE */
     unsigned long long sent, declined; /* send()'s: alone, and left to Python */
 } Outlet;
@@ -44,7 +50,8 @@ typedef struct {
 static PyObject *str_lock, *str_out, *str_auth, *str_cma, *str_ep, *str_state, *str_outbox,
     *str_last_frame, *str_seq, *str_peer_max_frame, *str_sent, *str_out_key, *str_read_through,
     *str_ack_sent, *str_send_frame, *str_name, *str_acquire, *str_release, *str_done,
-    *str_error, *str_blocked_until, *str_append;
+    *str_error, *str_blocked_until, *str_append, *str_dtype, *str_is_cpu, *str_data_ptr,
+    *str_numel;
 
 static int set_u64(PyObject *o, PyObject *name, uint64_t v) {
     PyObject *n = PyLong_FromUnsignedLongLong(v);
@@ -106,10 +113,13 @@ static int track(Outlet *self, PyObject *pipe, PyObject *out, PyObject *req) {
 
 /* Sender._frame_alone: `head` then `body` as one frame of `kind` on `pipe`
  * (under its lock, its outgoing side open and nothing waiting to go
- * first); `out` is pipe.out.  0, or -1 with the error set (FrameError
- * over a limit, this side's or the peer's). */
+ * first), with `nbuf` host buffers inline; `out` is pipe.out.  1 sent, 0
+ * where the buffers would not all go inline (nothing changed), or -1
+ * with the error set (FrameError over a limit, this side's or the
+ * peer's). */
 static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_t hint,
-                 PyObject *head_o, PyObject *body_o) {
+                 PyObject *head_o, PyObject *body_o, const core_inline *bufs,
+                 Py_ssize_t nbuf) {
     PyObject *auth = NULL, *cma = NULL, *ep = NULL, *key_o = NULL, *ack_o = NULL,
              *frame = NULL, *req = NULL;
     Py_buffer head = {0}, body = {0}, key = {0};
@@ -135,8 +145,13 @@ static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_
         PyObject_GetBuffer(body_o, &body, PyBUF_SIMPLE) < 0 ||
         PyObject_GetBuffer(key_o, &key, PyBUF_SIMPLE) < 0)
         goto done;
-    frame = core_frame_alone(kind, seq + 1, &head, &body, &key, self->limits, ack, busy);
+    frame = core_frame_alone(kind, seq + 1, &head, &body, &key, self->limits, ack, busy, bufs,
+                             nbuf, peer_max);
     if (!frame) goto done;
+    if (frame == Py_None) {
+        rc = 0;
+        goto done;
+    }
     Py_ssize_t n = PyBytes_GET_SIZE(frame);
     if ((uint64_t)n > peer_max) {
         /* Its header alone: a message without buffers has nothing to
@@ -156,10 +171,10 @@ static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_
     Py_DECREF(tag);
     if (!req) goto done;
     uint64_t sent;
-    if (PyObject_SetAttr(cma, str_ack_sent, ack_o) < 0 || core_attr_u64(out, str_sent, &sent) < 0 ||
-        set_u64(out, str_sent, sent + 1) < 0)
+    if (PyObject_SetAttr(cma, str_ack_sent, ack_o) < 0 ||
+        core_attr_u64(out, str_sent, &sent) < 0 || set_u64(out, str_sent, sent + 1) < 0)
         goto done;
-    rc = track(self, pipe, out, req);
+    rc = track(self, pipe, out, req) < 0 ? -1 : 1;
 done:
     if (head.obj) PyBuffer_Release(&head);
     if (body.obj) PyBuffer_Release(&body);
@@ -195,7 +210,7 @@ static PyObject *outlet_frame(Outlet *self, PyObject *const *args, Py_ssize_t na
     if (as_hint(args[2], &hint) < 0) return NULL;
     PyObject *out = PyObject_GetAttr(args[0], str_out);
     if (!out) return NULL;
-    int rc = alone(self, args[0], out, kind, hint, args[3], args[4]);
+    int rc = alone(self, args[0], out, kind, hint, args[3], args[4], NULL, 0);
     Py_DECREF(out);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
@@ -248,25 +263,79 @@ static void unguard_raising(int outer) {
     core_chain_over(t, v, tb);
 }
 
-/* send(peer, hint, head, body) -> bool: a message of `head` then `body`
- * to worker id `peer` as a frame alone (True), or False where it cannot go
- * so now (no pipe to it, not open, something waits to go first): nothing
- * was changed, and Transport.send takes it.
+/* Where every one of `buffers` (a list) is a host tensor of bytes of at
+ * most inline_max, its address and length into `bufs` (1); 0 where one is
+ * not (a Gather, a device tensor, a large one: encode() and the
+ * by-address and staging rules decide for those), -1 on error. */
+static int inline_spans(Outlet *self, PyObject *buffers, core_inline *bufs) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(buffers); i++) {
+        PyObject *t = PyList_GET_ITEM(buffers, i), *v;
+        if (Py_TYPE(t) != (PyTypeObject *)self->tensor) return 0;
+        if (!(v = PyObject_GetAttr(t, str_dtype))) return -1;
+        int bytes = v == self->uint8;
+        Py_DECREF(v);
+        if (!bytes) return 0;
+        if (!(v = PyObject_GetAttr(t, str_is_cpu))) return -1;
+        int host = v == Py_True;
+        Py_DECREF(v);
+        if (!host) return 0;
+        /* (the agent's buffers are whole 1-D byte tensors: serialization's
+         * _as_bytes makes them) */
+        if (!(v = PyObject_CallMethodNoArgs(t, str_numel))) return -1;
+        unsigned long long n = PyLong_AsUnsignedLongLong(v);
+        Py_DECREF(v);
+        if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        if (n > self->inline_max) return 0;
+        if (!(v = PyObject_CallMethodNoArgs(t, str_data_ptr))) return -1;
+        void *p = PyLong_AsVoidPtr(v);
+        Py_DECREF(v);
+        if (!p && PyErr_Occurred()) return -1;
+        bufs[i].ptr = p;
+        bufs[i].len = n;
+    }
+    return 1;
+}
+
+/* send(peer, hint, head, body[, buffers]) -> bool: a message of `head`
+ * then `body` to worker id `peer` as a frame alone (True), with `buffers`
+ * (a list) inline, or False where it cannot go so now (no pipe to it, not
+ * open, something waits to go first, a buffer that is not to go inline):
+ * nothing was changed, and Transport.send takes it.
  *
  * Raises FrameError over a limit, BrokenError where the endpoint refuses,
  * KeyboardInterrupt held meanwhile. */
 static PyObject *outlet_send(Outlet *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "send() takes 4 arguments (peer, hint, head, body)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "send() takes 4 or 5 arguments (peer, hint, head, body"
+                        "[, buffers])");
+        return NULL;
+    }
+    if (nargs == 5 && !PyList_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "send(): buffers must be a list");
         return NULL;
     }
     uint64_t hint;
     if (as_hint(args[1], &hint) < 0) return NULL;
+    Py_ssize_t nbuf = nargs == 5 ? PyList_GET_SIZE(args[4]) : 0;
+    core_inline few[8], *bufs = few;
+    if (nbuf) {
+        /* Looked at before the pipe's lock is taken: most messages that
+         * do not go inline are large ones. */
+        if (!self->inline_max) goto declined;
+        if (nbuf > 8 && !(bufs = PyMem_Malloc(sizeof(core_inline) * (size_t)nbuf)))
+            return PyErr_NoMemory();
+        int ok = inline_spans(self, args[4], bufs);
+        if (ok <= 0) {
+            if (bufs != few) PyMem_Free(bufs);
+            if (ok < 0) return NULL;
+            goto declined;
+        }
+    }
     PyObject *pipe = PyDict_GetItemWithError(self->pipes, args[0]);
     if (!pipe) {
+        if (bufs != few) PyMem_Free(bufs);
         if (PyErr_Occurred()) return NULL;
-        self->declined++;
-        Py_RETURN_FALSE;
+        goto declined;
     }
     Py_INCREF(pipe);
     PyObject *lock = NULL, *out = NULL, *r;
@@ -277,9 +346,10 @@ static PyObject *outlet_send(Outlet *self, PyObject *const *args, Py_ssize_t nar
     Py_DECREF(r);
     locked = 1;
     rc = goes_alone(self, out);
-    if (rc == 1 && alone(self, pipe, out, self->message_kind, hint, args[2], args[3]) < 0)
-        rc = -1;
+    if (rc == 1)
+        rc = alone(self, pipe, out, self->message_kind, hint, args[2], args[3], bufs, nbuf);
 done:
+    if (bufs != few) PyMem_Free(bufs);
     if (locked) {
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);
@@ -306,6 +376,7 @@ done:
         self->sent++;
         Py_RETURN_TRUE;
     }
+declined:
     self->declined++;
     Py_RETURN_FALSE;
 }
@@ -326,6 +397,8 @@ static int outlet_traverse(Outlet *self, visitproc visit, void *arg) {
     Py_VISIT(self->failed);
     Py_VISIT(self->open);
     Py_VISIT(self->done);
+    Py_VISIT(self->tensor);
+    Py_VISIT(self->uint8);
     return 0;
 }
 
@@ -338,6 +411,8 @@ static int outlet_clear(Outlet *self) {
     Py_CLEAR(self->failed);
     Py_CLEAR(self->open);
     Py_CLEAR(self->done);
+    Py_CLEAR(self->tensor);
+    Py_CLEAR(self->uint8);
     return 0;
 }
 
@@ -348,12 +423,13 @@ static void outlet_dealloc(Outlet *self) {
 }
 
 static const char *const outlet_names[] = {
-    "pipes", "limits", "strategy", "inflight", "wake", "failed", "open", "done",
-    "frame_base", "hint_mask", "message_kind"};
+    "pipes", "limits", "strategy", "inflight", "wake", "failed", "open", "done", "tensor",
+    "uint8", "frame_base", "hint_mask", "message_kind", "inline_max"};
 #define NOUTLET_NAMES ((Py_ssize_t)(sizeof outlet_names / sizeof outlet_names[0]))
 
 /* Outlet(pipes, limits, strategy, inflight, wake, failed, open, done,
- *        frame_base, hint_mask, message_kind), keywords only. */
+ *        tensor, uint8, frame_base, hint_mask, message_kind, inline_max),
+ * keywords only. */
 static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *a[NOUTLET_NAMES];
     if (core_kwonly("Outlet", outlet_names, NOUTLET_NAMES, args, kwargs, a) < 0) return NULL;
@@ -361,29 +437,35 @@ static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
         PyErr_SetString(PyExc_TypeError, "Outlet(): pipes must be a dict");
         return NULL;
     }
-    uint64_t base, mask;
-    long kind = PyLong_AsLong(a[10]);
-    if (as_hint(a[8], &base) < 0 || as_hint(a[9], &mask) < 0 ||
-        (kind == -1 && PyErr_Occurred()))
+    if (!PyType_Check(a[8])) {
+        PyErr_SetString(PyExc_TypeError, "Outlet(): tensor must be a type");
+        return NULL;
+    }
+    uint64_t base, mask, inline_max;
+    long kind = PyLong_AsLong(a[12]);
+    if (as_hint(a[10], &base) < 0 || as_hint(a[11], &mask) < 0 ||
+        (kind == -1 && PyErr_Occurred()) || as_hint(a[13], &inline_max) < 0)
         return NULL;
     Outlet *self = (Outlet *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     PyObject **slots[] = {&self->pipes, &self->limits, &self->strategy, &self->inflight,
-                          &self->wake, &self->failed, &self->open, &self->done};
-    for (int i = 0; i < 8; i++) {
+                          &self->wake, &self->failed, &self->open, &self->done,
+                          &self->tensor, &self->uint8};
+    for (int i = 0; i < 10; i++) {
         Py_INCREF(a[i]);
         *slots[i] = a[i];
     }
     self->frame_base = base;
     self->hint_mask = mask;
     self->message_kind = kind;
+    self->inline_max = inline_max;
     return (PyObject *)self;
 }
 
 static PyMethodDef outlet_methods[] = {
     {"send", (PyCFunction)(void (*)(void))outlet_send, METH_FASTCALL,
-     "send(peer, hint, head, body) -> bool: the message as a frame alone, or False (nothing "
-     "changed) where it cannot go so now."},
+     "send(peer, hint, head, body[, buffers]) -> bool: the message as a frame alone, its "
+     "buffers inline, or False (nothing changed) where it cannot go so now."},
     {"frame", (PyCFunction)(void (*)(void))outlet_frame, METH_FASTCALL,
      "frame(pipe, kind, hint, head, body): Sender._frame_alone, under the pipe's lock."},
     {"track", (PyCFunction)(void (*)(void))outlet_track, METH_FASTCALL,
@@ -405,7 +487,8 @@ static PyTypeObject OutletType = {
     .tp_name = "ucxrpc._core.Outlet",
     .tp_basicsize = sizeof(Outlet),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A message without buffers onto its pipe in one call (transport/send.py).",
+    .tp_doc = "A message without buffers or with inline ones onto its pipe in one call "
+              "(transport/send.py).",
     .tp_new = outlet_new,
     .tp_dealloc = (destructor)outlet_dealloc,
     .tp_traverse = (traverseproc)outlet_traverse,
@@ -423,7 +506,9 @@ int core_send_init(PyObject *module) {
         {&str_out_key, "out_key"}, {&str_read_through, "read_through"},
         {&str_ack_sent, "ack_sent"}, {&str_send_frame, "send_frame"}, {&str_name, "name"},
         {&str_acquire, "acquire"}, {&str_release, "release"}, {&str_done, "done"},
-        {&str_error, "error"}, {&str_blocked_until, "blocked_until"}, {&str_append, "append"}};
+        {&str_error, "error"}, {&str_blocked_until, "blocked_until"}, {&str_append, "append"},
+        {&str_dtype, "dtype"}, {&str_is_cpu, "is_cpu"}, {&str_data_ptr, "data_ptr"},
+        {&str_numel, "numel"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text))) return -1;
     if (PyType_Ready(&OutletType) < 0) return -1;

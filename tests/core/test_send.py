@@ -1,6 +1,6 @@
 """The native core's ``Outlet`` (csrc/send.c; transport/send.py's send of a
-message without buffers) as C code: the frame it makes is ``encode``'s,
-byte for byte; what it declines it leaves untouched; the pipe's lock and
+message without buffers, or with inline ones only) as C code: the frame it
+makes is ``encode``'s, byte for byte; what it declines it leaves untouched; the pipe's lock and
 the thread's guard are given back on every path; reference counts stay
 balanced.  What the frames mean on a live pipe is tests/transport's and
 tests/fuzz's to hold (every message without buffers there goes through
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from ucxrpc import _core
 from ucxrpc.errors import FrameError
@@ -57,7 +58,7 @@ class _Strategy:
 
 
 class _Rig:
-    def __init__(self, limits: Limits = Limits()) -> None:
+    def __init__(self, limits: Limits = Limits(), inline_max: int = 64 << 10) -> None:
         self.pipe = Pipe(1, "worker1", b"")
         self.pipe.ep = self.ep = _Endpoint()  # type: ignore[assignment]
         self.pipe.out.state = OutState.OPEN
@@ -71,8 +72,9 @@ class _Rig:
             pipes={1: self.pipe}, limits=limits, strategy=self.strategy,
             inflight=self.inflight, wake=self._wake,
             failed=lambda pipe, exc: self.failures.append((pipe, exc)),
-            open=OutState.OPEN, done=DONE, frame_base=BASE, hint_mask=HINT_MASK,
-            message_kind=FrameKind.MESSAGE)
+            open=OutState.OPEN, done=DONE, tensor=torch.Tensor, uint8=torch.uint8,
+            frame_base=BASE, hint_mask=HINT_MASK, message_kind=FrameKind.MESSAGE,
+            inline_max=inline_max)
 
     def _wake(self) -> None:
         self.woken += 1
@@ -91,6 +93,60 @@ def test_the_frame_is_encodes_byte_for_byte_with_the_pipes_sequence_ack_and_busy
     out = rig.pipe.out
     assert (out.seq, out.sent, out.last_frame, rig.pipe.cma.ack_sent) == (1, 1, None, 5)
     assert (rig.outlet.sent, rig.outlet.declined) == (1, 0)
+
+
+def _bytes(n: int, start: int = 0) -> torch.Tensor:
+    return torch.arange(start, start + n, dtype=torch.int64).to(torch.uint8)
+
+
+def test_buffers_that_all_go_inline_make_encodes_frame_byte_for_byte():
+    rig = _Rig()
+    bufs = [_bytes(5), _bytes(0), _bytes(3000, 7), _bytes(64 << 10, 1)]
+    assert rig.outlet.send(1, 42, b"head:", b"body", bufs) is True
+    (frame, tag), = rig.ep.sent
+    views = [(b.numel(), b.numpy().data, -1) for b in bufs]
+    want, separate = encode(FrameKind.MESSAGE, 1, b"head:body", views, KEY, Limits(), ack=5)
+    assert separate == [] and frame == want.tobytes() and tag == BASE | 42
+    got = decode(np.frombuffer(frame, dtype=np.uint8), KEY, Limits())
+    assert [bytes(frame[d.where:d.where + d.nbytes]) for d in got.buffers] == \
+        [bytes(b.numpy()) for b in bufs]
+    assert (rig.pipe.out.seq, rig.pipe.out.sent, rig.outlet.sent) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("why", ["over inline_max", "over the limits' inline_threshold",
+                                 "over inline_total", "over the peer's max frame", "not bytes",
+                                 "a subclass", "a gather", "none taken"])
+def test_buffers_that_would_not_all_go_inline_are_declined_untouched(why):
+    rig = _Rig(Limits(inline_threshold=8192, inline_total=16384),
+               inline_max={"none taken": 0, "over inline_max": 6000}.get(why, 10000))
+    bufs: list = [_bytes(100), _bytes(4000)]
+    if why == "over inline_max":
+        bufs.append(_bytes(7000))
+    elif why == "over the limits' inline_threshold":
+        bufs.append(_bytes(9000))
+    elif why == "over inline_total":
+        bufs += [_bytes(8000), _bytes(8000)]
+    elif why == "over the peer's max frame":
+        rig.pipe.out.peer_max_frame = 4096
+    elif why == "not bytes":
+        bufs.append(torch.zeros(4, dtype=torch.float32))
+    elif why == "a subclass":
+        bufs.append(torch.nn.Parameter(torch.zeros(4, dtype=torch.uint8), requires_grad=False))
+    elif why == "a gather":
+        bufs.append(object())
+    assert rig.outlet.send(1, 0, b"h", b"b", bufs) is False
+    assert (rig.pipe.out.seq, rig.pipe.out.sent, rig.ep.sent) == (0, 0, [])
+    assert not rig.pipe.lock.locked() and not _core.turning()
+    assert (rig.outlet.sent, rig.outlet.declined) == (0, 1)
+    # An empty list is no buffers at all.
+    assert rig.outlet.send(1, 0, b"h", b"b", []) is True
+
+
+def test_a_message_over_max_message_with_its_inline_buffers_is_a_frame_error():
+    rig = _Rig(Limits(max_message_bytes=6000))
+    with pytest.raises(FrameError, match="message of .* exceeds max_message_bytes=6000"):
+        rig.outlet.send(1, 0, b"h", b"b", [_bytes(3000)])  # counted as encode() counts it
+    assert not rig.pipe.lock.locked() and not _core.turning() and rig.pipe.out.seq == 0
 
 
 def test_a_frame_left_in_flight_is_the_pipes_last_and_the_loops_to_watch():
@@ -161,7 +217,9 @@ def test_every_path_keeps_reference_counts_balanced():
     inflight = _Request(done=False)
     failed = _Request(done=True, error=ConnectionError("failed at once"))
     refused = ConnectionResetError("closed")
-    watched = [rig.pipe, head, body, big, inflight, failed, refused, DONE, OutState.OPEN]
+    small, large = [_bytes(64), _bytes(100)], [_bytes(100), _bytes(5000)]
+    watched = [rig.pipe, head, body, big, inflight, failed, refused, DONE, OutState.OPEN,
+               *small, *large]
 
     def rounds(n: int) -> None:
         for _ in range(n):
@@ -169,6 +227,10 @@ def test_every_path_keeps_reference_counts_balanced():
             rig.ep.answer = DONE
             assert rig.outlet.send(1, 9, head, body)
             assert not rig.outlet.send(2, 9, head, body)
+            rig.pipe.out.last_frame = None
+            assert rig.outlet.send(1, 9, head, body, small)
+            assert not rig.outlet.send(1, 9, head, body, large)
+            assert not rig.outlet.send(2, 9, head, body, small)
             rig.ep.answer = inflight
             assert rig.outlet.send(1, 9, head, body)
             assert not rig.outlet.send(1, 9, head, body)  # behind it
@@ -196,7 +258,8 @@ def test_every_path_keeps_reference_counts_balanced():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda o: o.send(1, 0, b""), r"send\(\) takes 4 arguments"),
+    (lambda o: o.send(1, 0, b""), r"send\(\) takes 4 or 5 arguments"),
+    (lambda o: o.send(1, 0, b"", b"", ()), "buffers must be a list"),
     (lambda o: o.send(1, -1, b"", b""), "can't convert negative"),
     (lambda o: o.send(1, 0, "text", b""), "bytes-like"),
     (lambda o: o.frame(None, 0, 0, b""), r"frame\(\) takes 5 arguments"),

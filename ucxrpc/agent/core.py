@@ -416,10 +416,10 @@ class RpcAgent:
         """Send one message (a request, or the server's answer) to ``peer``,
         this worker included; ``targets`` as :meth:`Members.cuda_targets`
         gives them; ``flags`` the header's (:data:`envelope.PLAIN` or 0)."""
-        if not buffers and peer != self.info.id and self._send_alone(
+        if peer != self.info.id and self._send_alone(
                 # (envelope.hint and the header, inline: issue 52)
                 peer, (msg_id << 3) | kind,
-                envelope.pack(kind, envelope.VERSION, flags, 0, msg_id), body):
+                envelope.pack(kind, envelope.VERSION, flags, 0, msg_id), body, buffers):
             return
         payload = envelope.encode(kind, msg_id, body, flags)
         if peer == self.info.id:

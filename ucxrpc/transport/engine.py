@@ -190,7 +190,7 @@ class Transport:
                               wake=self._loop_nudge, failed=self._send_failed,
                               pipes=shared.pipes, strategy=self._strategy, bounce=self._bounce)
         #: :attr:`.send.Sender.send_alone`: the agent's way for a message
-        #: without buffers, before :meth:`send`.
+        #: without buffers or with inline ones only, before :meth:`send`.
         self.send_alone = self._sender.send_alone
         self._by_address = ByAddress(sender=self._sender, send=self._send_or_queue,
                                      endpoint=self._endpoint,
@@ -352,7 +352,9 @@ class Transport:
             ClosedError / BrokenError: the transport or pipe is down.
             FrameError: the message breaks a configured limit.
         """
-        if alone and not buffers and self.send_alone(peer_id, hint, payload, b""):
+        if alone and (self.send_alone(peer_id, hint, payload, b"", buffers)
+                      if type(buffers) is list
+                      else not buffers and self.send_alone(peer_id, hint, payload, b"")):
             return
         pipe = self._pipes.get(peer_id)
         if pipe is None:

@@ -95,20 +95,29 @@ class Sender:
         #: A frame without buffers, made, sealed, sent and watched in one C
         #: call (csrc/send.c): ``frame`` for :meth:`send`, and
         #: :attr:`send_alone` for a message to a peer whose pipe lets it go
-        #: at once.
+        #: at once, with its buffers where all go inline: host buffers that
+        #: are neither read by address (cma.BUSY_MIN_BYTES) nor sent in
+        #: chunks (staging), none with the debug switch that treats host
+        #: buffers as device ones.
+        inline_max = 0 if host_as_device else min(
+            limits.inline_threshold, cma.BUSY_MIN_BYTES - 1, staging.HOST_CHUNK_OVER)
         self._outlet = Outlet(pipes={} if pipes is None else pipes, limits=limits,
                               strategy=strategy, inflight=inflight, wake=wake, failed=failed,
-                              open=OutState.OPEN, done=DONE, frame_base=self._frame_base,
-                              hint_mask=HINT_MASK, message_kind=FrameKind.MESSAGE)
+                              open=OutState.OPEN, done=DONE, tensor=torch.Tensor,
+                              uint8=torch.uint8, frame_base=self._frame_base,
+                              hint_mask=HINT_MASK, message_kind=FrameKind.MESSAGE,
+                              inline_max=inline_max)
         self._contended = self._outlet.contended
-        #: ``send_alone(peer, hint, head, body) -> bool``: a message of
-        #: ``head`` then ``body`` without buffers to worker id ``peer``, as
-        #: one frame, under the pipe's lock and the thread's guard; False
-        #: (nothing changed) where it cannot go so now: no open pipe, or
-        #: something waits to go first (an outbox, a frame in flight that
-        #: small messages wait behind).  Every message without buffers
-        #: tries it first: a no-op's request and reply cost seven Python
-        #: calls a side on the way here before (issue 52).
+        #: ``send_alone(peer, hint, head, body[, buffers]) -> bool``: a
+        #: message of ``head`` then ``body`` to worker id ``peer``, its
+        #: ``buffers`` (a list) inline, as one frame, under the pipe's lock
+        #: and the thread's guard; False (nothing changed) where it cannot
+        #: go so now: no open pipe, something waits to go first (an outbox,
+        #: a frame in flight that small messages wait behind), or a buffer
+        #: that is not to go inline (above).  Every message tries it first:
+        #: a no-op's request and reply cost seven Python calls a side on
+        #: the way here before, a 16 KiB echo's ~7 µs a side more (issue
+        #: 52).
         self.send_alone = self._outlet.send
         self.staged_bytes = 0
         self.packed_buffers = 0
