@@ -43,8 +43,8 @@ typedef struct {
     uint64_t len;
 } core_inline;
 /* A frame whose payload is `head` then `body` and whose `nbuf` buffers
- * (host memory) all travel inline, sealed with `key` (16 bytes), as
- * bytes: encode()'s frame and checks for such a message (FrameError over
+ * (host memory) all travel inline, sealed with `key` (16 bytes; NULL:
+ * unsealed, a message for a BATCH frame, `seq` its hint), as bytes: encode()'s frame and checks for such a message (FrameError over
  * a limit of `limits`, a wire.frame.Limits).  Py_None (a new reference)
  * where encode() would not inline them all (over inline_threshold or
  * inline_total, a frame over max_frame_bytes or the peer's `peer_max`,

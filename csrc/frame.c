@@ -554,7 +554,9 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
             where = align_up(where + bufs[i].len);
         }
     }
-    if (mac_into(key, p, (size_t)head_len, size, p + size - MAC_LEN) < 0) {
+    if (!key)
+        memset(p + size - MAC_LEN, 0, MAC_LEN); /* inside a BATCH, whose MAC covers it */
+    else if (mac_into(key, p, (size_t)head_len, size, p + size - MAC_LEN) < 0) {
         Py_DECREF(frame);
         return NULL;
     }

@@ -11,7 +11,9 @@
  * copied into the frame once, not joined first.  Most of the rest carry
  * host tensors small enough to travel inside the frame (up to
  * inline_threshold, 64 KiB): they go this way too, their bytes copied
- * into the frame here as encode() copies them (Run BE).
+ * into the frame here as encode() copies them (Run BE).  A small message
+ * that waits behind a frame in flight goes into the pipe's outbox here
+ * (Sender._queue_small's rule), as most of an rpc_async burst's do.
  *
  * What it does is `Sender._frame_alone`'s, under the pipe's own lock (a
  * threading.Lock: taken with its acquire(), which waits without the GIL),
@@ -22,9 +24,9 @@
  * watches it.  The pipe's records are read by their names (pipe.py's
  * `out`, `auth`, `cma`): this is the transport's top layer written in C,
  * not a layer below it, and the Python records stay the one place that
- * state lives.  Where the message cannot go alone at once (no open pipe, a
- * frame in flight that small messages wait behind, an outbox, a buffer
- * that is not to go inline), send() changes nothing and says so; the
+ * state lives.  Where the message can neither go alone at once nor wait
+ * in the outbox (no open pipe, a buffer that is not to go inline, a
+ * message too large for a batch), send() changes nothing and says so; the
  * caller takes the Python path, which handles every case. */
 #include "core.h"
 
@@ -41,17 +43,24 @@ typedef struct {
     PyObject *open;     /* OutState.OPEN */
     PyObject *done;     /* UCP_DONE: a request complete when made */
     PyObject *tensor, *uint8; /* torch.Tensor, torch.uint8: what send()'s buffers are */
+    PyObject *flush;    /* Sender.flush(pipe): the outbox as one BATCH frame */
     uint64_t frame_base, hint_mask;
     uint64_t inline_max; /* the largest buffer send() takes (0: none) */
+    /* wire/batch.py's MAX_ITEM, MAX_MESSAGES, MAX_BYTES, BASE; batching 0:
+     * nothing queued here (the debug switch that treats host buffers as
+     * device ones: Sender._batchable) */
+    uint64_t batch_item, batch_messages, batch_bytes, batch_base;
+    int batching;
     long message_kind;  /* FrameKind.MESSAGE */
-    unsigned long long sent, declined; /* send()'s: alone, and left to Python */
+    unsigned long long sent, queued, declined; /* send()'s: alone, in the outbox, left to
+                                                * Python */
 } Outlet;
 
 static PyObject *str_lock, *str_out, *str_auth, *str_cma, *str_ep, *str_state, *str_outbox,
     *str_last_frame, *str_seq, *str_peer_max_frame, *str_sent, *str_out_key, *str_read_through,
     *str_ack_sent, *str_send_frame, *str_name, *str_acquire, *str_release, *str_done,
     *str_error, *str_blocked_until, *str_append, *str_dtype, *str_is_cpu, *str_data_ptr,
-    *str_numel;
+    *str_numel, *str_outbox_bytes, *str_max_frame_bytes;
 
 static int set_u64(PyObject *o, PyObject *name, uint64_t v) {
     PyObject *n = PyLong_FromUnsignedLongLong(v);
@@ -231,23 +240,104 @@ static PyObject *outlet_track(Outlet *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* Whether `out` lets a message go alone now: open, nothing in its outbox
- * and no frame in flight for small messages to wait behind (batch.py).
- * 1, 0, or -1 with an error. */
-static int goes_alone(Outlet *self, PyObject *out) {
+/* How a message may go on `out` now (-1 on error). */
+enum { NOT_OPEN, ALONE, BEHIND };
+
+/* ALONE: open, nothing in its outbox and no frame in flight for small
+ * messages to wait behind (batch.py); BEHIND: open, but one of those. */
+static int way(Outlet *self, PyObject *out) {
     PyObject *v = PyObject_GetAttr(out, str_state);
     if (!v) return -1;
     int open = v == self->open;
     Py_DECREF(v);
-    if (!open) return 0;
+    if (!open) return NOT_OPEN;
     if (!(v = PyObject_GetAttr(out, str_last_frame))) return -1;
     int idle = v == Py_None;
     Py_DECREF(v);
-    if (!idle) return 0;
+    if (!idle) return BEHIND;
     if (!(v = PyObject_GetAttr(out, str_outbox))) return -1;
-    int empty = PyObject_Length(v);
+    Py_ssize_t waiting = PyObject_Length(v);
     Py_DECREF(v);
-    return empty < 0 ? -1 : empty == 0;
+    return waiting < 0 ? -1 : waiting ? BEHIND : ALONE;
+}
+
+/* (wire/batch.py's cost: a message's table entry, two u32, and its frame
+ * aligned as pack() places it) */
+static inline uint64_t batch_cost(uint64_t n) { return 8 + ((n + 63) & ~(uint64_t)63); }
+
+static int call_flush(Outlet *self, PyObject *pipe) {
+    PyObject *r = PyObject_CallOneArg(self->flush, pipe);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Sender._queue_small for a message BEHIND on `pipe` (under its lock):
+ * encoded unsealed with its hint where a frame's sequence number goes,
+ * into the pipe's outbox, which is sent as one BATCH frame (Sender.flush)
+ * once full, or at once where nothing is in flight any more.  1 queued, 0
+ * where it is not to wait (over batch.MAX_ITEM, a buffer not inline, too
+ * large for a batch to the peer: nothing changed, and the Python sends
+ * what waits, then the message), -1 on error. */
+static int queue(Outlet *self, PyObject *pipe, PyObject *out, uint64_t hint, PyObject *head_o,
+                 PyObject *body_o, const core_inline *bufs, Py_ssize_t nbuf) {
+    Py_buffer head = {0}, body = {0};
+    PyObject *inner = NULL, *v = NULL, *outbox = NULL;
+    int rc = -1;
+    uint64_t peer_max, frame_max, outbox_bytes, total;
+    if (PyObject_GetBuffer(head_o, &head, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(body_o, &body, PyBUF_SIMPLE) < 0)
+        goto done;
+    total = (uint64_t)head.len + (uint64_t)body.len;
+    for (Py_ssize_t i = 0; i < nbuf; i++) total += bufs[i].len;
+    rc = 0;
+    if (total > self->batch_item) goto done;
+    rc = -1;
+    if (core_attr_u64(out, str_peer_max_frame, &peer_max) < 0) goto done;
+    if (!(v = PyObject_GetAttr(self->limits, str_max_frame_bytes))) goto done;
+    frame_max = PyLong_AsUnsignedLongLong(v);
+    if (frame_max == (uint64_t)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto done;
+        PyErr_Clear(); /* a limit of "none" */
+    }
+    uint64_t cap = self->batch_bytes;
+    if (peer_max < cap) cap = peer_max;
+    if (frame_max < cap) cap = frame_max;
+    rc = 0;
+    if (cap <= 256) goto done;
+    cap -= 256; /* (the BATCH frame's own header and MAC) */
+    rc = -1;
+    inner = core_frame_alone(self->message_kind, hint, &head, &body, NULL, self->limits, 0, 0,
+                             bufs, nbuf, peer_max);
+    if (!inner) goto done;
+    rc = 0;
+    if (inner == Py_None || (uint64_t)PyBytes_GET_SIZE(inner) > cap) goto done;
+    rc = -1;
+    uint64_t cost = batch_cost((uint64_t)PyBytes_GET_SIZE(inner));
+    if (core_attr_u64(out, str_outbox_bytes, &outbox_bytes) < 0) goto done;
+    if ((outbox_bytes ? outbox_bytes : self->batch_base) + cost > cap) {
+        if (call_flush(self, pipe) < 0 || core_attr_u64(out, str_outbox_bytes, &outbox_bytes) < 0)
+            goto done;
+    }
+    outbox_bytes = (outbox_bytes ? outbox_bytes : self->batch_base) + cost;
+    if (set_u64(out, str_outbox_bytes, outbox_bytes) < 0) goto done;
+    if (!(outbox = PyObject_GetAttr(out, str_outbox)) || PyList_Append(outbox, inner) < 0)
+        goto done;
+    Py_CLEAR(v);
+    if (!(v = PyObject_GetAttr(out, str_last_frame))) goto done;
+    Py_ssize_t waiting = PyObject_Length(outbox);
+    if (waiting < 0) goto done;
+    if (((uint64_t)waiting >= self->batch_messages || v == Py_None) && call_flush(self, pipe) < 0)
+        goto done;
+    self->queued++;
+    rc = 1;
+done:
+    if (head.obj) PyBuffer_Release(&head);
+    if (body.obj) PyBuffer_Release(&body);
+    Py_XDECREF(inner);
+    Py_XDECREF(v);
+    Py_XDECREF(outbox);
+    return rc;
 }
 
 /* Put aside what is raised, leave the guard, and raise it again, or
@@ -339,15 +429,18 @@ static PyObject *outlet_send(Outlet *self, PyObject *const *args, Py_ssize_t nar
     }
     Py_INCREF(pipe);
     PyObject *lock = NULL, *out = NULL, *r;
-    int outer = core_guard(), rc = -1, locked = 0;
+    int outer = core_guard(), rc = -1, locked = 0, went = NOT_OPEN;
     if (!(lock = PyObject_GetAttr(pipe, str_lock)) || !(out = PyObject_GetAttr(pipe, str_out)))
         goto done;
     if (!(r = PyObject_CallMethodNoArgs(lock, str_acquire))) goto done;
     Py_DECREF(r);
     locked = 1;
-    rc = goes_alone(self, out);
-    if (rc == 1)
+    went = rc = way(self, out);
+    if (rc == ALONE)
         rc = alone(self, pipe, out, self->message_kind, hint, args[2], args[3], bufs, nbuf);
+    else if (rc == BEHIND)
+        rc = self->batching
+            ? queue(self, pipe, out, hint & self->hint_mask, args[2], args[3], bufs, nbuf) : 0;
 done:
     if (bufs != few) PyMem_Free(bufs);
     if (locked) {
@@ -373,7 +466,7 @@ done:
     }
     if (core_unguard(outer) < 0) return NULL;
     if (rc) {
-        self->sent++;
+        if (went == ALONE) self->sent++;
         Py_RETURN_TRUE;
     }
 declined:
@@ -399,6 +492,7 @@ static int outlet_traverse(Outlet *self, visitproc visit, void *arg) {
     Py_VISIT(self->done);
     Py_VISIT(self->tensor);
     Py_VISIT(self->uint8);
+    Py_VISIT(self->flush);
     return 0;
 }
 
@@ -413,6 +507,7 @@ static int outlet_clear(Outlet *self) {
     Py_CLEAR(self->done);
     Py_CLEAR(self->tensor);
     Py_CLEAR(self->uint8);
+    Py_CLEAR(self->flush);
     return 0;
 }
 
@@ -424,12 +519,13 @@ static void outlet_dealloc(Outlet *self) {
 
 static const char *const outlet_names[] = {
     "pipes", "limits", "strategy", "inflight", "wake", "failed", "open", "done", "tensor",
-    "uint8", "frame_base", "hint_mask", "message_kind", "inline_max"};
+    "uint8", "flush", "frame_base", "hint_mask", "message_kind", "inline_max", "batch"};
 #define NOUTLET_NAMES ((Py_ssize_t)(sizeof outlet_names / sizeof outlet_names[0]))
 
 /* Outlet(pipes, limits, strategy, inflight, wake, failed, open, done,
- *        tensor, uint8, frame_base, hint_mask, message_kind, inline_max),
- * keywords only. */
+ *        tensor, uint8, flush, frame_base, hint_mask, message_kind,
+ *        inline_max, batch), keywords only; batch: (MAX_ITEM,
+ *        MAX_MESSAGES, MAX_BYTES, BASE) of wire/batch.py, or None. */
 static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *a[NOUTLET_NAMES];
     if (core_kwonly("Outlet", outlet_names, NOUTLET_NAMES, args, kwargs, a) < 0) return NULL;
@@ -441,17 +537,27 @@ static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
         PyErr_SetString(PyExc_TypeError, "Outlet(): tensor must be a type");
         return NULL;
     }
-    uint64_t base, mask, inline_max;
-    long kind = PyLong_AsLong(a[12]);
-    if (as_hint(a[10], &base) < 0 || as_hint(a[11], &mask) < 0 ||
-        (kind == -1 && PyErr_Occurred()) || as_hint(a[13], &inline_max) < 0)
+    uint64_t base, mask, inline_max, b[4] = {0};
+    long kind = PyLong_AsLong(a[13]);
+    if (as_hint(a[11], &base) < 0 || as_hint(a[12], &mask) < 0 ||
+        (kind == -1 && PyErr_Occurred()) || as_hint(a[14], &inline_max) < 0)
         return NULL;
+    PyObject *batch = a[15];
+    if (batch != Py_None) {
+        if (!PyTuple_Check(batch) || PyTuple_GET_SIZE(batch) != 4) {
+            PyErr_SetString(PyExc_TypeError, "Outlet(): batch is (MAX_ITEM, MAX_MESSAGES, "
+                            "MAX_BYTES, BASE) or None");
+            return NULL;
+        }
+        for (int i = 0; i < 4; i++)
+            if (as_hint(PyTuple_GET_ITEM(batch, i), &b[i]) < 0) return NULL;
+    }
     Outlet *self = (Outlet *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     PyObject **slots[] = {&self->pipes, &self->limits, &self->strategy, &self->inflight,
                           &self->wake, &self->failed, &self->open, &self->done,
-                          &self->tensor, &self->uint8};
-    for (int i = 0; i < 10; i++) {
+                          &self->tensor, &self->uint8, &self->flush};
+    for (int i = 0; i < 11; i++) {
         Py_INCREF(a[i]);
         *slots[i] = a[i];
     }
@@ -459,6 +565,11 @@ static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     self->hint_mask = mask;
     self->message_kind = kind;
     self->inline_max = inline_max;
+    self->batching = batch != Py_None;
+    self->batch_item = b[0];
+    self->batch_messages = b[1];
+    self->batch_bytes = b[2];
+    self->batch_base = b[3];
     return (PyObject *)self;
 }
 
@@ -477,6 +588,8 @@ static PyMethodDef outlet_methods[] = {
 
 static PyMemberDef outlet_members[] = {
     {"sent", T_ULONGLONG, offsetof(Outlet, sent), READONLY, "messages send() sent alone"},
+    {"queued", T_ULONGLONG, offsetof(Outlet, queued), READONLY,
+     "messages send() put in an outbox"},
     {"declined", T_ULONGLONG, offsetof(Outlet, declined), READONLY,
      "messages send() left to the Python path"},
     {NULL},
@@ -508,7 +621,8 @@ int core_send_init(PyObject *module) {
         {&str_acquire, "acquire"}, {&str_release, "release"}, {&str_done, "done"},
         {&str_error, "error"}, {&str_blocked_until, "blocked_until"}, {&str_append, "append"},
         {&str_dtype, "dtype"}, {&str_is_cpu, "is_cpu"}, {&str_data_ptr, "data_ptr"},
-        {&str_numel, "numel"}};
+        {&str_numel, "numel"}, {&str_outbox_bytes, "outbox_bytes"},
+        {&str_max_frame_bytes, "max_frame_bytes"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text))) return -1;
     if (PyType_Ready(&OutletType) < 0) return -1;

@@ -122,11 +122,14 @@ class Outlet:
     """A message without buffers or with inline ones onto its pipe in one
     call (csrc/send.c; transport/send.py's Sender)."""
     sent: int
+    queued: int
     declined: int
     def __init__(self, *, pipes: dict[int, Any], limits: Any, strategy: Any, inflight: Any,
                  wake: Callable[[], None], failed: Callable[[Any, BaseException], None],
-                 open: Any, done: Any, tensor: type, uint8: Any, frame_base: int,
-                 hint_mask: int, message_kind: int, inline_max: int) -> None: ...
+                 open: Any, done: Any, tensor: type, uint8: Any,
+                 flush: Callable[[Any], None], frame_base: int, hint_mask: int,
+                 message_kind: int, inline_max: int,
+                 batch: tuple[int, int, int, int] | None) -> None: ...
     def send(self, peer: int, hint: int, head: bytes | memoryview,
              body: bytes | memoryview, buffers: list[Any] = ...) -> bool: ...
     def frame(self, pipe: Any, kind: int, hint: int, head: bytes | memoryview,

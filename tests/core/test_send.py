@@ -1,6 +1,7 @@
 """The native core's ``Outlet`` (csrc/send.c; transport/send.py's send of a
 message without buffers, or with inline ones only) as C code: the frame it
-makes is ``encode``'s, byte for byte; what it declines it leaves untouched; the pipe's lock and
+makes is ``encode``'s, byte for byte, and so is what it puts in an outbox
+(``Sender._queue_small``'s); what it declines it leaves untouched; the pipe's lock and
 the thread's guard are given back on every path; reference counts stay
 balanced.  What the frames mean on a live pipe is tests/transport's and
 tests/fuzz's to hold (every message without buffers there goes through
@@ -22,6 +23,7 @@ from ucxrpc import _core
 from ucxrpc.errors import FrameError
 from ucxrpc.transport.pipe import OutState, Pipe
 from ucxrpc.transport.ucx.ucp import DONE
+from ucxrpc.transport.wire import batch
 from ucxrpc.transport.wire.frame import FrameKind, Limits, decode, encode
 from ucxrpc.transport.wire.tags import HINT_MASK
 
@@ -58,7 +60,8 @@ class _Strategy:
 
 
 class _Rig:
-    def __init__(self, limits: Limits = Limits(), inline_max: int = 64 << 10) -> None:
+    def __init__(self, limits: Limits = Limits(), inline_max: int = 64 << 10,
+                 batching: bool = True) -> None:
         self.pipe = Pipe(1, "worker1", b"")
         self.pipe.ep = self.ep = _Endpoint()  # type: ignore[assignment]
         self.pipe.out.state = OutState.OPEN
@@ -68,13 +71,22 @@ class _Rig:
         self.woken = 0
         self.failures: list[tuple[Pipe, BaseException]] = []
         self.strategy = _Strategy()
+        self.flushed: list[list[bytes]] = []
         self.outlet = _core.Outlet(
             pipes={1: self.pipe}, limits=limits, strategy=self.strategy,
             inflight=self.inflight, wake=self._wake,
             failed=lambda pipe, exc: self.failures.append((pipe, exc)),
             open=OutState.OPEN, done=DONE, tensor=torch.Tensor, uint8=torch.uint8,
-            frame_base=BASE, hint_mask=HINT_MASK, message_kind=FrameKind.MESSAGE,
-            inline_max=inline_max)
+            flush=self._flush, frame_base=BASE, hint_mask=HINT_MASK,
+            message_kind=FrameKind.MESSAGE, inline_max=inline_max,
+            batch=(batch.MAX_ITEM, batch.MAX_MESSAGES, batch.MAX_BYTES, batch.BASE)
+            if batching else None)
+
+    def _flush(self, pipe: Pipe) -> None:
+        """Sender.flush's bookkeeping (the BATCH frame's sending aside)."""
+        assert pipe.lock.locked()
+        self.flushed.append(list(pipe.out.outbox))
+        pipe.out.outbox, pipe.out.outbox_bytes = [], 0
 
     def _wake(self) -> None:
         self.woken += 1
@@ -149,15 +161,81 @@ def test_a_message_over_max_message_with_its_inline_buffers_is_a_frame_error():
     assert not rig.pipe.lock.locked() and not _core.turning() and rig.pipe.out.seq == 0
 
 
+def _behind(rig: _Rig) -> _Request:
+    rig.pipe.out.last_frame = req = _Request(done=False)  # type: ignore[assignment]
+    return req
+
+
+def test_a_message_behind_a_frame_in_flight_goes_into_the_outbox_as_queue_small_puts_it():
+    rig = _Rig()
+    _behind(rig)
+    bufs = [_bytes(5), _bytes(3000, 7)]
+    assert rig.outlet.send(1, 42 | (1 << 60), b"head:", b"body", bufs) is True
+    (inner,) = rig.pipe.out.outbox
+    views = [(b.numel(), b.numpy().data, -1) for b in bufs]
+    want, _ = encode(FrameKind.MESSAGE, 42, b"head:body", views, b"", Limits(), seal=False)
+    assert inner == want.tobytes()  # unsealed, its hint (masked) where a seq goes
+    assert rig.pipe.out.outbox_bytes == batch.BASE + batch.cost(len(inner))
+    assert (rig.pipe.out.seq, rig.pipe.out.sent, rig.ep.sent, rig.flushed) == (0, 0, [], [])
+    assert (rig.outlet.sent, rig.outlet.queued, rig.outlet.declined) == (0, 1, 0)
+    assert not rig.pipe.lock.locked() and not _core.turning()
+
+
+def test_the_outbox_is_sent_when_full_of_messages_or_bytes_or_nothing_is_in_flight():
+    rig = _Rig()
+    _behind(rig)
+    for i in range(batch.MAX_MESSAGES):
+        assert rig.outlet.send(1, i, b"", b"m")
+    assert [len(f) for f in rig.flushed] == [batch.MAX_MESSAGES] and not rig.pipe.out.outbox
+    # Bytes: a batch to this peer holds at most its max frame (less 256).
+    rig.pipe.out.peer_max_frame = 256 + batch.BASE + 3 * batch.cost(len(_frame_of(b"x" * 900)))
+    rig.flushed.clear()
+    for _ in range(4):
+        assert rig.outlet.send(1, 0, b"", b"x" * 900)
+    assert [len(f) for f in rig.flushed] == [3] and len(rig.pipe.out.outbox) == 1
+    # An outbox waiting with nothing in flight goes with the next message.
+    rig.pipe.out.last_frame = None
+    assert rig.outlet.send(1, 0, b"", b"y")
+    assert [len(f) for f in rig.flushed] == [3, 2] and not rig.pipe.out.outbox
+    assert rig.outlet.queued == batch.MAX_MESSAGES + 5 and rig.ep.sent == []
+
+
+def _frame_of(body: bytes) -> bytes:
+    return encode(FrameKind.MESSAGE, 0, body, [], b"", Limits(), seal=False)[0].tobytes()
+
+
+@pytest.mark.parametrize("why", ["over MAX_ITEM", "buffers over MAX_ITEM", "not inline",
+                                 "over the peer's max frame", "no batching"])
+def test_what_may_not_wait_in_an_outbox_is_declined_untouched(why):
+    rig = _Rig(batching=why != "no batching")
+    _behind(rig)
+    rig.pipe.out.outbox.append(b"earlier")
+    rig.pipe.out.outbox_bytes = 100
+    head, body, bufs = b"h", b"b", [_bytes(10)]
+    if why == "over MAX_ITEM":
+        body = b"b" * batch.MAX_ITEM
+    elif why == "buffers over MAX_ITEM":
+        bufs = [_bytes(batch.MAX_ITEM // 2), _bytes(batch.MAX_ITEM // 2)]
+    elif why == "not inline":
+        bufs = [torch.zeros(4)]
+    elif why == "over the peer's max frame":
+        rig.pipe.out.peer_max_frame = 300
+        body = b"b" * 100
+    assert rig.outlet.send(1, 0, head, body, bufs) is False
+    assert rig.pipe.out.outbox == [b"earlier"] and rig.pipe.out.outbox_bytes == 100
+    assert (rig.flushed, rig.ep.sent, rig.outlet.queued, rig.outlet.declined) == ([], [], 0, 1)
+    assert not rig.pipe.lock.locked() and not _core.turning()
+
+
 def test_a_frame_left_in_flight_is_the_pipes_last_and_the_loops_to_watch():
     rig = _Rig()
     rig.ep.answer = req = _Request(done=False)
     assert rig.outlet.send(1, 0, b"", b"x")
     assert rig.pipe.out.last_frame is req
     assert list(rig.inflight) == [(req, rig.pipe)] and rig.woken == 1
-    # Small messages now wait behind it: the outlet leaves them to Python.
-    assert rig.outlet.send(1, 0, b"", b"y") is False
-    assert rig.pipe.out.seq == 1 and len(rig.ep.sent) == 1
+    # Small messages now wait behind it, in the outbox.
+    assert rig.outlet.send(1, 0, b"", b"y") is True
+    assert rig.pipe.out.seq == 1 and len(rig.ep.sent) == 1 and len(rig.pipe.out.outbox) == 1
 
 
 def test_a_send_that_failed_at_once_breaks_the_pipe_through_failed():
@@ -171,7 +249,7 @@ def test_a_send_that_failed_at_once_breaks_the_pipe_through_failed():
 
 @pytest.mark.parametrize("why", ["no pipe", "not open", "outbox", "in flight"])
 def test_what_it_declines_it_leaves_as_it_was(why):
-    rig = _Rig()
+    rig = _Rig(batching=False)  # (what waits in an outbox: the tests above)
     peer = 1
     if why == "no pipe":
         peer = 2
@@ -233,7 +311,10 @@ def test_every_path_keeps_reference_counts_balanced():
             assert not rig.outlet.send(2, 9, head, body, small)
             rig.ep.answer = inflight
             assert rig.outlet.send(1, 9, head, body)
-            assert not rig.outlet.send(1, 9, head, body)  # behind it
+            assert rig.outlet.send(1, 9, head, body)  # behind it: into the outbox
+            assert not rig.outlet.send(1, 9, head, body, large)  # not to wait there
+            rig.pipe.out.outbox.clear()
+            rig.pipe.out.outbox_bytes = 0
             rig.pipe.out.last_frame = None
             rig.ep.answer = failed
             assert rig.outlet.send(1, 9, head, body)

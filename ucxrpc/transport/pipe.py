@@ -144,7 +144,7 @@ class Out:
                         list[int] | None]] = field(default_factory=list)
     #: Small messages waiting for the frame in flight (batch.py), and that
     #: frame's send request until the loop saw it complete.
-    outbox: list[np.ndarray] = field(default_factory=list)
+    outbox: list[np.ndarray | bytes] = field(default_factory=list)  # encoded, unsealed
     outbox_bytes: int = 0  # batch.BASE + batch.cost() of each, once not empty
     last_frame: Request | None = None
     peer_max_frame: int = 1 << 62  # the receiver's max_frame_bytes, if known

@@ -98,23 +98,29 @@ class Sender:
         #: at once, with its buffers where all go inline: host buffers that
         #: are neither read by address (cma.BUSY_MIN_BYTES) nor sent in
         #: chunks (staging), none with the debug switch that treats host
-        #: buffers as device ones.
+        #: buffers as device ones; and into the pipe's outbox where a
+        #: small one waits behind a frame in flight (:meth:`_queue_small`'s
+        #: rule, not with that switch: :meth:`_batchable`).
         inline_max = 0 if host_as_device else min(
             limits.inline_threshold, cma.BUSY_MIN_BYTES - 1, staging.HOST_CHUNK_OVER)
         self._outlet = Outlet(pipes={} if pipes is None else pipes, limits=limits,
                               strategy=strategy, inflight=inflight, wake=wake, failed=failed,
                               open=OutState.OPEN, done=DONE, tensor=torch.Tensor,
-                              uint8=torch.uint8, frame_base=self._frame_base,
-                              hint_mask=HINT_MASK, message_kind=FrameKind.MESSAGE,
-                              inline_max=inline_max)
+                              uint8=torch.uint8, flush=self.flush,
+                              frame_base=self._frame_base, hint_mask=HINT_MASK,
+                              message_kind=FrameKind.MESSAGE, inline_max=inline_max,
+                              batch=None if host_as_device else (
+                                  batch.MAX_ITEM, batch.MAX_MESSAGES, batch.MAX_BYTES,
+                                  batch.BASE))
         self._contended = self._outlet.contended
         #: ``send_alone(peer, hint, head, body[, buffers]) -> bool``: a
         #: message of ``head`` then ``body`` to worker id ``peer``, its
         #: ``buffers`` (a list) inline, as one frame, under the pipe's lock
         #: and the thread's guard; False (nothing changed) where it cannot
-        #: go so now: no open pipe, something waits to go first (an outbox,
-        #: a frame in flight that small messages wait behind), or a buffer
-        #: that is not to go inline (above).  Every message tries it first:
+        #: go so now: no open pipe, a buffer that is not to go inline
+        #: (above), or a message that waits behind a frame in flight or an
+        #: outbox and is too large to wait in one (the outbox is then sent
+        #: first, on the Python path).  Every message tries it first:
         #: a no-op's request and reply cost seven Python calls a side on
         #: the way here before, a 16 KiB echo's ~7 µs a side more (issue
         #: 52).
@@ -242,8 +248,10 @@ class Sender:
         return {"staged_bytes": self.staged_bytes, "bounced_bytes": self.bounced_bytes,
                 "packed_buffers": self.packed_buffers,
                 "batches": self.batches, "batched_messages": self.batched_messages,
-                # send_alone's: went in its one call, or left to send().
+                # send_alone's: went in its one call, waited in an outbox
+                # from it, or was left to send().
                 "messages_sent_alone": self._outlet.sent,
+                "messages_queued_in_one_call": self._outlet.queued,
                 "messages_not_sent_alone": self._outlet.declined,
                 "buffers_read_by_peers": self.read_buffers,
                 "buffers_written_into_peers": self.written_buffers,

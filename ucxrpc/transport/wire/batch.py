@@ -59,27 +59,29 @@ def cost(nbytes: int) -> int:
     return _ENTRY.size + _aligned(nbytes)
 
 
-def size(frames: Sequence[np.ndarray]) -> int:
+def size(frames: Sequence[np.ndarray | bytes]) -> int:
     """An upper bound of the payload :func:`pack` makes of ``frames``."""
-    return BASE + sum(cost(f.nbytes) for f in frames)
+    return BASE + sum(cost(len(f)) for f in frames)
 
 
-def pack(frames: Sequence[np.ndarray]) -> bytes:
-    """The BATCH payload carrying ``frames`` (encoded, unsealed messages);
-    the payload is placed at ``PREFIX.size`` in a frame without buffers."""
+def pack(frames: Sequence[np.ndarray | bytes]) -> bytes:
+    """The BATCH payload carrying ``frames`` (encoded, unsealed messages:
+    1-D byte arrays from ``encode``, or bytes from the native core's
+    ``Outlet``); the payload is placed at ``PREFIX.size`` in a frame
+    without buffers."""
     head = _COUNT.size + _ENTRY.size * len(frames)
     # Offsets from the payload's start, each aligned within the frame.
     pos = _aligned(PREFIX.size + head) - PREFIX.size
     entries = []
     for f in frames:
-        entries.append((pos, f.nbytes))
-        pos = _aligned(PREFIX.size + pos + f.nbytes) - PREFIX.size
+        entries.append((pos, len(f)))
+        pos = _aligned(PREFIX.size + pos + len(f)) - PREFIX.size
     out = bytearray(pos)
     _COUNT.pack_into(out, 0, len(frames))
     for i, entry in enumerate(entries):
         _ENTRY.pack_into(out, _COUNT.size + _ENTRY.size * i, *entry)
     for (off, n), f in zip(entries, frames):
-        out[off:off + n] = f.data.cast("B")
+        out[off:off + n] = memoryview(f).cast("B")  # type: ignore[arg-type]  # (an ndarray is one)
     return bytes(out)
 
 
