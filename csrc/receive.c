@@ -5,9 +5,9 @@
  * Most frames are an authenticated peer's message without buffers (a
  * no-op's request, most replies), one whose buffers all travelled inside
  * the frame (host tensors up to the sender's inline_threshold: a 16 or
- * 64 KiB echo's), or a BATCH of messages without buffers (a burst's,
- * sent behind a frame in flight), whole already and with nothing of an
- * earlier turn to wait behind.  In Python each cost three calls on its
+ * 64 KiB echo's), or a BATCH of such messages (a burst's, sent behind a
+ * frame in flight), whole already and with nothing of an earlier turn to
+ * wait behind.  In Python each cost three calls on its
  * way to the agent (Receiver.taken, _message_frame, _hand_on: Run AZ
  * timed the take to the agent's handler at ~4 µs a side on the project's
  * VM).  Here such a frame is decoded and checked (frame.c: the MAC, the
@@ -23,7 +23,8 @@
  *   pipe)`;
  * - a frame that decoded but is no plain message (a control frame, one
  *   with a buffer sent apart, read by address, staged or on a device, a
- *   BATCH holding a message with buffers or one that does not decode),
+ *   BATCH holding a message with such a buffer or one that does not
+ *   decode),
  *   or one whose checks have something to say (a replay, an
  *   acknowledgement of ours, a message over max_message_bytes, a pipe
  *   that ended): `decoded(pipe, got, frame, hint)`, before anything of
@@ -151,14 +152,21 @@ static inline uint32_t le32(const uint8_t *p) {
 
 /* The messages of a BATCH frame (wire/batch.py: count u32, then per
  * message its offset and length, u32 each, from the payload's start),
- * decoded, in a new list, where every one is a plain message (no
- * buffers, within max_message_bytes); else None, and the Python takes
- * the whole frame, judging what is wrong with it.  NULL on error. */
-static PyObject *batch_messages(Inlet *self, PyObject *frame) {
+ * decoded, in a new list of (message, where it starts in `got`, the
+ * frame's bytes), where every one is a plain message (no buffers or
+ * inline ones only, within max_message_bytes); else None, and the Python
+ * takes the whole frame, judging what is wrong with it.  NULL on error. */
+static PyObject *batch_messages(Inlet *self, PyObject *frame, PyObject *got) {
     PyObject *payload = PyTuple_GET_ITEM(frame, F_PAYLOAD), *out = NULL;
-    Py_buffer b;
-    if (PyObject_GetBuffer(payload, &b, PyBUF_SIMPLE) < 0) return NULL;
+    Py_buffer b, g;
+    if (PyObject_GetBuffer(got, &g, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(payload, &b, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&g);
+        return NULL;
+    }
     const uint8_t *p = b.buf;
+    /* (the payload is a view of the frame: frame.c's decode) */
+    uint64_t start = (uint64_t)(p - (const uint8_t *)g.buf);
     uint64_t len = (uint64_t)b.len;
     if (len < 4) goto python;
     uint32_t count = le32(p);
@@ -176,11 +184,21 @@ static PyObject *batch_messages(Inlet *self, PyObject *frame) {
             PyErr_Clear(); /* the Python says what is wrong with it */
             goto python;
         }
-        PyList_SET_ITEM(out, i, inner);
+        PyObject *at = PyLong_FromUnsignedLongLong(start + off), *pair;
+        if (!at || !(pair = PyTuple_Pack(2, inner, at))) {
+            Py_XDECREF(at);
+            Py_DECREF(inner);
+            goto fail;
+        }
+        Py_DECREF(at);
+        Py_DECREF(inner);
+        PyList_SET_ITEM(out, i, pair);
         PyObject *bufs = PyTuple_GET_ITEM(inner, F_BUFFERS);
-        if (PyTuple_GET_ITEM(inner, F_KIND) != self->message || !PyTuple_Check(bufs) ||
-            PyTuple_GET_SIZE(bufs))
+        if (PyTuple_GET_ITEM(inner, F_KIND) != self->message || !PyTuple_Check(bufs))
             goto python;
+        int whole = all_inline(bufs);
+        if (whole < 0) goto fail;
+        if (!whole) goto python;
         uint64_t total = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(inner, F_TOTAL));
         if (total == (uint64_t)-1 && PyErr_Occurred()) goto fail;
         if (total > self->max_message) goto python; /* refused one by one there */
@@ -194,18 +212,25 @@ fail:
     Py_CLEAR(out);
 done:
     PyBuffer_Release(&b);
+    PyBuffer_Release(&g);
     return out;
 }
 
 /* The buffers of a message whose every buffer is inline (all_inline),
- * as tensors over `got`, the frame's bytes: a new list, or NULL. */
-static PyObject *inline_buffers(Inlet *self, PyObject *got, PyObject *descs) {
+ * as tensors over `got`, the frame's bytes, the message starting at `at`
+ * in it (a batch's; else 0): a new list, or NULL. */
+static PyObject *inline_buffers(Inlet *self, PyObject *got, PyObject *descs, PyObject *at) {
     Py_ssize_t n = PyTuple_GET_SIZE(descs);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *d = PyTuple_GET_ITEM(descs, i);
-        PyObject *args[3] = {got, PyTuple_GET_ITEM(d, D_WHERE), PyTuple_GET_ITEM(d, D_NBYTES)};
+        PyObject *d = PyTuple_GET_ITEM(descs, i), *where = PyTuple_GET_ITEM(d, D_WHERE);
+        if (at && !(where = PyNumber_Add(at, where))) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyObject *args[3] = {got, where, PyTuple_GET_ITEM(d, D_NBYTES)};
         PyObject *t = PyObject_Vectorcall(self->inline_view, args, 3, NULL);
+        if (at) Py_DECREF(where);
         if (!t) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, t);
     }
@@ -267,7 +292,7 @@ static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, ui
         /* A burst's messages, which waited in the sender's outbox behind
          * a frame in flight: each a Python _batch, _deliver and _hand_on
          * fewer (Run BD). */
-        if (!(batch = batch_messages(self, frame))) goto done;
+        if (!(batch = batch_messages(self, frame, got))) goto done;
         p = batch != Py_None;
     }
     if (p > 0 && kind == self->message &&
@@ -275,7 +300,8 @@ static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, ui
         /* Its buffers, views of the frame: a Receiver._message_decoded,
          * Incoming, _deliver and _hand_on fewer (issue 52).  Made before
          * anything moves on, as the Python makes them. */
-        if (!(bufs = inline_buffers(self, got, PyTuple_GET_ITEM(frame, F_BUFFERS)))) goto done;
+        bufs = inline_buffers(self, got, PyTuple_GET_ITEM(frame, F_BUFFERS), NULL);
+        if (!bufs) goto done;
     }
     if (p < 0) goto done;
     if (!p) {
@@ -300,8 +326,16 @@ static int at_once(Inlet *self, PyObject *pipe, PyObject *key, PyObject *got, ui
             rc = ended < 0 ? -1 : 0;
             break;
         }
-        rc = deliver(self, pipe, inbound,
-                     PyTuple_GET_ITEM(PyList_GET_ITEM(batch, i), F_PAYLOAD), NULL);
+        PyObject *inner = PyTuple_GET_ITEM(PyList_GET_ITEM(batch, i), 0),
+                 *descs = PyTuple_GET_ITEM(inner, F_BUFFERS), *views = NULL;
+        if (PyTuple_GET_SIZE(descs) &&
+            !(views = inline_buffers(self, got, descs,
+                                     PyTuple_GET_ITEM(PyList_GET_ITEM(batch, i), 1)))) {
+            rc = -1;
+            break;
+        }
+        rc = deliver(self, pipe, inbound, PyTuple_GET_ITEM(inner, F_PAYLOAD), views);
+        Py_XDECREF(views);
     }
 done:
     Py_XDECREF(inbound);

@@ -66,13 +66,16 @@ class _Receiver:
         self.got.append((peer, bytes(payload), buffers))
 
 
-def _batch(seq: int, payloads: list[bytes], buffers: int = -1, **kw: Any) -> np.ndarray:
+def _batch(seq: int, payloads: list[bytes], buffers: int = -1, apart: bool = False,
+           **kw: Any) -> np.ndarray:
     """A BATCH frame of messages, as a sender's outbox makes it (each
     message unsealed, its hint where its sequence number goes); message
-    ``buffers`` carries an inline buffer."""
+    ``buffers`` carries a buffer of 0, 1, 2, 3: inline, or ``apart`` (no
+    sender batches such a message)."""
     inner = []
     for i, p in enumerate(payloads):
-        views = [(4, np.zeros(4, dtype=np.uint8).data, -1)] if i == buffers else []
+        data = np.arange(4, dtype=np.uint8)
+        views = [(4, None if apart else data.data, -1)] if i == buffers else []
         inner.append(encode(FrameKind.MESSAGE, 40 + i, p, views, b"", Limits(), seal=False)[0])
     return _frame(seq, batch.pack(inner), kind=FrameKind.BATCH, **kw)
 
@@ -128,8 +131,8 @@ def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(
         rx.pipe.inbound.seq = 5
     elif why == "ack":
         frame = _frame(5, ack=2)
-    elif why == "batch":  # one of its messages has a buffer
-        frame = _batch(5, [b"a", b"b"], buffers=1)
+    elif why == "batch":  # one of its messages has a buffer not inline
+        frame = _batch(5, [b"a", b"b"], buffers=1, apart=True)
     elif why == "torn batch":  # its table claims more than it holds
         frame = _frame(5, kind=FrameKind.BATCH)
     elif why in ("a buffer apart", "a device buffer", "inline and apart"):
@@ -210,6 +213,18 @@ def test_a_batch_of_plain_messages_goes_to_the_handler_message_by_message():
     assert not (rx.queued or rx.decoded or rx.judged)
 
 
+def test_a_batch_with_inline_buffers_goes_to_the_handler_with_views_of_its_frame():
+    rx = _Receiver()
+    frame = _batch(4, [b"one", b"two", b"three"], buffers=1)
+    rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame)])
+    assert [(p, len(b)) for _, p, b in rx.got] == [(b"one", 0), (b"two", 1), (b"three", 0)]
+    (view,) = rx.got[1][2]
+    assert view.tolist() == [0, 1, 2, 3]
+    assert frame.ctypes.data <= view.data_ptr() < frame.ctypes.data + frame.nbytes
+    assert (rx.inlet.handled, rx.inlet.passed, rx.pipe.inbound.received) == (3, 0, 3)
+    assert not (rx.queued or rx.decoded or rx.judged)
+
+
 def test_a_batch_goes_on_past_a_failing_handler_and_stops_where_the_pipe_ended():
     rx = _Receiver()
     calls = []
@@ -262,10 +277,11 @@ def test_every_path_keeps_reference_counts_balanced():
     rx = _Receiver(Limits(max_frame_bytes=4096))
     plain, bad, torn = _frame(1), _frame(1, key=b"x" * 16), _frame(1, kind=FrameKind.BATCH)
     plains, mixed = _batch(1, [b"a", b"b"]), _batch(1, [b"a", b"b"], buffers=1)
+    apart = _batch(1, [b"a", b"b"], buffers=0, apart=True)
     inline = encode(FrameKind.MESSAGE, 1, b"p", [(8, np.zeros(8, np.uint8).data, -1)], KEY,
                     Limits())[0]
     failure = ValueError("the agent failed")
-    watched = [rx.pipe, plain, bad, torn, plains, mixed, inline, failure, DONE]
+    watched = [rx.pipe, plain, bad, torn, plains, mixed, apart, inline, failure, DONE]
 
     def rounds(n: int) -> None:
         for _ in range(n):
@@ -274,7 +290,7 @@ def test_every_path_keeps_reference_counts_balanced():
                             (_tag(), bad.nbytes, DONE, bad),
                             (_tag(), torn.nbytes, DONE, torn),
                             (_tag(sender=9), plain.nbytes, DONE, plain)])
-            for frame in (plains, mixed, inline):
+            for frame in (plains, mixed, apart, inline):
                 rx.pipe.inbound.seq = 0
                 rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame)])
             rx.pipe.inbound.seq = 0
