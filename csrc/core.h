@@ -28,6 +28,30 @@ int core_attr_u64(PyObject *o, PyObject *name, uint64_t *out);
  * and the loop's timings compare with what Python code reads. */
 double core_monotonic(void);
 
+/* The wire's little-endian fields, and its 64-byte alignment (inline
+ * buffers in a frame, messages in a BATCH frame: wire/frame.py's ALIGN),
+ * for every file that reads or writes frames. */
+#define CORE_ALIGN 64
+static inline uint64_t core_align(uint64_t n) {
+    return (n + CORE_ALIGN - 1) & ~(uint64_t)(CORE_ALIGN - 1);
+}
+static inline void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+static inline void put32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void put64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline uint32_t get32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline uint64_t get64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
 /* calls.c */
 int core_calls_init(PyObject *module);
 
@@ -44,8 +68,9 @@ typedef struct {
 } core_inline;
 /* A frame whose payload is `head` then `body` and whose `nbuf` buffers
  * (host memory) all travel inline, sealed with `key` (16 bytes; NULL:
- * unsealed, a message for a BATCH frame, `seq` its hint), as bytes: encode()'s frame and checks for such a message (FrameError over
- * a limit of `limits`, a wire.frame.Limits).  Py_None (a new reference)
+ * unsealed, a message for a BATCH frame, `seq` its hint), as bytes:
+ * encode()'s frame and checks for such a message (FrameError over a limit
+ * of `limits`, a wire.frame.Limits).  Py_None (a new reference)
  * where encode() would not inline them all (over inline_threshold or
  * inline_total, a frame over max_frame_bytes or the peer's `peer_max`,
  * more than max_buffers): the caller then leaves the message to it. */

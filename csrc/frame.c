@@ -20,7 +20,7 @@ typedef unsigned __int128 u128;
 #define PREFIX_LEN 28
 #define DESC_LEN 24
 #define MAC_LEN 16
-#define ALIGN 64
+#define ALIGN CORE_ALIGN
 #define MAGIC0 'U'
 #define MAGIC1 'X'
 #define VERSION 8
@@ -54,25 +54,6 @@ static struct {
     u128 max_buffers, max_frame_bytes, max_message_bytes, inline_threshold,
         inline_total;
 } lim;
-
-static inline uint64_t align_up(uint64_t n) { return (n + ALIGN - 1) & ~(uint64_t)(ALIGN - 1); }
-
-static inline void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-static inline void put32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline void put64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static inline uint32_t get32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static inline uint64_t get64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
 
 int core_frame_errorf(const char *fmt, ...) {
     va_list va;
@@ -341,7 +322,7 @@ static PyObject *frame_encode(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
 
     uint64_t head_len = PREFIX_LEN + (uint64_t)DESC_LEN * (uint64_t)nbuf + (uint64_t)payload.len;
-    u128 start = align_up(head_len), cursor = start, total = 0;
+    u128 start = core_align(head_len), cursor = start, total = 0;
     int any_inline = 0;
     u128 cap = lim.max_frame_bytes < peer_max ? lim.max_frame_bytes : peer_max;
     u128 frame_cap = cap > MAC_LEN ? cap - MAC_LEN : 0;
@@ -499,7 +480,7 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
     }
     if ((u128)nbuf > lim.max_buffers || nbuf > 0xFFFF) Py_RETURN_NONE;
     uint64_t head_len = PREFIX_LEN + (uint64_t)DESC_LEN * (uint64_t)nbuf + plen;
-    u128 cursor = align_up(head_len), total = 0;
+    u128 cursor = core_align(head_len), total = 0;
     if (nbuf) {
         /* encode()'s layout: each buffer 64-byte aligned after the
          * payload, within inline_total and both sides' frame limits. */
@@ -531,7 +512,7 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
     if (!frame) return NULL;
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(frame);
     put_prefix(p, kind, nbuf, busy, (uint32_t)plen, seq, ack);
-    uint64_t where = align_up(head_len);
+    uint64_t where = core_align(head_len);
     for (Py_ssize_t i = 0; i < nbuf; i++) {
         uint8_t *d = p + PREFIX_LEN + DESC_LEN * i;
         put64(d, bufs[i].len);
@@ -539,7 +520,7 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
         put16(d + 16, (uint16_t)(int16_t)-1); /* host memory */
         d[18] = d[19] = 0;
         put32(d + 20, 0);
-        where = align_up(where + bufs[i].len);
+        where = core_align(where + bufs[i].len);
     }
     uint8_t *q = p + PREFIX_LEN + DESC_LEN * nbuf;
     memcpy(q, head->buf, (size_t)head->len);
@@ -548,10 +529,10 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
         /* The gaps zeroed, as encode() zeroes them: no stale heap bytes
          * to the peer. */
         memset(p + head_len, 0, (size_t)(size - MAC_LEN - head_len));
-        where = align_up(head_len);
+        where = core_align(head_len);
         for (Py_ssize_t i = 0; i < nbuf; i++) {
             memcpy(p + where, bufs[i].ptr, (size_t)bufs[i].len);
-            where = align_up(where + bufs[i].len);
+            where = core_align(where + bufs[i].len);
         }
     }
     if (!key)

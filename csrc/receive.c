@@ -146,10 +146,6 @@ static int plain(Inlet *self, PyObject *pipe, PyObject *frame, PyObject **inboun
     return ended < 0 ? -1 : !ended;
 }
 
-static inline uint32_t le32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
 /* The messages of a BATCH frame (wire/batch.py: count u32, then per
  * message its offset and length, u32 each, from the payload's start),
  * decoded, in a new list of (message, where it starts in `got`, the
@@ -169,11 +165,11 @@ static PyObject *batch_messages(Inlet *self, PyObject *frame, PyObject *got) {
     uint64_t start = (uint64_t)(p - (const uint8_t *)g.buf);
     uint64_t len = (uint64_t)b.len;
     if (len < 4) goto python;
-    uint32_t count = le32(p);
+    uint32_t count = get32(p);
     if (4 + 8 * (uint64_t)count > len) goto python;
     if (!(out = PyList_New(count))) goto done;
     for (uint32_t i = 0; i < count; i++) {
-        uint64_t off = le32(p + 4 + 8 * (uint64_t)i), n = le32(p + 8 + 8 * (uint64_t)i);
+        uint64_t off = get32(p + 4 + 8 * (uint64_t)i), n = get32(p + 8 + 8 * (uint64_t)i);
         if (off + n > len) goto python;
         PyObject *raw = PySequence_GetSlice(payload, (Py_ssize_t)off, (Py_ssize_t)(off + n));
         if (!raw) goto fail;

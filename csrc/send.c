@@ -263,7 +263,7 @@ static int way(Outlet *self, PyObject *out) {
 
 /* (wire/batch.py's cost: a message's table entry, two u32, and its frame
  * aligned as pack() places it) */
-static inline uint64_t batch_cost(uint64_t n) { return 8 + ((n + 63) & ~(uint64_t)63); }
+static inline uint64_t batch_cost(uint64_t n) { return 8 + core_align(n); }
 
 static int call_flush(Outlet *self, PyObject *pipe) {
     PyObject *r = PyObject_CallOneArg(self->flush, pipe);
