@@ -7,15 +7,18 @@
  * the frame (host tensors up to the sender's inline_threshold: a 16 or
  * 64 KiB echo's), or a BATCH of such messages (a burst's, sent behind a
  * frame in flight), whole already and with nothing of an earlier turn to
- * wait behind.  In Python each cost three calls on its
- * way to the agent (Receiver.taken, _message_frame, _hand_on: Run AZ
- * timed the take to the agent's handler at ~4 µs a side on the project's
- * VM).  Here such a frame is decoded and checked (frame.c: the MAC, the
- * limits), its sequence number checked and moved on, and its payload
+ * wait behind.  In Python each cost three calls on its way to the agent
+ * (Receiver.taken, _message_frame, _hand_on: Run AZ timed the take to the
+ * agent's handler at ~4 µs a side on the project's VM), six with inline
+ * buffers.  Here such a frame is decoded and checked (frame.c: the MAC,
+ * the limits), its sequence number checked and moved on, and its payload
  * (a batch's, each message's in order) handed to the receiver's
  * `_on_message` (the agent's), with its inline buffers as views of the
- * frame (`inline_view(frame, where, nbytes)`), all in this call.  Everything else
- * goes to the Receiver's Python, which handles every case:
+ * frame (`inline_view(frame, where, nbytes)`), all in this call.  So is
+ * a frame that a later turn found whole (`frame`): most frames of more
+ * than one shared-memory segment are taken while still arriving.
+ * Everything else goes to the Receiver's Python, which handles every
+ * case:
  *
  * - a frame not to be handled at once (no pipe or not authenticated yet,
  *   over max_frame_bytes, a handshake frame, one still being received,
@@ -24,11 +27,10 @@
  * - a frame that decoded but is no plain message (a control frame, one
  *   with a buffer sent apart, read by address, staged or on a device, a
  *   BATCH holding a message with such a buffer or one that does not
- *   decode),
- *   or one whose checks have something to say (a replay, an
+ *   decode), or one whose checks have something to say (a replay, an
  *   acknowledgement of ours, a message over max_message_bytes, a pipe
- *   that ended): `decoded(pipe, got, frame, hint)`, before anything of
- *   it was changed here;
+ *   that ended): `decoded(pipe, got, frame, hint)`, before anything of it
+ *   was changed here;
  * - a frame that failed its MAC or a check: `judged_bad(pipe, error)`;
  * - a handler that raised an Exception: `handler_failed(pipe, error)`.
  *
@@ -112,8 +114,8 @@ static int all_inline(PyObject *descs) {
 }
 
 /* Whether `frame` (a MESSAGE without buffers or with inline ones only,
- * or a BATCH, without buffers of its own) may be acted on here as far as its pipe is
- * concerned (1), or must go to the Python (0): a replay, an
+ * or a BATCH, without buffers of its own) may be acted on here as far as
+ * its pipe is concerned (1), or must go to the Python (0): a replay, an
  * acknowledgement by_address is to hear of, a frame over
  * max_message_bytes, a pipe that ended.  -1 on error. */
 static int plain(Inlet *self, PyObject *pipe, PyObject *frame, PyObject **inbound) {

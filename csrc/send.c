@@ -60,7 +60,7 @@ static PyObject *str_lock, *str_out, *str_auth, *str_cma, *str_ep, *str_state, *
     *str_last_frame, *str_seq, *str_peer_max_frame, *str_sent, *str_out_key, *str_read_through,
     *str_ack_sent, *str_send_frame, *str_name, *str_acquire, *str_release, *str_done,
     *str_error, *str_blocked_until, *str_append, *str_dtype, *str_is_cpu, *str_data_ptr,
-    *str_numel, *str_outbox_bytes, *str_max_frame_bytes;
+    *str_numel, *str_is_contiguous, *str_outbox_bytes, *str_max_frame_bytes;
 
 static int set_u64(PyObject *o, PyObject *name, uint64_t v) {
     PyObject *n = PyLong_FromUnsignedLongLong(v);
@@ -353,10 +353,10 @@ static void unguard_raising(int outer) {
     core_chain_over(t, v, tb);
 }
 
-/* Where every one of `buffers` (a list) is a host tensor of bytes of at
- * most inline_max, its address and length into `bufs` (1); 0 where one is
- * not (a Gather, a device tensor, a large one: encode() and the
- * by-address and staging rules decide for those), -1 on error. */
+/* Where every one of `buffers` (a list) is a contiguous host tensor of
+ * bytes of at most inline_max, its address and length into `bufs` (1); 0
+ * where one is not (a Gather, a device tensor, a large one: encode() and
+ * the by-address and staging rules decide for those), -1 on error. */
 static int inline_spans(Outlet *self, PyObject *buffers, core_inline *bufs) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(buffers); i++) {
         PyObject *t = PyList_GET_ITEM(buffers, i), *v;
@@ -369,8 +369,12 @@ static int inline_spans(Outlet *self, PyObject *buffers, core_inline *bufs) {
         int host = v == Py_True;
         Py_DECREF(v);
         if (!host) return 0;
-        /* (the agent's buffers are whole 1-D byte tensors: serialization's
-         * _as_bytes makes them) */
+        /* (the agent's are: serialization's _as_bytes makes them; a
+         * caller of Transport.send may pass any) */
+        if (!(v = PyObject_CallMethodNoArgs(t, str_is_contiguous))) return -1;
+        int whole = v == Py_True;
+        Py_DECREF(v);
+        if (!whole) return 0;
         if (!(v = PyObject_CallMethodNoArgs(t, str_numel))) return -1;
         unsigned long long n = PyLong_AsUnsignedLongLong(v);
         Py_DECREF(v);
@@ -387,10 +391,11 @@ static int inline_spans(Outlet *self, PyObject *buffers, core_inline *bufs) {
 }
 
 /* send(peer, hint, head, body[, buffers]) -> bool: a message of `head`
- * then `body` to worker id `peer` as a frame alone (True), with `buffers`
- * (a list) inline, or False where it cannot go so now (no pipe to it, not
- * open, something waits to go first, a buffer that is not to go inline):
- * nothing was changed, and Transport.send takes it.
+ * then `body` to worker id `peer` as a frame alone, with `buffers` (a
+ * list) inline, or into its pipe's outbox where something waits to go
+ * first (True); False where it can do neither (no pipe to it, not open, a
+ * buffer that is not to go inline, a message that may not wait in an
+ * outbox): nothing was changed, and Transport.send takes it.
  *
  * Raises FrameError over a limit, BrokenError where the endpoint refuses,
  * KeyboardInterrupt held meanwhile. */
@@ -621,7 +626,8 @@ int core_send_init(PyObject *module) {
         {&str_acquire, "acquire"}, {&str_release, "release"}, {&str_done, "done"},
         {&str_error, "error"}, {&str_blocked_until, "blocked_until"}, {&str_append, "append"},
         {&str_dtype, "dtype"}, {&str_is_cpu, "is_cpu"}, {&str_data_ptr, "data_ptr"},
-        {&str_numel, "numel"}, {&str_outbox_bytes, "outbox_bytes"},
+        {&str_numel, "numel"}, {&str_is_contiguous, "is_contiguous"},
+        {&str_outbox_bytes, "outbox_bytes"},
         {&str_max_frame_bytes, "max_frame_bytes"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text))) return -1;

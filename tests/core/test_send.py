@@ -127,6 +127,7 @@ def test_buffers_that_all_go_inline_make_encodes_frame_byte_for_byte():
 
 @pytest.mark.parametrize("why", ["over inline_max", "over the limits' inline_threshold",
                                  "over inline_total", "over the peer's max frame", "not bytes",
+                                 "not contiguous",
                                  "a subclass", "a gather", "none taken"])
 def test_buffers_that_would_not_all_go_inline_are_declined_untouched(why):
     rig = _Rig(Limits(inline_threshold=8192, inline_total=16384),
@@ -142,6 +143,8 @@ def test_buffers_that_would_not_all_go_inline_are_declined_untouched(why):
         rig.pipe.out.peer_max_frame = 4096
     elif why == "not bytes":
         bufs.append(torch.zeros(4, dtype=torch.float32))
+    elif why == "not contiguous":
+        bufs.append(_bytes(64)[::2])
     elif why == "a subclass":
         bufs.append(torch.nn.Parameter(torch.zeros(4, dtype=torch.uint8), requires_grad=False))
     elif why == "a gather":

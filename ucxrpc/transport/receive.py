@@ -142,7 +142,7 @@ class Receiver:
         u64 = (1 << 64) - 1
         #: :meth:`taken`, in C (csrc/receive.c): an authenticated peer's
         #: message without buffers or with inline ones only, or a batch of
-        #: messages without buffers, whole already and with nothing
+        #: such messages, whole already and with nothing
         #: waiting before it (most frames), decoded, checked and handed to
         #: ``_on_message`` there; the rest handed back to the methods below
         #: (``_queue_taken``, ``_message_decoded``, ``_judged_bad``,

@@ -115,15 +115,15 @@ class Sender:
         self._contended = self._outlet.contended
         #: ``send_alone(peer, hint, head, body[, buffers]) -> bool``: a
         #: message of ``head`` then ``body`` to worker id ``peer``, its
-        #: ``buffers`` (a list) inline, as one frame, under the pipe's lock
-        #: and the thread's guard; False (nothing changed) where it cannot
-        #: go so now: no open pipe, a buffer that is not to go inline
-        #: (above), or a message that waits behind a frame in flight or an
-        #: outbox and is too large to wait in one (the outbox is then sent
-        #: first, on the Python path).  Every message tries it first:
-        #: a no-op's request and reply cost seven Python calls a side on
-        #: the way here before, a 16 KiB echo's ~7 µs a side more (issue
-        #: 52).
+        #: ``buffers`` (a list) inline, as one frame, or into the pipe's
+        #: outbox where a frame in flight or an outbox waits before it,
+        #: under the pipe's lock and the thread's guard; False (nothing
+        #: changed) where it can do neither: no open pipe, a buffer that
+        #: is not to go inline (above), or a message that waits and is too
+        #: large to wait in an outbox (the outbox is then sent first, on
+        #: the Python path).  Every message tries it first: a no-op's
+        #: request and reply cost seven Python calls a side on the way here
+        #: before, a 16 KiB echo's ~7 µs a side more (issue 52).
         self.send_alone = self._outlet.send
         self.staged_bytes = 0
         self.packed_buffers = 0
