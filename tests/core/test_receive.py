@@ -39,7 +39,8 @@ def _frame(seq: int, payload: bytes = b"hello", kind: FrameKind = FrameKind.MESS
 class _Receiver:
     """What the Inlet reads off its receiver, and hands back to it."""
 
-    def __init__(self, limits: Limits = Limits()) -> None:
+    def __init__(self, limits: Limits = Limits(), max_message: int | None = None,
+                 inline_view: Any = _inline_view) -> None:
         self.frames: list = []
         self.got: list[tuple[int, bytes, list]] = []
         self.queued: list[tuple] = []
@@ -55,10 +56,17 @@ class _Receiver:
             judged_bad=lambda pipe, exc: self.judged.append((pipe, exc)),
             handler_failed=lambda pipe, exc: self.failed.append((pipe, exc)),
             bad=(AuthenticationError, FrameError), message=FrameKind.MESSAGE,
-            batch=FrameKind.BATCH, done=DONE, inline_view=_inline_view,
+            batch=FrameKind.BATCH, done=DONE, inline_view=inline_view,
             id_shift=ID_SHIFT, id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE,
             hint_mask=HINT_MASK, max_frame=limits.max_frame_bytes,
-            max_message=limits.max_message_bytes)
+            max_message=limits.max_message_bytes if max_message is None else max_message)
+
+    def handled_here(self, seq: int, busy: bool, messages: int) -> None:
+        """Every message went to the handler from the C, the pipe moved on."""
+        inbound = self.pipe.inbound
+        assert (inbound.seq, inbound.peer_busy, inbound.received) == (seq, busy, messages)
+        assert (self.inlet.handled, self.inlet.passed) == (messages, 0)
+        assert not (self.queued or self.decoded or self.judged)
 
     def _on_message(self, peer: int, payload: memoryview, buffers: list) -> None:
         if self.raise_in_handler is not None:
@@ -89,10 +97,7 @@ def test_a_plain_message_goes_to_the_handler_and_moves_the_pipe_on():
     frame = _frame(1, busy=True)
     rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame)])
     assert rx.got == [(3, b"hello", [])]
-    inbound = rx.pipe.inbound
-    assert (inbound.seq, inbound.peer_busy, inbound.received) == (1, True, 1)
-    assert (rx.inlet.handled, rx.inlet.passed) == (1, 0)
-    assert not (rx.queued or rx.decoded or rx.judged)
+    rx.handled_here(seq=1, busy=True, messages=1)
 
 
 @pytest.mark.parametrize("why", ["no pipe", "unauthenticated", "over max_frame", "handshake",
@@ -125,7 +130,8 @@ def test_a_frame_not_to_be_handled_at_once_is_queued_for_the_python(why):
                                  "a device buffer", "inline and apart", "inline and too big",
                                  "too big", "ended"])
 def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(why):
-    rx = _Receiver(Limits(max_message_bytes=1 << 20))
+    # (the Inlet's own max_message under the limits' for "too big")
+    rx = _Receiver(Limits(max_message_bytes=1 << 20), max_message=64 if "big" in why else None)
     frame = _frame(5)
     if why == "replay":
         rx.pipe.inbound.seq = 5
@@ -145,13 +151,6 @@ def test_a_frame_with_something_to_say_goes_to_the_python_decoded_and_unchanged(
         # 144 bytes, or 8 bytes of payload and a buffer: over the 64 below
         frame = encode(FrameKind.MESSAGE, 5, b"x" * (100 if why == "too big" else 8), views,
                        KEY, Limits())[0]
-        rx.inlet = _core.Inlet(
-            receiver=rx, pipes={3: rx.pipe}, limits=Limits(), queue=lambda *a: None,
-            decoded=lambda *a: rx.decoded.append(a), judged_bad=lambda *a: None,
-            handler_failed=lambda *a: None, bad=(FrameError,), message=FrameKind.MESSAGE,
-            batch=FrameKind.BATCH, done=DONE, inline_view=_inline_view, id_shift=ID_SHIFT,
-            id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK, max_frame=1 << 30,
-            max_message=64)
     else:
         rx.pipe.inbound.abandoned = True
     rx.inlet.taken([(_tag(hint=33), frame.nbytes, DONE, frame)])
@@ -175,24 +174,14 @@ def test_a_message_whose_buffers_are_all_inline_goes_to_the_handler_with_views_o
     start, end = frame.ctypes.data, frame.ctypes.data + frame.nbytes
     assert all(t.dtype == torch.uint8 and start <= t.data_ptr() < end
                for t in bufs)  # views of the frame received, not copies
-    inbound = rx.pipe.inbound
-    assert (inbound.seq, inbound.peer_busy, inbound.received) == (2, False, 2)
-    assert (rx.inlet.handled, rx.inlet.passed) == (2, 0)
-    assert not (rx.queued or rx.decoded or rx.judged)
+    rx.handled_here(seq=2, busy=False, messages=2)
 
 
 def test_a_failing_inline_view_ends_the_call_with_nothing_moved_on():
-    rx = _Receiver()
-
     def broken(frame: Any, where: int, nbytes: int) -> Any:
         raise MemoryError("no room for a view")
 
-    rx.inlet = _core.Inlet(
-        receiver=rx, pipes={3: rx.pipe}, limits=Limits(), queue=lambda *a: rx.queued.append(a),
-        decoded=lambda *a: None, judged_bad=lambda *a: None, handler_failed=lambda *a: None,
-        bad=(FrameError,), message=FrameKind.MESSAGE, batch=FrameKind.BATCH, done=DONE,
-        inline_view=broken, id_shift=ID_SHIFT, id_mask=ID_MASK, kind_shift=KIND_SHIFT,
-        handshake=HANDSHAKE, hint_mask=HINT_MASK, max_frame=1 << 30, max_message=1 << 30)
+    rx = _Receiver(inline_view=broken)
     frame = encode(FrameKind.MESSAGE, 1, b"p", [(8, np.zeros(8, np.uint8).data, -1)], KEY,
                    Limits())[0]
     after = _frame(2)
@@ -207,10 +196,7 @@ def test_a_batch_of_plain_messages_goes_to_the_handler_message_by_message():
     frame = _batch(4, [b"one", b"two", b"three"], busy=True)
     rx.inlet.taken([(_tag(), frame.nbytes, DONE, frame), (_tag(), 0, DONE, _frame(5))])
     assert rx.got == [(3, b"one", []), (3, b"two", []), (3, b"three", []), (3, b"hello", [])]
-    inbound = rx.pipe.inbound
-    assert (inbound.seq, inbound.peer_busy, inbound.received) == (5, False, 4)
-    assert (rx.inlet.handled, rx.inlet.passed) == (4, 0)
-    assert not (rx.queued or rx.decoded or rx.judged)
+    rx.handled_here(seq=5, busy=False, messages=4)
 
 
 def test_a_batch_with_inline_buffers_goes_to_the_handler_with_views_of_its_frame():
