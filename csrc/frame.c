@@ -526,13 +526,16 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
     memcpy(q, head->buf, (size_t)head->len);
     memcpy(q + head->len, body->buf, (size_t)body->len);
     if (nbuf) {
-        /* The gaps zeroed, as encode() zeroes them: no stale heap bytes
-         * to the peer. */
-        memset(p + head_len, 0, (size_t)(size - MAC_LEN - head_len));
+        /* Each buffer copied in, and the gaps that align them zeroed, as
+         * in encode(): no stale heap bytes to the peer.  (An empty
+         * tensor's address may be 0: nothing is copied from it.) */
         where = core_align(head_len);
+        memset(p + head_len, 0, (size_t)(where - head_len));
         for (Py_ssize_t i = 0; i < nbuf; i++) {
-            memcpy(p + where, bufs[i].ptr, (size_t)bufs[i].len);
-            where = core_align(where + bufs[i].len);
+            uint64_t end = where + bufs[i].len, next = core_align(end);
+            if (bufs[i].len) memcpy(p + where, bufs[i].ptr, (size_t)bufs[i].len);
+            memset(p + end, 0, (size_t)(next - end));
+            where = next;
         }
     }
     if (!key)
