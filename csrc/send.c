@@ -46,6 +46,7 @@ typedef struct {
     PyObject *flush;    /* Sender.flush(pipe): the outbox as one BATCH frame */
     uint64_t frame_base, hint_mask;
     uint64_t inline_max; /* the largest buffer send() takes (0: none) */
+    uint64_t frame_max;  /* limits.max_frame_bytes (UINT64_MAX: none), read once */
     /* wire/batch.py's MAX_ITEM, MAX_MESSAGES, MAX_BYTES, BASE; batching 0:
      * nothing queued here (the debug switch that treats host buffers as
      * device ones: Sender._batchable) */
@@ -284,7 +285,7 @@ static int queue(Outlet *self, PyObject *pipe, PyObject *out, uint64_t hint, PyO
     Py_buffer head = {0}, body = {0};
     PyObject *inner = NULL, *v = NULL, *outbox = NULL;
     int rc = -1;
-    uint64_t peer_max, frame_max, outbox_bytes, total;
+    uint64_t peer_max, outbox_bytes, total;
     if (PyObject_GetBuffer(head_o, &head, PyBUF_SIMPLE) < 0 ||
         PyObject_GetBuffer(body_o, &body, PyBUF_SIMPLE) < 0)
         goto done;
@@ -294,15 +295,9 @@ static int queue(Outlet *self, PyObject *pipe, PyObject *out, uint64_t hint, PyO
     if (total > self->batch_item) goto done;
     rc = -1;
     if (core_attr_u64(out, str_peer_max_frame, &peer_max) < 0) goto done;
-    if (!(v = PyObject_GetAttr(self->limits, str_max_frame_bytes))) goto done;
-    frame_max = PyLong_AsUnsignedLongLong(v);
-    if (frame_max == (uint64_t)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto done;
-        PyErr_Clear(); /* a limit of "none" */
-    }
     uint64_t cap = self->batch_bytes;
     if (peer_max < cap) cap = peer_max;
-    if (frame_max < cap) cap = frame_max;
+    if (self->frame_max < cap) cap = self->frame_max;
     rc = 0;
     if (cap <= 256) goto done;
     cap -= 256; /* (the BATCH frame's own header and MAC) */
@@ -323,7 +318,6 @@ static int queue(Outlet *self, PyObject *pipe, PyObject *out, uint64_t hint, PyO
     if (set_u64(out, str_outbox_bytes, outbox_bytes) < 0) goto done;
     if (!(outbox = PyObject_GetAttr(out, str_outbox)) || PyList_Append(outbox, inner) < 0)
         goto done;
-    Py_CLEAR(v);
     if (!(v = PyObject_GetAttr(out, str_last_frame))) goto done;
     Py_ssize_t waiting = PyObject_Length(outbox);
     if (waiting < 0) goto done;
@@ -479,6 +473,35 @@ declined:
     Py_RETURN_FALSE;
 }
 
+/* queue(pipe, hint, head, body, buffers) -> bool: the message into the
+ * outbox of `pipe`, whose lock the caller holds (Sender._queue_small),
+ * by queue()'s rule; False where it may not wait (nothing changed). */
+static PyObject *outlet_queue(Outlet *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "queue() takes (pipe, hint, head, body, buffers: list)");
+        return NULL;
+    }
+    uint64_t hint;
+    if (as_hint(args[1], &hint) < 0) return NULL;
+    Py_ssize_t nbuf = PyList_GET_SIZE(args[4]);
+    if (!self->batching || (nbuf && !self->inline_max)) Py_RETURN_FALSE;
+    core_inline few[8], *bufs = few;
+    if (nbuf > 8 && !(bufs = PyMem_Malloc(sizeof(core_inline) * (size_t)nbuf)))
+        return PyErr_NoMemory();
+    int rc = inline_spans(self, args[4], bufs);
+    PyObject *out = NULL;
+    if (rc > 0) {
+        if ((out = PyObject_GetAttr(args[0], str_out)))
+            rc = queue(self, args[0], out, hint & self->hint_mask, args[2], args[3], bufs, nbuf);
+        else
+            rc = -1;
+    }
+    Py_XDECREF(out);
+    if (bufs != few) PyMem_Free(bufs);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc);
+}
+
 /* contended() -> bool: whether the loop may not poll now. */
 static PyObject *outlet_contended(Outlet *self, PyObject *unused) {
     int c = contended(self);
@@ -570,6 +593,20 @@ static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     self->hint_mask = mask;
     self->message_kind = kind;
     self->inline_max = inline_max;
+    PyObject *fm = PyObject_GetAttr(a[1], str_max_frame_bytes);
+    if (!fm) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->frame_max = PyLong_AsUnsignedLongLong(fm);
+    Py_DECREF(fm);
+    if (self->frame_max == (uint64_t)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        PyErr_Clear(); /* a limit of "none" */
+    }
     self->batching = batch != Py_None;
     self->batch_item = b[0];
     self->batch_messages = b[1];
@@ -584,6 +621,9 @@ static PyMethodDef outlet_methods[] = {
      "buffers inline, or False (nothing changed) where it cannot go so now."},
     {"frame", (PyCFunction)(void (*)(void))outlet_frame, METH_FASTCALL,
      "frame(pipe, kind, hint, head, body): Sender._frame_alone, under the pipe's lock."},
+    {"queue", (PyCFunction)(void (*)(void))outlet_queue, METH_FASTCALL,
+     "queue(pipe, hint, head, body, buffers) -> bool: Sender._queue_small, under the pipe's "
+     "lock."},
     {"track", (PyCFunction)(void (*)(void))outlet_track, METH_FASTCALL,
      "track(pipe, req): a frame's request watched (Sender._track's rule for its frame)."},
     {"contended", (PyCFunction)outlet_contended, METH_NOARGS,

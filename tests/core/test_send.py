@@ -203,6 +203,22 @@ def test_the_outbox_is_sent_when_full_of_messages_or_bytes_or_nothing_is_in_flig
     assert rig.outlet.queued == batch.MAX_MESSAGES + 5 and rig.ep.sent == []
 
 
+def test_queue_is_the_same_rule_for_a_pipe_the_caller_holds():
+    rig = _Rig()
+    _behind(rig)
+    with rig.pipe.lock:
+        assert rig.outlet.queue(rig.pipe, 7, b"h", b"b", [_bytes(5)]) is True
+        assert rig.outlet.queue(rig.pipe, 7, b"h", b"b" * batch.MAX_ITEM, []) is False
+    views = [(5, _bytes(5).numpy().data, -1)]
+    want, _ = encode(FrameKind.MESSAGE, 7, b"hb", views, b"", Limits(), seal=False)
+    assert rig.pipe.out.outbox == [want.tobytes()] and rig.outlet.queued == 1
+    unbatched = _Rig(batching=False)
+    _behind(unbatched)
+    with unbatched.pipe.lock:
+        assert unbatched.outlet.queue(unbatched.pipe, 7, b"h", b"b", []) is False
+    assert unbatched.pipe.out.outbox == []
+
+
 def _frame_of(body: bytes) -> bytes:
     return encode(FrameKind.MESSAGE, 0, body, [], b"", Limits(), seal=False)[0].tobytes()
 

@@ -337,20 +337,13 @@ class Sender:
         flight any more (or the outbox is full).  False if it cannot wait
         (it would not go inline within the peer's limits): the outbox is
         then sent, and the caller sends the message alone."""
-        # The hint rides where a frame has its sequence number.
-        inner, separate = encode(FrameKind.MESSAGE, hint, payload, _host_views(buffers), b"",
-                                 self.limits, peer_max_frame=pipe.out.peer_max_frame, seal=False)
-        cap = min(batch.MAX_BYTES, pipe.out.peer_max_frame, self.limits.max_frame_bytes) - 256
-        if separate or inner.nbytes > cap:
-            self.flush(pipe)
-            return False
-        if (pipe.out.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes) > cap:
-            self.flush(pipe)
-        pipe.out.outbox_bytes = (pipe.out.outbox_bytes or batch.BASE) + batch.cost(inner.nbytes)
-        pipe.out.outbox.append(inner)
-        if len(pipe.out.outbox) >= batch.MAX_MESSAGES or pipe.out.last_frame is None:
-            self.flush(pipe)
-        return True
+        # The rule is the native core's (csrc/send.c's queue), which the
+        # Outlet's send applies itself; here for a message that came this
+        # way (a backlog sent once its pipe opened, a caller's tuple).
+        if self._outlet.queue(pipe, hint, payload, b"", list(buffers)):
+            return True
+        self.flush(pipe)
+        return False
 
     def _track(self, pipe: Pipe, reqs: list[tuple[Request, Pipe]], frame: Request) -> None:
         """Watch the sends still in flight (waking the loop for them); a
