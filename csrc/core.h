@@ -61,13 +61,15 @@ int core_frame_init(PyObject *module);
 /* FrameError (handed down by frame_bind) with a PyUnicode_FromFormat
  * message: always -1. */
 int core_frame_errorf(const char *fmt, ...);
-/* A host buffer for core_frame_alone to copy inline. */
+/* A host buffer for core_frame_alone: copied inline, or (`remote`) named
+ * by its address for the peer to read (wire/frame.py's REMOTE way). */
 typedef struct {
     const void *ptr;
     uint64_t len;
+    int remote;
 } core_inline;
 /* A frame whose payload is `head` then `body` and whose `nbuf` buffers
- * (host memory) all travel inline, sealed with `key` (16 bytes; NULL:
+ * (host memory) all travel inline or by address (`remote`), sealed with `key` (16 bytes; NULL:
  * unsealed, a message for a BATCH frame, `seq` its hint), as bytes:
  * encode()'s frame and checks for such a message (FrameError over a limit
  * of `limits`, a wire.frame.Limits).  Py_None (a new reference)

@@ -481,6 +481,7 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
     if ((u128)nbuf > lim.max_buffers || nbuf > 0xFFFF) Py_RETURN_NONE;
     uint64_t head_len = PREFIX_LEN + (uint64_t)DESC_LEN * (uint64_t)nbuf + plen;
     u128 cursor = core_align(head_len), total = 0;
+    int any_inline = 0;
     if (nbuf) {
         /* encode()'s layout: each buffer 64-byte aligned after the
          * payload, within inline_total and both sides' frame limits. */
@@ -488,13 +489,15 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
         u128 budget = cursor + lim.inline_total, frame_cap = cap > MAC_LEN ? cap - MAC_LEN : 0;
         if (budget > frame_cap) budget = frame_cap;
         for (Py_ssize_t i = 0; i < nbuf; i++) {
+            total += bufs[i].len; /* (counted, inline or not, as encode() does) */
+            if (bufs[i].remote) continue;
             u128 end = align_up128(cursor + bufs[i].len);
             if (bufs[i].len > lim.inline_threshold || end > budget) Py_RETURN_NONE;
             cursor = end;
-            total += bufs[i].len;
+            any_inline = 1;
         }
     }
-    uint64_t size = (nbuf ? (uint64_t)cursor : head_len) + MAC_LEN;
+    uint64_t size = (any_inline ? (uint64_t)cursor : head_len) + MAC_LEN;
     if (size > lim.max_frame_bytes) {
         over_limit("frame", size, "max_frame_bytes", lim.max_frame_bytes);
         return NULL;
@@ -516,22 +519,29 @@ PyObject *core_frame_alone(long kind, uint64_t seq, const Py_buffer *head,
     for (Py_ssize_t i = 0; i < nbuf; i++) {
         uint8_t *d = p + PREFIX_LEN + DESC_LEN * i;
         put64(d, bufs[i].len);
-        put64(d + 8, where);
         put16(d + 16, (uint16_t)(int16_t)-1); /* host memory */
-        d[18] = d[19] = 0;
+        d[19] = 0;
         put32(d + 20, 0);
+        if (bufs[i].remote) { /* its address, for the peer to read */
+            put64(d + 8, (uint64_t)(uintptr_t)bufs[i].ptr);
+            d[18] = REMOTE;
+            continue;
+        }
+        put64(d + 8, where);
+        d[18] = 0;
         where = core_align(where + bufs[i].len);
     }
     uint8_t *q = p + PREFIX_LEN + DESC_LEN * nbuf;
     memcpy(q, head->buf, (size_t)head->len);
     memcpy(q + head->len, body->buf, (size_t)body->len);
-    if (nbuf) {
+    if (any_inline) {
         /* Each buffer copied in, and the gaps that align them zeroed, as
          * in encode(): no stale heap bytes to the peer.  (An empty
          * tensor's address may be 0: nothing is copied from it.) */
         where = core_align(head_len);
         memset(p + head_len, 0, (size_t)(where - head_len));
         for (Py_ssize_t i = 0; i < nbuf; i++) {
+            if (bufs[i].remote) continue;
             uint64_t end = where + bufs[i].len, next = core_align(end);
             if (bufs[i].len) memcpy(p + where, bufs[i].ptr, (size_t)bufs[i].len);
             memset(p + end, 0, (size_t)(next - end));

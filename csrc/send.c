@@ -13,7 +13,13 @@
  * inline_threshold, 64 KiB): they go this way too, their bytes copied
  * into the frame here as encode() copies them (Run BE).  A small message
  * that waits behind a frame in flight goes into the pipe's outbox here
- * (Sender._queue_small's rule), as most of an rpc_async burst's do.
+ * (Sender._queue_small's rule), as most of an rpc_async burst's do.  A
+ * host buffer that goes by address (Sender._by_address's rule: the peer
+ * reads us, and the buffer is large enough for this loop's and the
+ * peer's state) goes as its address, held for the peer until it says it
+ * read it, below the size from which a grant may take it instead
+ * (Sender._write's, in Python): beside a busy process a 1 MiB echo spent
+ * ~45 µs a side in Sender.send (issue 52).
  *
  * What it does is `Sender._frame_alone`'s, under the pipe's own lock (a
  * threading.Lock: taken with its acquire(), which waits without the GIL),
@@ -53,15 +59,25 @@ typedef struct {
     uint64_t batch_item, batch_messages, batch_bytes, batch_base;
     int batching;
     long message_kind;  /* FrameKind.MESSAGE */
+    /* By address (hostmem/cma.py): a buffer of at least read_min (read_busy_min
+     * where this loop or the peer's may not poll) and under read_max (from
+     * there the Python path, which may write it into a grant instead) goes
+     * as its address to a peer that reads us, held in pipe.cma.held until
+     * the peer says it read it, the pipe in `holding` meanwhile
+     * (Sender._by_address); read_max 0: none goes so here. */
+    uint64_t read_min, read_busy_min, read_max;
+    PyObject *holding;  /* Sender.holding: a set of pipes */
     unsigned long long sent, queued, declined; /* send()'s: alone, in the outbox, left to
                                                 * Python */
+    unsigned long long read_buffers; /* buffers send() sent by address */
 } Outlet;
 
 static PyObject *str_lock, *str_out, *str_auth, *str_cma, *str_ep, *str_state, *str_outbox,
     *str_last_frame, *str_seq, *str_peer_max_frame, *str_sent, *str_out_key, *str_read_through,
     *str_ack_sent, *str_send_frame, *str_name, *str_acquire, *str_release, *str_done,
     *str_error, *str_blocked_until, *str_append, *str_dtype, *str_is_cpu, *str_data_ptr,
-    *str_numel, *str_is_contiguous, *str_outbox_bytes, *str_max_frame_bytes;
+    *str_numel, *str_is_contiguous, *str_outbox_bytes, *str_max_frame_bytes,
+    *str_read_by_peer, *str_inbound, *str_peer_busy, *str_held;
 
 static int set_u64(PyObject *o, PyObject *name, uint64_t v) {
     PyObject *n = PyLong_FromUnsignedLongLong(v);
@@ -127,9 +143,62 @@ static int track(Outlet *self, PyObject *pipe, PyObject *out, PyObject *req) {
  * where the buffers would not all go inline (nothing changed), or -1
  * with the error set (FrameError over a limit, this side's or the
  * peer's). */
+static int attr_true(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* Whether the buffers of `bufs` marked remote may go by address to
+ * `pipe`'s peer now (Sender._by_address's rule; `busy`: this loop may not
+ * poll): it reads us, and each is at least the size from which it goes so
+ * (1); else 0 (the Python path sends them), -1 on error. */
+static int by_address(Outlet *self, PyObject *pipe, PyObject *cma, int busy,
+                      const core_inline *bufs, Py_ssize_t nbuf) {
+    int reads = attr_true(cma, str_read_by_peer);
+    if (reads <= 0) return reads;
+    uint64_t least = self->read_busy_min;
+    if (!busy) {
+        PyObject *inbound = PyObject_GetAttr(pipe, str_inbound);
+        if (!inbound) return -1;
+        int peer_busy = attr_true(inbound, str_peer_busy);
+        Py_DECREF(inbound);
+        if (peer_busy < 0) return -1;
+        if (!peer_busy) least = self->read_min;
+    }
+    for (Py_ssize_t i = 0; i < nbuf; i++)
+        if (bufs[i].remote && bufs[i].len < least) return 0;
+    return 1;
+}
+
+/* The tensors of `buffers` sent by address in the frame `seq` to
+ * `pipe`, held in pipe.cma.held until the peer says it read them (before
+ * the frame goes: its acknowledgement may come at once); the pipe joins
+ * `holding`. */
+static int hold(Outlet *self, PyObject *pipe, PyObject *cma, uint64_t seq, PyObject *buffers,
+                const core_inline *bufs, Py_ssize_t nbuf) {
+    PyObject *held = PyList_New(0), *all = NULL, *key = NULL;
+    int rc = -1;
+    if (!held) return -1;
+    for (Py_ssize_t i = 0; i < nbuf; i++)
+        if (bufs[i].remote && PyList_Append(held, PyList_GET_ITEM(buffers, i)) < 0) goto done;
+    if (!(all = PyObject_GetAttr(cma, str_held)) || !(key = PyLong_FromUnsignedLongLong(seq)) ||
+        PyObject_SetItem(all, key, held) < 0 || PySet_Add(self->holding, pipe) < 0)
+        goto done;
+    self->read_buffers += (unsigned long long)PyList_GET_SIZE(held);
+    rc = 0;
+done:
+    Py_DECREF(held);
+    Py_XDECREF(all);
+    Py_XDECREF(key);
+    return rc;
+}
+
 static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_t hint,
-                 PyObject *head_o, PyObject *body_o, const core_inline *bufs,
-                 Py_ssize_t nbuf) {
+                 PyObject *head_o, PyObject *body_o, PyObject *buffers, const core_inline *bufs,
+                 Py_ssize_t nbuf, Py_ssize_t nremote) {
     PyObject *auth = NULL, *cma = NULL, *ep = NULL, *key_o = NULL, *ack_o = NULL,
              *frame = NULL, *req = NULL;
     Py_buffer head = {0}, body = {0}, key = {0};
@@ -151,6 +220,13 @@ static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_
         goto done;
     int busy = contended(self);
     if (busy < 0) goto done;
+    if (nremote) {
+        int ok = by_address(self, pipe, cma, busy, bufs, nbuf);
+        if (ok <= 0) {
+            rc = ok;
+            goto done;
+        }
+    }
     if (PyObject_GetBuffer(head_o, &head, PyBUF_SIMPLE) < 0 ||
         PyObject_GetBuffer(body_o, &body, PyBUF_SIMPLE) < 0 ||
         PyObject_GetBuffer(key_o, &key, PyBUF_SIMPLE) < 0)
@@ -175,6 +251,7 @@ static int alone(Outlet *self, PyObject *pipe, PyObject *out, long kind, uint64_
         goto done;
     }
     if (set_u64(out, str_seq, seq + 1) < 0) goto done;
+    if (nremote && hold(self, pipe, cma, seq + 1, buffers, bufs, nbuf) < 0) goto done;
     PyObject *tag = PyLong_FromUnsignedLongLong(self->frame_base | (hint & self->hint_mask));
     if (!tag) goto done;
     req = PyObject_CallMethodObjArgs(ep, str_send_frame, frame, tag, NULL);
@@ -220,7 +297,7 @@ static PyObject *outlet_frame(Outlet *self, PyObject *const *args, Py_ssize_t na
     if (as_hint(args[2], &hint) < 0) return NULL;
     PyObject *out = PyObject_GetAttr(args[0], str_out);
     if (!out) return NULL;
-    int rc = alone(self, args[0], out, kind, hint, args[3], args[4], NULL, 0);
+    int rc = alone(self, args[0], out, kind, hint, args[3], args[4], NULL, NULL, 0, 0);
     Py_DECREF(out);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
@@ -348,10 +425,14 @@ static void unguard_raising(int outer) {
 }
 
 /* Where every one of `buffers` (a list) is a contiguous host tensor of
- * bytes of at most inline_max, its address and length into `bufs` (1); 0
- * where one is not (a Gather, a device tensor, a large one: encode() and
- * the by-address and staging rules decide for those), -1 on error. */
-static int inline_spans(Outlet *self, PyObject *buffers, core_inline *bufs) {
+ * bytes of at most inline_max, or one of a size that may go by address
+ * (from read_busy_min, under read_max: marked remote, and counted in
+ * *nremote; alone() applies the rule that holds now), its address and
+ * length into `bufs` (1); 0 where one is not (a Gather, a device tensor,
+ * another size: encode() and the by-address and staging rules decide for
+ * those), -1 on error. */
+static int spans(Outlet *self, PyObject *buffers, core_inline *bufs, Py_ssize_t *nremote) {
+    *nremote = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(buffers); i++) {
         PyObject *t = PyList_GET_ITEM(buffers, i), *v;
         if (Py_TYPE(t) != (PyTypeObject *)self->tensor) return 0;
@@ -373,13 +454,16 @@ static int inline_spans(Outlet *self, PyObject *buffers, core_inline *bufs) {
         unsigned long long n = PyLong_AsUnsignedLongLong(v);
         Py_DECREF(v);
         if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-        if (n > self->inline_max) return 0;
+        int remote = n > self->inline_max;
+        if (remote && (n < self->read_busy_min || n >= self->read_max)) return 0;
         if (!(v = PyObject_CallMethodNoArgs(t, str_data_ptr))) return -1;
         void *p = PyLong_AsVoidPtr(v);
         Py_DECREF(v);
         if (!p && PyErr_Occurred()) return -1;
         bufs[i].ptr = p;
         bufs[i].len = n;
+        bufs[i].remote = remote;
+        *nremote += remote;
     }
     return 1;
 }
@@ -405,7 +489,7 @@ static PyObject *outlet_send(Outlet *self, PyObject *const *args, Py_ssize_t nar
     }
     uint64_t hint;
     if (as_hint(args[1], &hint) < 0) return NULL;
-    Py_ssize_t nbuf = nargs == 5 ? PyList_GET_SIZE(args[4]) : 0;
+    Py_ssize_t nbuf = nargs == 5 ? PyList_GET_SIZE(args[4]) : 0, nremote = 0;
     core_inline few[8], *bufs = few;
     if (nbuf) {
         /* Looked at before the pipe's lock is taken: most messages that
@@ -413,7 +497,7 @@ static PyObject *outlet_send(Outlet *self, PyObject *const *args, Py_ssize_t nar
         if (!self->inline_max) goto declined;
         if (nbuf > 8 && !(bufs = PyMem_Malloc(sizeof(core_inline) * (size_t)nbuf)))
             return PyErr_NoMemory();
-        int ok = inline_spans(self, args[4], bufs);
+        int ok = spans(self, args[4], bufs, &nremote);
         if (ok <= 0) {
             if (bufs != few) PyMem_Free(bufs);
             if (ok < 0) return NULL;
@@ -436,9 +520,10 @@ static PyObject *outlet_send(Outlet *self, PyObject *const *args, Py_ssize_t nar
     locked = 1;
     went = rc = way(self, out);
     if (rc == ALONE)
-        rc = alone(self, pipe, out, self->message_kind, hint, args[2], args[3], bufs, nbuf);
-    else if (rc == BEHIND)
-        rc = self->batching
+        rc = alone(self, pipe, out, self->message_kind, hint, args[2], args[3],
+                   nargs == 5 ? args[4] : NULL, bufs, nbuf, nremote);
+    else if (rc == BEHIND) /* (one by address is large: it waits for no batch) */
+        rc = self->batching && !nremote
             ? queue(self, pipe, out, hint & self->hint_mask, args[2], args[3], bufs, nbuf) : 0;
 done:
     if (bufs != few) PyMem_Free(bufs);
@@ -488,7 +573,9 @@ static PyObject *outlet_queue(Outlet *self, PyObject *const *args, Py_ssize_t na
     core_inline few[8], *bufs = few;
     if (nbuf > 8 && !(bufs = PyMem_Malloc(sizeof(core_inline) * (size_t)nbuf)))
         return PyErr_NoMemory();
-    int rc = inline_spans(self, args[4], bufs);
+    Py_ssize_t nremote;
+    int rc = spans(self, args[4], bufs, &nremote);
+    if (rc > 0 && nremote) rc = 0; /* (one by address is large: it waits for no batch) */
     PyObject *out = NULL;
     if (rc > 0) {
         if ((out = PyObject_GetAttr(args[0], str_out)))
@@ -519,6 +606,7 @@ static int outlet_traverse(Outlet *self, visitproc visit, void *arg) {
     Py_VISIT(self->open);
     Py_VISIT(self->done);
     Py_VISIT(self->tensor);
+    Py_VISIT(self->holding);
     Py_VISIT(self->uint8);
     Py_VISIT(self->flush);
     return 0;
@@ -536,6 +624,7 @@ static int outlet_clear(Outlet *self) {
     Py_CLEAR(self->tensor);
     Py_CLEAR(self->uint8);
     Py_CLEAR(self->flush);
+    Py_CLEAR(self->holding);
     return 0;
 }
 
@@ -547,13 +636,16 @@ static void outlet_dealloc(Outlet *self) {
 
 static const char *const outlet_names[] = {
     "pipes", "limits", "strategy", "inflight", "wake", "failed", "open", "done", "tensor",
-    "uint8", "flush", "frame_base", "hint_mask", "message_kind", "inline_max", "batch"};
+    "uint8", "flush", "frame_base", "hint_mask", "message_kind", "inline_max", "batch",
+    "by_address", "holding"};
 #define NOUTLET_NAMES ((Py_ssize_t)(sizeof outlet_names / sizeof outlet_names[0]))
 
 /* Outlet(pipes, limits, strategy, inflight, wake, failed, open, done,
  *        tensor, uint8, flush, frame_base, hint_mask, message_kind,
- *        inline_max, batch), keywords only; batch: (MAX_ITEM,
- *        MAX_MESSAGES, MAX_BYTES, BASE) of wire/batch.py, or None. */
+ *        inline_max, batch, by_address, holding), keywords only; batch:
+ *        (MAX_ITEM, MAX_MESSAGES, MAX_BYTES, BASE) of wire/batch.py, or
+ *        None; by_address: (read_min, read_busy_min, read_max), or None;
+ *        holding: Sender.holding. */
 static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *a[NOUTLET_NAMES];
     if (core_kwonly("Outlet", outlet_names, NOUTLET_NAMES, args, kwargs, a) < 0) return NULL;
@@ -579,6 +671,21 @@ static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
         }
         for (int i = 0; i < 4; i++)
             if (as_hint(PyTuple_GET_ITEM(batch, i), &b[i]) < 0) return NULL;
+    }
+    uint64_t r[3] = {0};
+    PyObject *reads = a[16];
+    if (reads != Py_None) {
+        if (!PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) != 3) {
+            PyErr_SetString(PyExc_TypeError, "Outlet(): by_address is (read_min, "
+                            "read_busy_min, read_max) or None");
+            return NULL;
+        }
+        for (int i = 0; i < 3; i++)
+            if (as_hint(PyTuple_GET_ITEM(reads, i), &r[i]) < 0) return NULL;
+    }
+    if (!PyAnySet_Check(a[17])) {
+        PyErr_SetString(PyExc_TypeError, "Outlet(): holding must be a set");
+        return NULL;
     }
     Outlet *self = (Outlet *)type->tp_alloc(type, 0);
     if (!self) return NULL;
@@ -612,6 +719,10 @@ static PyObject *outlet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     self->batch_messages = b[1];
     self->batch_bytes = b[2];
     self->batch_base = b[3];
+    self->read_min = r[0];
+    self->read_busy_min = r[1];
+    self->read_max = r[2];
+    self->holding = Py_NewRef(a[17]);
     return (PyObject *)self;
 }
 
@@ -637,6 +748,8 @@ static PyMemberDef outlet_members[] = {
      "messages send() put in an outbox"},
     {"declined", T_ULONGLONG, offsetof(Outlet, declined), READONLY,
      "messages send() left to the Python path"},
+    {"read_buffers", T_ULONGLONG, offsetof(Outlet, read_buffers), READONLY,
+     "buffers send() sent by address"},
     {NULL},
 };
 
@@ -668,7 +781,8 @@ int core_send_init(PyObject *module) {
         {&str_dtype, "dtype"}, {&str_is_cpu, "is_cpu"}, {&str_data_ptr, "data_ptr"},
         {&str_numel, "numel"}, {&str_is_contiguous, "is_contiguous"},
         {&str_outbox_bytes, "outbox_bytes"},
-        {&str_max_frame_bytes, "max_frame_bytes"}};
+        {&str_max_frame_bytes, "max_frame_bytes"}, {&str_read_by_peer, "read_by_peer"},
+        {&str_inbound, "inbound"}, {&str_peer_busy, "peer_busy"}, {&str_held, "held"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text))) return -1;
     if (PyType_Ready(&OutletType) < 0) return -1;

@@ -1,5 +1,6 @@
 """The native core's ``Outlet`` (csrc/send.c; transport/send.py's send of a
-message without buffers, or with inline ones only) as C code: the frame it
+message without buffers, or with inline ones or ones by address only) as
+C code: the frame it
 makes is ``encode``'s, byte for byte, and so is what it puts in an outbox
 (``Sender._queue_small``'s); what it declines it leaves untouched; the pipe's lock and
 the thread's guard are given back on every path; reference counts stay
@@ -24,7 +25,7 @@ from ucxrpc.errors import FrameError
 from ucxrpc.transport.pipe import OutState, Pipe
 from ucxrpc.transport.ucx.ucp import DONE
 from ucxrpc.transport.wire import batch
-from ucxrpc.transport.wire.frame import FrameKind, Limits, decode, encode
+from ucxrpc.transport.wire.frame import REMOTE, FrameKind, Limits, decode, encode
 from ucxrpc.transport.wire.tags import HINT_MASK
 
 KEY = b"k" * 16
@@ -61,7 +62,8 @@ class _Strategy:
 
 class _Rig:
     def __init__(self, limits: Limits = Limits(), inline_max: int = 64 << 10,
-                 batching: bool = True) -> None:
+                 batching: bool = True,
+                 by_address: tuple[int, int, int] | None = None) -> None:
         self.pipe = Pipe(1, "worker1", b"")
         self.pipe.ep = self.ep = _Endpoint()  # type: ignore[assignment]
         self.pipe.out.state = OutState.OPEN
@@ -72,6 +74,7 @@ class _Rig:
         self.failures: list[tuple[Pipe, BaseException]] = []
         self.strategy = _Strategy()
         self.flushed: list[list[bytes]] = []
+        self.holding: set[Pipe] = set()
         self.outlet = _core.Outlet(
             pipes={1: self.pipe}, limits=limits, strategy=self.strategy,
             inflight=self.inflight, wake=self._wake,
@@ -80,7 +83,7 @@ class _Rig:
             flush=self._flush, frame_base=BASE, hint_mask=HINT_MASK,
             message_kind=FrameKind.MESSAGE, inline_max=inline_max,
             batch=(batch.MAX_ITEM, batch.MAX_MESSAGES, batch.MAX_BYTES, batch.BASE)
-            if batching else None)
+            if batching else None, by_address=by_address, holding=self.holding)
 
     def _flush(self, pipe: Pipe) -> None:
         """Sender.flush's bookkeeping (the BATCH frame's sending aside)."""
@@ -391,3 +394,56 @@ def test_track_watches_a_frame_sent_elsewhere_by_the_same_rule():
     assert rig.pipe.out.last_frame is None and len(rig.inflight) == 1
     with pytest.raises(TypeError, match=r"track\(\) takes 2 arguments"):
         rig.outlet.track(rig.pipe)
+
+
+# By address (hostmem/cma.py): (read_min, read_busy_min, read_max), as the
+# Sender passes cma.MIN_BYTES, cma.BUSY_MIN_BYTES and the grants' least.
+_READS = (1 << 20, 256 << 10, 2 << 20)
+
+
+def _reading_rig(busy: bool = True) -> _Rig:
+    rig = _Rig(by_address=_READS)
+    rig.pipe.cma.read_by_peer = True
+    if busy:
+        rig.strategy.blocked_until = time.monotonic() + 60  # this loop may not poll
+    return rig
+
+
+@pytest.mark.parametrize("busy", ["this loop", "the peer's", "neither"])
+def test_a_buffer_by_address_goes_as_its_address_in_encodes_frame_and_is_held(busy):
+    """Sender.send's frame for it (encode with a REMOTE way), byte for byte;
+    the tensor held for the peer under the frame's sequence number before
+    the frame went, the pipe among those holding."""
+    rig = _reading_rig(busy == "this loop")
+    rig.pipe.inbound.peer_busy = busy == "the peer's"
+    small, large = _bytes(100), _bytes((256 << 10) if busy != "neither" else 1 << 20, 3)
+    assert rig.outlet.send(1, 42, b"head:", b"body", [small, large]) is True
+    (frame, tag), = rig.ep.sent
+    want, separate = encode(FrameKind.MESSAGE, 1, b"head:body",
+                            [(100, small.numpy().data, -1), (large.numel(), None, -1)], KEY,
+                            Limits(), [(0, 0, 0), (REMOTE, 0, large.data_ptr())], ack=5,
+                            busy=busy == "this loop")
+    assert separate == [] and frame == want.tobytes() and tag == BASE | 42
+    got = decode(np.frombuffer(frame, dtype=np.uint8), KEY, Limits())
+    assert [(d.flags, d.where) for d in got.buffers][1] == (REMOTE, large.data_ptr())
+    assert list(rig.pipe.cma.held) == [1] and rig.pipe.cma.held[1][0] is large
+    assert rig.holding == {rig.pipe} and rig.outlet.read_buffers == 1
+    assert (rig.pipe.out.seq, rig.outlet.sent, rig.outlet.declined) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("why", ["the peer does not read us", "under read_min, nobody busy",
+                                 "from read_max", "under read_busy_min", "behind a frame",
+                                 "no by_address"])
+def test_a_buffer_that_is_not_to_go_by_address_now_is_declined_untouched(why):
+    rig = _Rig() if why == "no by_address" else _reading_rig(busy=why != "under read_min, "
+                                                                      "nobody busy")
+    size = {"under read_min, nobody busy": (1 << 20) - 1, "from read_max": 2 << 20,
+            "under read_busy_min": (256 << 10) - 1}.get(why, 300 << 10)
+    if why == "the peer does not read us":
+        rig.pipe.cma.read_by_peer = False
+    elif why == "behind a frame":
+        rig.pipe.out.last_frame = _Request(False)  # type: ignore[assignment]
+    assert rig.outlet.send(1, 42, b"h", b"b", [_bytes(size)]) is False
+    assert rig.ep.sent == [] and rig.pipe.out.outbox == [] and rig.pipe.out.seq == 0
+    assert rig.pipe.cma.held == {} and rig.holding == set() and rig.outlet.declined == 1
+    assert not rig.pipe.lock.locked()

@@ -32,6 +32,7 @@ from .cuda import staging
 from .wire.frame import (PACKED, PREFIX, REMOTE, STAGED, WRITTEN, BufferDesc, Frame, FrameKind,
                          Limits, decode, peek_kind, peek_seq)
 from .by_address import ByAddress
+from . import grants as _grants
 from .grants import Grants
 from .handshake import Handshake
 from .pipe import Incoming, Piece, Pipe, Shared
@@ -132,7 +133,7 @@ class Receiver:
         self._adopt = adopt
         self._by_address = by_address
         self._grants = grants
-        self.read_bytes = 0
+        self._read_bytes = 0  # by _read (the Inlet counts its own)
         #: Frames being received: (request, buffer, tag, length, why
         #: dropped, the sender's pipe when it was probed, the sender's id).
         self.frames: list[tuple[Request, np.ndarray, int, int, str | None, Pipe | None,
@@ -147,7 +148,11 @@ class Receiver:
         #: ``_on_message`` there; the rest handed back to the methods below
         #: (``_queue_taken``, ``_message_decoded``, ``_judged_bad``,
         #: ``_handler_failed``).  Three Python calls a message fewer, six
-        #: for one with inline buffers (issue 52).
+        #: for one with inline buffers (issue 52).  So is a message whose
+        #: other buffers are read by address (:meth:`_read`'s), below the
+        #: size from which this side lends a grant for the next
+        #: (:meth:`.grants.Grants.lend`) and so below cma.SPLIT_BYTES; the
+        #: acknowledgements frames carry are told to ``by_address`` there.
         self.inlet = Inlet(
             receiver=self, pipes=self._pipes, limits=limits, queue=self._queue_taken,
             decoded=self._message_decoded, judged_bad=self._judged_bad,
@@ -156,8 +161,15 @@ class Receiver:
             inline_view=_inline_view, id_shift=ID_SHIFT,
             id_mask=ID_MASK, kind_shift=KIND_SHIFT, handshake=HANDSHAKE, hint_mask=HINT_MASK,
             max_frame=min(limits.max_frame_bytes, u64),
-            max_message=min(limits.max_message_bytes, u64))
+            max_message=min(limits.max_message_bytes, u64),
+            by_address=(by_address.on_ack, alloc_read, by_address.due,
+                        min(_grants.MIN_BYTES, cma.SPLIT_BYTES), PAGE))
         self.taken = self.inlet.taken  # type: ignore[method-assign]
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes read out of peers' memory by address."""
+        return self._read_bytes + self.inlet.read_bytes
 
     # ------------------------------------------------------------- frames
 
@@ -433,7 +445,7 @@ class Receiver:
         except Exception as exc:
             msg.error = exc
             return torch.empty(0, dtype=torch.uint8)
-        self.read_bytes += d.nbytes
+        self._read_bytes += d.nbytes
         return target
 
     def _written(self, msg: Incoming, i: int, d: BufferDesc) -> torch.Tensor:

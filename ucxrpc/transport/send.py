@@ -92,6 +92,11 @@ class Sender:
         self._wake = wake
         self._failed = failed
         self._frame_base = kind_base(FRAME, my_id)
+        #: Pipes whose peer has not yet read all it was sent by address, and
+        #: those among them where it reads some in two halves (the transport
+        #: removes a pipe under its lock when that ends).
+        self.holding: set[Pipe] = set()
+        self.holding_split: set[Pipe] = set()
         #: A frame without buffers, made, sealed, sent and watched in one C
         #: call (csrc/send.c): ``frame`` for :meth:`send`, and
         #: :attr:`send_alone` for a message to a peer whose pipe lets it go
@@ -100,7 +105,12 @@ class Sender:
         #: chunks (staging), none with the debug switch that treats host
         #: buffers as device ones; and into the pipe's outbox where a
         #: small one waits behind a frame in flight (:meth:`_queue_small`'s
-        #: rule, not with that switch: :meth:`_batchable`).
+        #: rule, not with that switch: :meth:`_batchable`).  Host buffers
+        #: that go by address (:meth:`_by_address`'s rule) go with it too,
+        #: below the size from which a grant may take them instead
+        #: (:meth:`_write`), and so below cma.SPLIT_BYTES: a 1 MiB echo
+        #: beside a busy process spent ~45 µs a side in :meth:`send`
+        #: (issue 52).
         inline_max = 0 if host_as_device else min(
             limits.inline_threshold, cma.BUSY_MIN_BYTES - 1, staging.HOST_CHUNK_OVER)
         self._outlet = Outlet(pipes={} if pipes is None else pipes, limits=limits,
@@ -111,17 +121,22 @@ class Sender:
                               message_kind=FrameKind.MESSAGE, inline_max=inline_max,
                               batch=None if host_as_device else (
                                   batch.MAX_ITEM, batch.MAX_MESSAGES, batch.MAX_BYTES,
-                                  batch.BASE))
+                                  batch.BASE),
+                              by_address=None if host_as_device else (
+                                  cma.MIN_BYTES, cma.BUSY_MIN_BYTES,
+                                  min(grants.MIN_BYTES, cma.SPLIT_BYTES)),
+                              holding=self.holding)
         self._contended = self._outlet.contended
         #: ``send_alone(peer, hint, head, body[, buffers]) -> bool``: a
         #: message of ``head`` then ``body`` to worker id ``peer``, its
-        #: ``buffers`` (a list) inline, as one frame, or into the pipe's
-        #: outbox where a frame in flight or an outbox waits before it,
-        #: under the pipe's lock and the thread's guard; False (nothing
-        #: changed) where it can do neither: no open pipe, a buffer that
-        #: is not to go inline (above), or a message that waits and is too
-        #: large to wait in an outbox (the outbox is then sent first, on
-        #: the Python path).  Every message tries it first: a no-op's
+        #: ``buffers`` (a list) inline or by address, as one frame, or into
+        #: the pipe's outbox where a frame in flight or an outbox waits
+        #: before it, under the pipe's lock and the thread's guard; False
+        #: (nothing changed) where it can do neither: no open pipe, a
+        #: buffer that is to go neither inline nor by address (above), one
+        #: by address behind a frame in flight, or a message that waits
+        #: and is too large to wait in an outbox (the outbox is then sent
+        #: first, on the Python path).  Every message tries it first: a no-op's
         #: request and reply cost seven Python calls a side on the way here
         #: before, a 16 KiB echo's ~7 µs a side more (issue 52).
         self.send_alone = self._outlet.send
@@ -132,11 +147,6 @@ class Sender:
         self.read_buffers = 0
         self.written_buffers = 0
         self.gathered_buffers = 0
-        #: Pipes whose peer has not yet read all it was sent by address, and
-        #: those among them where it reads some in two halves (the transport
-        #: removes a pipe under its lock when that ends).
-        self.holding: set[Pipe] = set()
-        self.holding_split: set[Pipe] = set()
 
     def send(self, pipe: Pipe, payload: bytes | memoryview, buffers: Sequence[Buffer],
              kind: FrameKind = FrameKind.MESSAGE, hint: int = 0,
@@ -253,7 +263,7 @@ class Sender:
                 "messages_sent_alone": self._outlet.sent,
                 "messages_queued_in_one_call": self._outlet.queued,
                 "messages_not_sent_alone": self._outlet.declined,
-                "buffers_read_by_peers": self.read_buffers,
+                "buffers_read_by_peers": self.read_buffers + self._outlet.read_buffers,
                 "buffers_written_into_peers": self.written_buffers,
                 "buffers_sent_as_parts": self.gathered_buffers,
                 # Not yet acknowledged: what peers still may read.
