@@ -15,7 +15,7 @@ from setuptools.command.build_ext import build_ext
 
 SOURCES = ["csrc/module.c", "csrc/frame.c", "csrc/siphash.c", "csrc/ucp.c", "csrc/timer.c",
            "csrc/calls.c", "csrc/loop.c", "csrc/reply.c", "csrc/send.c",
-           "csrc/receive.c", "csrc/expect.c", "csrc/plain.c"]
+           "csrc/receive.c", "csrc/expect.c", "csrc/plain.c", "csrc/pool.c"]
 HEADERS = ["csrc/core.h", "csrc/siphash.h", "csrc/ucp_abi.h"]
 
 HINT = ("ucxrpc builds its native core (ucxrpc._core) with the system C compiler and "

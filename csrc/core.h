@@ -95,6 +95,9 @@ int core_expect_init(PyObject *module);
 /* plain.c */
 int core_plain_init(PyObject *module);
 
+/* pool.c */
+int core_pool_init(PyObject *module);
+
 /* receive.c */
 int core_receive_init(PyObject *module);
 

@@ -82,7 +82,8 @@ static struct PyModuleDef module_def = {
              "per-message calls, the table of calls in flight, the progress loop's "
              "hand-over and a driver's turns, an rpc_sync's reply slot, a message "
              "without buffers sent in one call, the frames taken handed on, what a drive "
-             "asks as rules, a plain message pickled in one call (see "
+             "asks as rules, a plain message pickled in one call, the receive pool's "
+             "free lists (see "
              "docs/architecture.md, 'The native core').",
     .m_size = -1,  /* module state is static: one interpreter per process */
     .m_methods = core_frame_methods,
@@ -96,7 +97,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         PyModule_AddFunctions(m, core_loop_methods) < 0 || core_frame_init(m) < 0 ||
         core_calls_init(m) < 0 || core_loop_init(m) < 0 || core_reply_init(m) < 0 ||
         core_send_init(m) < 0 || core_receive_init(m) < 0 || core_expect_init(m) < 0 ||
-        core_plain_init(m) < 0 || core_ucp_init(m) < 0) {
+        core_plain_init(m) < 0 || core_pool_init(m) < 0 || core_ucp_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -119,17 +119,19 @@ class Reply:
     def wait(self) -> Any: ...
 
 class Outlet:
-    """A message without buffers or with inline ones onto its pipe in one
-    call (csrc/send.c; transport/send.py's Sender)."""
+    """A message without buffers or with inline ones or ones by address
+    onto its pipe in one call (csrc/send.c; transport/send.py's Sender)."""
     sent: int
     queued: int
     declined: int
+    read_buffers: int
     def __init__(self, *, pipes: dict[int, Any], limits: Any, strategy: Any, inflight: Any,
                  wake: Callable[[], None], failed: Callable[[Any, BaseException], None],
                  open: Any, done: Any, tensor: type, uint8: Any,
                  flush: Callable[[Any], None], frame_base: int, hint_mask: int,
                  message_kind: int, inline_max: int,
-                 batch: tuple[int, int, int, int] | None) -> None: ...
+                 batch: tuple[int, int, int, int] | None,
+                 by_address: tuple[int, int, int] | None, holding: set[Any]) -> None: ...
     def send(self, peer: int, hint: int, head: bytes | memoryview,
              body: bytes | memoryview, buffers: list[Any] = ...) -> bool: ...
     def frame(self, pipe: Any, kind: int, hint: int, head: bytes | memoryview,
@@ -144,6 +146,7 @@ class Inlet:
     transport/receive.py's Receiver)."""
     handled: int
     passed: int
+    read_bytes: int
     def __init__(self, *, receiver: Any, pipes: dict[int, Any], limits: Any,
                  queue: Callable[..., None], decoded: Callable[..., None],
                  judged_bad: Callable[..., None],
@@ -151,9 +154,21 @@ class Inlet:
                  bad: tuple[type[BaseException], ...], message: Any, batch: Any, done: Any,
                  inline_view: Callable[[Any, int, int], Any], id_shift: int,
                  id_mask: int, kind_shift: int, handshake: int, hint_mask: int, max_frame: int,
-                 max_message: int) -> None: ...
+                 max_message: int,
+                 by_address: tuple[Callable[[Any, int], None], Callable[[int, int], Any],
+                                   dict[Any, float], int, int] | None) -> None: ...
     def taken(self, taken: list[Any]) -> None: ...
     def frame(self, pipe: Any, got: Any, hint: int) -> None: ...
+
+class Pool:
+    """The receive pool's free lists (csrc/pool.c; transport/hostmem/pool.py's
+    HostPool)."""
+    def __init__(self, *, make: Callable[[int], Any], frombuffer: Callable[..., Any],
+                 empty: Callable[[int], Any], dtype: Any, min_bytes: int,
+                 max_cached_bytes: int, page: int) -> None: ...
+    def alloc(self, nbytes: int, phase: int | None = None) -> Any: ...
+    def clear(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
 
 class Expect:
     """What a drive asks the transport, as rules read in C (csrc/expect.c)."""

@@ -12,11 +12,11 @@ registration cache.
 from __future__ import annotations
 
 import mmap
-import threading
-import weakref
 
 import numpy as np
 import torch
+
+from ..._core import Pool
 
 PAGE = 4096
 #: A transparent huge page (x86-64, and arm64 with 4 KiB pages).  Buffers
@@ -53,72 +53,42 @@ def _buffer(nbytes: int) -> np.ndarray:
     return whole[skip:skip + nbytes]
 
 
+def _empty(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 class HostPool:
     """Size-classed free lists of page-aligned host buffers.
 
-    Thread-safe: buffers return from whichever thread drops the last view.
-    At most ``max_cached_bytes`` sit idle; beyond that freed buffers are
-    released to the allocator.
+    The lists are the native core's (csrc/pool.c): a buffer goes out as a
+    tensor over an object that lends it its bytes, and back onto its list
+    when the last tensor over it dies, on whichever thread that is.  At
+    most ``max_cached_bytes`` sit idle; beyond that freed buffers are
+    released to the allocator.  Memory for a buffer the pool never had
+    comes from :func:`_buffer` (huge pages from :data:`HUGE`).
     """
 
     def __init__(self, *, min_bytes: int = 1 << 20, max_cached_bytes: int = 2 << 30) -> None:
         self.min_bytes = min_bytes
         self.max_cached_bytes = max_cached_bytes
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._cached = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    @staticmethod
-    def _size_class(n: int) -> int:
-        # Power-of-two classes above 1 MiB waste at most half, and a steady
-        # stream of equal-size tensors always hits the same class.
-        return 1 << (n - 1).bit_length()
-
-    def alloc(self, nbytes: int, phase: int | None = None) -> torch.Tensor:
-        """A 1-D uint8 CPU tensor of ``nbytes`` (pooled when large enough).
-
-        ``phase``: where in a page the buffer is to start (its address
-        modulo :data:`PAGE`), to match the memory a copy reads from.  On
-        this project's test machines (AMD EPYC, glibc 2.36) a copy whose
-        source and destination sit a few bytes apart in their pages runs at
-        a third of the speed: 16 MiB read out of another process took
-        2.5-2.7 ms against 1.05-1.2 with equal phases.
-        """
-        if nbytes < self.min_bytes and phase is None:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        # A phased buffer needs a page of room; its own classes, so that
-        # plain ones keep exactly their power of two.
-        cls = self._size_class(nbytes) + (0 if phase is None else PAGE)
-        with self._lock:
-            free = self._free.get(cls)
-            base = free.pop() if free else None
-            if base is not None:
-                self._cached -= cls
-                self.hits += 1
-            else:
-                self.misses += 1
-        if base is None:
-            base = _buffer(cls)
-        skip = 0 if phase is None else (phase - base.ctypes.data) % PAGE
-        view = base[skip:skip + nbytes]
-        weakref.finalize(view, self._release, base)
-        return torch.from_numpy(view)
-
-    def _release(self, base: np.ndarray) -> None:
-        cls = base.nbytes
-        with self._lock:
-            if self._cached + cls > self.max_cached_bytes:
-                return
-            self._free.setdefault(cls, []).append(base)
-            self._cached += cls
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._cached = 0
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"cached_bytes": self._cached, "hits": self.hits, "misses": self.misses}
+        self._pool = Pool(make=_buffer, frombuffer=torch.frombuffer, empty=_empty,
+                          dtype=torch.uint8, min_bytes=min_bytes,
+                          max_cached_bytes=max_cached_bytes, page=PAGE)
+        #: ``alloc(nbytes, phase=None)``: a 1-D uint8 CPU tensor of
+        #: ``nbytes`` (pooled when large enough).  ``phase``: where in a
+        #: page the buffer is to start (its address modulo :data:`PAGE`), to
+        #: match the memory a copy reads from: on this project's test
+        #: machines (AMD EPYC, glibc 2.36) a copy whose source and
+        #: destination sit a few bytes apart in their pages runs at a third
+        #: of the speed (16 MiB read out of another process took 2.5-2.7 ms
+        #: against 1.05-1.2 with equal phases); phased buffers are pooled
+        #: at any size, in classes of their own (a page of room each).
+        #: Power-of-two classes above 1 MiB waste at most half, and a
+        #: steady stream of equal-size tensors always hits the same class.
+        #: (In Python, with a weakref.finalize per buffer, 3.4 µs a buffer
+        #: alone and 25-30 µs beside a busy process: issue 52.)
+        self.alloc = self._pool.alloc
+        #: ``clear()``: let every idle buffer go.
+        self.clear = self._pool.clear
+        #: ``stats()``: ``cached_bytes``, ``hits`` and ``misses``.
+        self.stats = self._pool.stats
