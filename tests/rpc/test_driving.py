@@ -72,9 +72,12 @@ def test_callers_and_idle_pool_threads_drive_and_everything_completes():
     assert res["threads"] == {k: [(k * 100 + i) ** 2 for i in range(50)] for k in range(4)}
     assert res["async"] == [i * i for i in range(200)]
     # The caller drove for its replies; the callee's pool threads for the
-    # next request (and the nested calls' replies).
+    # next request (and the nested calls' replies).  Whether a pool
+    # thread's drive also got the baton is the scheduler's: in a full
+    # suite on two cores the callee's progress thread once held it for
+    # every one of 342 drives (the requests all handled, by it).
     assert res["mine"]["drives"] > 0 and res["mine"]["driven_turns"] > 0, res["mine"]
-    assert res["theirs"]["drives"] > 0 and res["theirs"]["driven_turns"] > 0, res["theirs"]
+    assert res["theirs"]["drives"] > 0, res["theirs"]
 
 
 def _interrupted(rank, world_size, init_method):
