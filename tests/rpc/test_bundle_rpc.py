@@ -11,7 +11,8 @@ import torch
 
 from tests.rpc._digest import digest as _digest
 from tests.rpc._digest import digest_and_echo
-from tests.transport._workers import debug_counts, needs_sibling_reads, start_worker
+from tests.transport._workers import (debug_counts, needs_sibling_reads, siblings_may_read,
+                                     start_worker)
 from tests.workers import run_workers
 from ucxrpc.transport.hostmem import cma
 
@@ -99,9 +100,10 @@ _READS = [needs_sibling_reads, pytest.mark.skipif(
 @pytest.mark.parametrize("how", ["default", "tcp", "host-as-device",
                                  pytest.param("by-address", marks=_READS)])
 def test_a_large_bundle_of_one_dtype_arrives_intact_however_it_goes(how):
-    # The default case's loops poll throughout: a loop that finds its core
-    # contended sends host buffers by address from 256 KiB (cma.BUSY_MIN_BYTES),
-    # the small bundle included, and which way it went would depend on the load.
+    # The default case's loops poll throughout: both bundles are at least
+    # cma.MIN_BYTES, and go by address where the kernel lets siblings read
+    # each other (a loop that found its core contended would send smaller
+    # ones so too, and which way they went would depend on the load).
     env = ({"UCXRPC_DEBUG_HOST_AS_DEVICE": "1"} if how == "host-as-device"
            else {"UCXRPC_PROGRESS": "polling"} if how == "default" else None)
     res = run_workers(_gathered, 2, timeout=90, env=env, args=(how,))[0]
@@ -113,7 +115,11 @@ def test_a_large_bundle_of_one_dtype_arrives_intact_however_it_goes(how):
     if how == "tcp":
         assert parts == 2 and read == 0  # each call, both sizes
     elif how == "default":
-        assert parts >= 1  # the small one's call (the large one by address, if it may)
+        assert cma.MIN_BYTES <= 400 << 10
+        if siblings_may_read():
+            assert parts == 0 and read >= 2  # joined, both read by address
+        else:
+            assert parts == 2 and read == 0
     else:
         assert parts == 0
         assert (read >= 2) == (how == "by-address")

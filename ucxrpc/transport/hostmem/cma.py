@@ -40,38 +40,37 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .pool import PAGE
-from ..ucx.environment import INTRA_EAGER_MAX
 
 __all__ = ["Offer", "allowed", "offer", "parse", "probe", "read", "write"]
 
-#: Host buffers from this size travel by address where a pipe allows it:
-#: where ucxrpc has UCX switch to rendezvous within a host (ucx/environment.py, in a
-#: process without a GPU), from which UCX needs a round of handshakes
-#: anyway and then both processes turning their loops for every fragment.
-#: Beside a busy process, 2 MiB went 20-45% faster by address (one-way 3.38
-#: against 2.77 GB/s, round trip 4.02 / 2.80, bidirectional 2.44 / 1.88) at
-#: 70-80% of the CPU; on a quiet host 10-20% slower (5.16 / 5.73 GB/s
-#: one-way), still 1.5x torch's, and from 4 MiB as fast or faster
-#: (benchmarks/runs/T.md).  Smaller ones go through UCX, eagerly, as
-#: long as the loop polls (below): from 1 MiB or 256 KiB by address, a quiet
-#: host's echoes took 8-30% longer, even with no acknowledgements at all
-#: (the kernel pins the pages read one by one: 84 us for 1 MiB from cache),
-#: and gained only where cross-core copies were slow (benchmarks/runs/W.md).
-MIN_BYTES = INTRA_EAGER_MAX
+#: Host buffers from this size travel by address where a pipe allows it,
+#: instead of eagerly through UCX's shared-memory FIFO, fragment by
+#: fragment, copied twice with both processes turning their loops for
+#: every fragment.  Once from 2 MiB (where UCX switches to rendezvous
+#: within a host, ucx/environment.py), when the read and the bookkeeping
+#: around it were Python: then 256 KiB and 1 MiB echoes by address took
+#: 8-30% longer on a quiet host (benchmarks/runs/W.md, the project's AMD
+#: VM, where reading 1 MiB out of another process took 84-170 µs).  With
+#: both ends in the native core (csrc/send.c, csrc/receive.c; Run BF, an
+#: Intel VM where that read takes 52 µs), by address from 256 KiB: echoes
+#: p50 on a quiet host 256 KiB 128 -> 90 µs, 512 KiB 225 -> 135, 1 MiB
+#: 375 -> 270; beside a busy process of another session (its own
+#: scheduler group: the adaptive strategy sees no contention there, and
+#: our processes share one core's worth) 256 KiB 332 -> 166, 1 MiB 688 ->
+#: 436.  ``ucxrpc bench`` quiet, 1 MiB: one-way 6.2 -> 10.3 GB/s, round
+#: trip 5.5 -> 7.7, both ways 5.4 -> 9.0; 256 KiB both ways 0.84 -> 5.1.
+MIN_BYTES = 256 << 10
 #: ... and from this size while the sender's loop, or the receiver's (as
 #: its last frame said), may not poll (a contended core, or the blocking
 #: mode): there every wake-up and every copy costs a share of a core
 #: someone else wants, and a receiver that sleeps takes an eager message as
-#: a run of wake-ups.  Beside a busy process, 256 KiB by address: one-way
-#: 0.71-0.73 against 0.60-0.64 GB/s, round trip 1.02-1.05 against
-#: 0.90-0.95, bidirectional 0.47-0.49 against 0.42-0.47, at 10-15% less
-#: CPU; the 100 x 4 KiB dict's 400 KiB bundle unchanged (benchmarks/runs/X.md).
-#: With the sender's state alone, 256 KiB gained nothing (benchmarks/runs/W.md): the
-#: side that shares a core with the busy process is mostly the receiver.
-#: On a quiet host, where the loops poll, nothing changes; by address from
-#: 1 MiB there, the round trip fell from 6.3-6.5 to 5.1-5.2 GB/s and the
-#: exchange both ways from 3.6-3.8 to 1.9-2.0 (benchmarks/runs/W.md).
-BUSY_MIN_BYTES = 256 << 10
+#: a run of wake-ups.  128 KiB echoes beside a busy process: 242 -> 128 µs
+#: by address (Run BF; 102 -> 68 on a quiet host, where MIN_BYTES rules:
+#: the default sizes of ``ucxrpc bench`` have none between 64 and 256
+#: KiB, and a host whose reads by address are slow, as the AMD VM's,
+#: gains least there).  Below 64 KiB buffers go inline in their frame
+#: (send.py's inline_max).
+BUSY_MIN_BYTES = 128 << 10
 #: Reads from this size are split in two halves, one copied on a helper
 #: thread: a second core copies at once, as UCX's two copies through shared
 #: memory do (one process copying in while the other copies out).  16 MiB

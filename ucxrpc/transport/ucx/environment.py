@@ -79,8 +79,8 @@ def ucx_tls(transports: Sequence[str]) -> str:
 
 
 #: Within a host, messages below this size go eagerly (``UCX_RNDV_THRESH``,
-#: see :func:`ucx_environment`); large host buffers from it are read by
-#: address instead where the pipe allows it (cma.py).
+#: see :func:`ucx_environment`); host buffers from cma.MIN_BYTES (256 KiB)
+#: are read by address instead where the pipe allows it (cma.py).
 INTRA_EAGER_MAX = 2 << 20
 
 
