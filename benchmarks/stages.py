@@ -42,11 +42,11 @@ asks; ``calls_per_rpc.py`` counts the calls, this times them.
 With ``--payload`` the call echoes a payload instead (``dict``: the
 bench's dict echo, 100 tensors of 4 KiB; or one tensor's size, ``1M``):
 where its frames carry buffers that the receiver's Python takes in (one
-sent apart through UCX, 64-256 KiB on a quiet host, or one of 2 MiB or
+sent apart through UCX, 64-256 KiB on a quiet host, or one of 8 MiB or
 more), the table has that path's seams instead (the receiver's frame
 decoded, its buffers in and the message delivered, the request and reply
 pickled and unpickled on both sides); a payload that travels inside the
-pickle stream (8 KiB or less), inside its frame, or by address below 2
+pickle stream (8 KiB or less), inside its frame, or by address below 8
 MiB is taken in by the native core and has the no-op's seams (the dict's
 400 KiB bundle among them since Run BF).  Where a message with buffers
 spends its time, as Run BD read it.

@@ -23,7 +23,10 @@ from ucxrpc.transport.wire.frame import (WRITTEN, BufferDesc, Frame, FrameKind, 
 from ucxrpc.transport.grants import Grants
 from ucxrpc.transport.pipe import Pipe
 
-MIB = 1 << 20
+#: The tests' unit: half the smallest grant (8 MiB since Run BF), so that
+#: 2 * MIB is the smallest class, MIB below it and 16 * MIB the largest.
+MIB = grants.MIN_BYTES // 2
+assert 16 * MIB == grants.MAX_BYTES
 
 
 class _Sent(list):
@@ -162,8 +165,8 @@ def test_grants_from_a_peer_we_cannot_reach_are_left_unused():
     (b"", "0-byte payload"),
     (b"x" * 21, "21-byte payload"),
     (b"x" * 20 * 33, "660-byte payload"),
-    (struct.pack("<IQQ", 1, 3 * MIB, 0x1000), "lent a 3145728-byte grant"),
-    (struct.pack("<IQQ", 1, MIB, 0x1000), "lent a 1048576-byte grant"),
+    (struct.pack("<IQQ", 1, 3 * MIB, 0x1000), f"lent a {3 * MIB}-byte grant"),
+    (struct.pack("<IQQ", 1, MIB, 0x1000), f"lent a {MIB}-byte grant"),
     (struct.pack("<IQQ", 1, 4 * MIB, 0), "at 0x0"),
 ])
 def test_a_malformed_grant_frame_is_refused_naming_what_is_wrong(payload, match):
@@ -192,8 +195,9 @@ def test_lending_for_a_split_write_keeps_the_loop_from_polling_for_a_while(monke
     now = [100.0]
     monkeypatch.setattr(grants.time, "monotonic", lambda: now[0])
     ours = Grants(alloc=_alloc, send=_Sent())
-    ours.lend(_pipe(), [(4 * MIB, 0)])  # written in one call: nothing to keep free
     assert not ours.split_write_due()
+    # (every grant is written in two halves: none is under SPLIT_BYTES)
+    assert grants.MIN_BYTES >= grants.SPLIT_BYTES
     ours.lend(_pipe(), [(grants.SPLIT_BYTES, 0)])
     assert ours.split_write_due()
     now[0] += grants.SPLIT_QUIET_S
@@ -226,8 +230,8 @@ def _between_workers(test):
     return test
 
 
-# Above reading by address and the smallest grant, in the 8 MiB class.
-_SIZE = (4 << 20) + 3
+# Above reading by address and the smallest grant, in the 16 MiB class.
+_SIZE = (8 << 20) + 3
 
 
 _COUNTS = ("buffers_read_by_peers", "buffers_written_into_peers", "grants_lent",
@@ -250,7 +254,7 @@ def _echoes(rank, world_size, init_method):
             out["echo"].append((there == _digest(t), _digest(back) == _digest(t)))
             del back
         # A smaller class, with a view at an odd place in its storage.
-        view = torch.randn(1 << 20, generator=g)[5:]
+        view = torch.randn(2 << 20, generator=g)[5:]
         for _ in range(2):
             there, back = rpc.rpc_sync("worker1", digest_and_echo, (view,))
             out["echo"].append((there == _digest(view), _digest(back) == _digest(view)))
@@ -267,13 +271,13 @@ def test_large_buffers_are_written_into_memory_the_receiver_lent():
     for mine, theirs in ((out["mine"], out["theirs"]), (out["theirs"], out["mine"])):
         # Each way and class, the first buffer is read by address; that
         # makes its receiver lend memory of its class, so every later one
-        # is written.  (The view's whole 4 MiB storage travels.)
+        # is written.  (The view's whole 8 MiB storage travels.)
         assert mine["buffers_read_by_peers"] == 2
         assert mine["buffers_written_into_peers"] == theirs["grants_used"] == 4 + 1
-        assert theirs["bytes_written_by_peers"] == 4 * _SIZE + (1 << 22)
+        assert theirs["bytes_written_by_peers"] == 4 * _SIZE + (1 << 23)
         # One grant of each class lent and unused now, lent again after each use.
         assert theirs["grants_lent"] == 2 + 5
-        assert theirs["grant_bytes_lent"] == (8 << 20) + (4 << 20)
+        assert theirs["grant_bytes_lent"] == (16 << 20) + (8 << 20)
         assert mine["buffers_held_for_peers"] == 0  # a written buffer is not held
 
 

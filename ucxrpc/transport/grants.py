@@ -26,9 +26,9 @@ Safety:
   breaks keeps its grants out of the pool until the transport closes
   (:meth:`Grants.retire`): a peer taken for dead that still writes must not
   write into a buffer handed to someone else.
-* Bounded: size classes from :data:`MIN_BYTES` (where receive buffers get
-  huge pages; below, both sides' pages are small and writing gains
-  nothing) to :data:`MAX_BYTES`, one grant per class and pipe, and at most
+* Bounded: size classes from :data:`MIN_BYTES` (below it, reading by
+  address in the native core costs less than the write saves) to
+  :data:`MAX_BYTES`, one grant per class and pipe, and at most
   :data:`TOTAL_BYTES` lent by a worker at a time.
 
 Threads: :meth:`lend`, :meth:`take` and :meth:`on_frame` run on the loop;
@@ -51,15 +51,23 @@ from ..errors import FrameError
 from .hostmem.cma import SPLIT_BYTES
 from .wire.frame import BufferDesc, Frame, FrameKind
 from .pipe import Pipe
-from .hostmem.pool import HUGE
 
 __all__ = ["MAX_BYTES", "MIN_BYTES", "TOTAL_BYTES", "Grants", "pick", "size_class"]
 
 logger = logging.getLogger(__name__)
 
-#: Smallest grant: receive buffers get huge pages from here; below, both
-#: sides' pages are small and writing gains nothing over reading.
-MIN_BYTES = HUGE
+#: Smallest grant.  Receive buffers get huge pages from HUGE (2 MiB), and
+#: writing into them is faster than reading a user's tensor on small
+#: pages: on the project's Intel VM 4 MiB 300 against 351 µs, 16 MiB 1,172
+#: against 1,437.  But a grant costs a GRANT frame per message, and its
+#: messages take the Python path on both sides, where a buffer read by
+#: address below this size is sent and read in the native core
+#: (csrc/send.c, csrc/receive.c): from 2 MiB to 8 MiB that won, 4 MiB
+#: beside a busy process one-way 6.7 -> 7.4-7.7 GB/s and round trip 6.8-7.4
+#: -> 8.1-8.3, 2 MiB quiet one-way 8.4 -> 9.4, quiet 4 MiB within 5% (Run
+#: BF).  From here the receiver would read in two halves on two threads
+#: (cma.SPLIT_BYTES) and the write saves more than the frame costs.
+MIN_BYTES = 8 << 20
 #: Largest grant: one lent and never used holds its memory while the pipe
 #: lives, so classes above this are read by address as before.
 MAX_BYTES = 64 << 20
